@@ -1,0 +1,3 @@
+from kvparity.reports.cli import main
+
+raise SystemExit(main())

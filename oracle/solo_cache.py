@@ -1,0 +1,36 @@
+"""The cache-level (L1) oracle: one request alone, through mlx-lm's caches.
+
+The request starts in mlx-lm's ``KVCache`` and is converted by mlx-lm's own
+``maybe_quantize_kv_cache`` after every call, exactly when ``generate_step``
+would convert it (offset >= quantized_kv_start); from then on mlx-lm's
+``QuantizedKVCache`` stores it.
+"""
+
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache
+
+
+class SoloCache:
+    def __init__(self, bits: int, group_size: int, quantized_kv_start: int, cache=None):
+        self.bits = bits
+        self.group_size = group_size
+        self.quantized_kv_start = quantized_kv_start
+        # A one-layer prompt cache: mlx-lm converts layers in place in the list.
+        self.layers = [cache if cache is not None else KVCache()]
+
+    @property
+    def cache(self):
+        return self.layers[0]
+
+    @property
+    def quantized(self) -> bool:
+        return hasattr(self.cache, "bits")
+
+    def append(self, keys, values):
+        self.cache.update_and_fetch(keys, values)
+        maybe_quantize_kv_cache(
+            self.layers, self.quantized_kv_start, self.group_size, self.bits
+        )
+
+    def trim(self, n: int):
+        self.cache.trim(n)

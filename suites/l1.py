@@ -1,0 +1,293 @@
+"""L1, cache bytes: replay a schedule on the implementation and, after every
+event, hold every row against the same request run alone through mlx-lm.
+
+Checked after each event, per row ``i`` of request ``r`` (``lp`` its left
+padding, ``size`` the batch width):
+
+* ``offset``: ``offset[i]`` (the row's RoPE position) equals the solo offset;
+* ``left_padding``: ``size - lp`` equals the solo offset;
+* ``bytes``: keys and values, packed, scales and biases, on ``[lp, size)`` of
+  the batch state and of what ``update_and_fetch`` returned equal the solo
+  cache on ``[0, offset)``, dtype and shape included;
+* ``pad``: columns ``[0, lp)`` are zero;
+* ``extract``: ``extract(i)`` is a solo cache equal to the oracle, owning its
+  memory, and leaves the batch unchanged;
+* ``mask``: ``make_mask(N)`` hides exactly the padding and the future;
+* ``shared_padding``: no column is padding in every row;
+* ``source``: merge/extend left their sources unchanged and unaliased.
+"""
+
+import time
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+from kvparity.impl.adapter import Implementation
+from kvparity.impl.cache_replay import CacheReplay
+from kvparity.oracle.parity import any_shared, compare_triples, digest, owned_arrays, raw
+from kvparity.oracle.solo_cache import SoloCache
+from kvparity.oracle.synthetic import SyntheticKV
+from kvparity.reports.results import FAIL, NOT_SUPPORTED, Divergence, ScheduleResult
+
+MASK_WIDTHS = (1, 3)
+
+
+def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
+    result = ScheduleResult(
+        schedule.name, "L1", implementation.name, len(schedule.events), path=schedule.path
+    )
+    for rid in schedule.requests:
+        result.row(rid)
+    missing = [c for c in schedule.needs if not implementation.supports(c)]
+    if missing:
+        result.verdict = NOT_SUPPORTED
+        result.reason = f"needs {', '.join(missing)}"
+        for row in result.rows:
+            row.verdict = NOT_SUPPORTED
+        return result
+
+    start = time.perf_counter()
+    kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
+    replay = CacheReplay(implementation, schedule, kv)
+    oracle = Oracle(schedule, kv)
+    for event in schedule.events:
+        try:
+            replay.apply(event)
+        except NotImplementedError as error:
+            result.verdict = NOT_SUPPORTED
+            result.reason = f"event {event.describe()}: {error}"
+            for row in result.rows:
+                row.verdict = NOT_SUPPORTED
+            break
+        except Exception as error:  # the implementation under test broke
+            result.reason = f"event {event.describe()} raised {type(error).__name__}: {error}"
+            for rid in replay.rows or list(schedule.requests):
+                result.row(rid).divergences.append(
+                    Divergence("raised", event.describe(), rid, detail=result.reason)
+                )
+            break
+        oracle.apply(event.index)
+        for divergence in check_event(replay, oracle, event.describe()):
+            row = result.row(divergence.request) if divergence.request else None
+            for target in [row] if row else [result.row(r) for r in replay.rows]:
+                target.divergences.append(divergence)
+        for rid in replay.rows:
+            result.row(rid).checks += 1
+    finish(result)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def finish(result: ScheduleResult):
+    for row in result.rows:
+        if row.divergences:
+            row.verdict = FAIL
+    if result.verdict != NOT_SUPPORTED and (
+        result.divergences or result.reason
+    ):
+        result.verdict = FAIL
+
+
+class Oracle:
+    """Every request alone, in mlx-lm's caches, fed the same synthetic tokens."""
+
+    def __init__(self, schedule, kv: SyntheticKV):
+        self.schedule = schedule
+        self.kv = kv
+        self.solo: Dict[str, SoloCache] = {}
+        self.written: Dict[str, int] = {}
+
+    def draw(self, rid, n):
+        start = self.written.get(rid, 0)
+        self.written[rid] = start + n
+        return self.kv.tokens(rid, start, n, seed=self.schedule.requests[rid].seed)
+
+    def apply(self, event_index: int):
+        for rid, calls in self.schedule.calls_at(event_index).items():
+            request = self.schedule.requests[rid]
+            for call in calls:
+                if call.op == "prefill":
+                    solo = SoloCache(self.schedule.bits, self.schedule.group_size, request.quantized_kv_start)
+                    self.solo[rid] = solo
+                    for n in request.prefill_chunks(call.n):
+                        solo.append(*self.draw(rid, n))
+                elif call.op == "append":
+                    self.solo[rid].append(*self.draw(rid, call.n))
+                else:
+                    self.solo[rid].trim(call.n)
+
+
+def check_event(replay: CacheReplay, oracle: Oracle, event: str) -> List[Divergence]:
+    found = check_sources(replay, event)
+    for rid, solo in replay.preempted.items():
+        for name in ("keys", "values"):
+            found += compare_triples(
+                _solo_tokens(oracle.solo[rid].cache, name),
+                _solo_tokens(solo.cache, name),
+                f"extracted.{name}",
+                event=event,
+                request=rid,
+            )
+    batch = replay.batch
+    if batch is None:
+        return found
+    before = digest(owned_arrays(batch))
+    size = batch.size()
+    offsets = _ints(batch.offset)
+    pads = _ints(batch.left_padding)
+    keys, values = batch.state[0], batch.state[1]
+    if pads and min(pads) > 0:
+        found.append(
+            Divergence("shared_padding", event, detail=f"every row has >= {min(pads)} pad columns")
+        )
+    for i, rid in enumerate(replay.rows):
+        solo = oracle.solo[rid].cache
+        where = dict(event=event, request=rid)
+        if not hasattr(solo, "bits"):
+            found.append(Divergence("unquantized_row", **where))
+            continue
+        n = solo.offset
+        if offsets[i] != n:
+            found.append(Divergence("offset", expected=n, actual=offsets[i], **where))
+        if size - pads[i] != n:
+            found.append(
+                Divergence(
+                    "left_padding",
+                    expected=size - n,
+                    actual=pads[i],
+                    detail=f"size() is {size}",
+                    **where,
+                )
+            )
+            continue  # the row's columns are unknown: bytes would only echo this
+        lp = pads[i]
+        expected_k, expected_v = _solo_tokens(solo, "keys"), _solo_tokens(solo, "values")
+        for name, got in (("keys", keys), ("values", values)):
+            expected = expected_k if name == "keys" else expected_v
+            row = tuple(x[i : i + 1, :, lp:size] for x in got)
+            found += compare_triples(expected, row, f"batch.{name}", **where)
+            found += _check_zero_pad(got, i, lp, name, where)
+        if replay.last_fetch is not None:
+            for name, got, expected in zip(("keys", "values"), replay.last_fetch, (expected_k, expected_v)):
+                row = tuple(x[i : i + 1, :, lp:size] for x in got)
+                found += compare_triples(expected, row, f"fetched.{name}", **where)
+        found += check_extract(batch, i, solo, where)
+    if digest(owned_arrays(batch)) != before:
+        found.append(Divergence("extract_modified_batch", event))
+    found += check_mask(batch, replay.rows, size, pads, event)
+    return found
+
+
+def check_extract(batch, i, solo, where) -> List[Divergence]:
+    extracted = batch.extract(i)
+    found = []
+    if getattr(extracted, "offset", None) != solo.offset:
+        found.append(
+            Divergence("extract", expected=solo.offset, actual=getattr(extracted, "offset", None),
+                       detail="offset of the extracted cache", **where)
+        )
+        return found
+    if (extracted.bits, extracted.group_size) != (solo.bits, solo.group_size):
+        found.append(
+            Divergence("extract", expected=(solo.bits, solo.group_size),
+                       actual=(extracted.bits, extracted.group_size), detail="bits, group_size", **where)
+        )
+    for name in ("keys", "values"):
+        found += compare_triples(
+            _solo_tokens(solo, name), _solo_tokens(extracted, name), f"extracted.{name}", **where
+        )
+    shared = any_shared(owned_arrays(extracted), owned_arrays(batch))
+    if shared:
+        found.append(Divergence("alias", detail=f"extract: {shared}", **where))
+    return found
+
+
+def check_sources(replay: CacheReplay, event: str) -> List[Divergence]:
+    found = []
+    batch_arrays = owned_arrays(replay.batch) if replay.batch is not None else []
+    for what, caches, before in replay.sources:
+        arrays = [x for c in caches for x in owned_arrays(c)]
+        if digest(arrays) != before:
+            found.append(Divergence("source", event, detail=f"{what} modified its source"))
+        shared = any_shared(batch_arrays, arrays)
+        if shared and what == "merge":
+            found.append(Divergence("alias", event, detail=f"{what}: {shared}"))
+    return found
+
+
+def check_mask(batch, rows, size, pads, event) -> List[Divergence]:
+    found = []
+    for N in MASK_WIDTHS:
+        mask = _boolean_mask(batch.make_mask(N, return_array=True), len(rows), N, size + N)
+        columns = np.arange(size + N)[None, :]
+        queries = np.arange(N)[:, None]
+        for i, rid in enumerate(rows):
+            expected = (columns >= pads[i]) & (columns <= size + queries)
+            if mask is None or not np.array_equal(mask[i], expected):
+                got = None if mask is None else mask[i]
+                index = None
+                if got is not None and got.shape == expected.shape:
+                    index = int(np.flatnonzero(got != expected)[0])
+                found.append(
+                    Divergence(
+                        "mask",
+                        event,
+                        rid,
+                        tensor=f"make_mask({N})",
+                        index=index,
+                        expected=None if index is None else bool(expected.reshape(-1)[index]),
+                        actual=None if index is None else bool(got.reshape(-1)[index]),
+                        detail=f"row has {pads[i]} pad columns of {size}",
+                    )
+                )
+    return found
+
+
+def _boolean_mask(mask, B, N, S):
+    """Normalise a mask to bool [B, N, S]: None means attend everywhere,
+    "causal" means causal, additive masks attend where they are 0."""
+    if mask is None:
+        return np.ones((B, N, S), dtype=bool)
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        columns, queries = np.arange(S)[None, :], np.arange(N)[:, None]
+        return np.broadcast_to(columns <= S - N + queries, (B, N, S))
+    if mask.dtype == mx.bool_:
+        mask = raw(mask).astype(bool)
+    else:
+        mask = np.array(mask.astype(mx.float32)) == 0
+    if mask.ndim == 4:  # [B, heads, N, S]: one mask for every head
+        mask = mask[:, 0]
+    try:
+        return np.broadcast_to(mask, (B, N, S))
+    except ValueError:
+        return None
+
+
+def _check_zero_pad(triple, i, lp, name, where) -> List[Divergence]:
+    found = []
+    if lp == 0:
+        return found
+    for part, x in zip(("packed", "scales", "biases"), triple):
+        pad = raw(x[i : i + 1, :, :lp])
+        nonzero = np.flatnonzero(pad)
+        if nonzero.size:
+            found.append(
+                Divergence("pad", tensor=f"batch.{name}.{part}", index=int(nonzero[0]),
+                           expected=0, actual=int(pad.reshape(-1)[nonzero[0]]),
+                           detail=f"pad columns [0, {lp})", **where)
+            )
+    return found
+
+
+def _solo_tokens(cache, name):
+    triple = getattr(cache, name)
+    if triple is None:
+        return None
+    return tuple(x[..., : cache.offset, :] for x in triple)
+
+
+def _ints(x) -> List[int]:
+    return [int(v) for v in (x.tolist() if isinstance(x, mx.array) else x)]
