@@ -34,59 +34,98 @@ MASK_WIDTHS = (1, 3)
 
 
 def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
-    result = ScheduleResult(
-        schedule.name, "L1", implementation.name, len(schedule.events), path=schedule.path
-    )
-    for rid in schedule.requests:
-        result.row(rid)
-    missing = [c for c in schedule.needs if not implementation.supports(c)]
-    if missing:
-        result.verdict = NOT_SUPPORTED
-        result.reason = f"needs {', '.join(missing)}"
-        for row in result.rows:
-            row.verdict = NOT_SUPPORTED
-        return result
+    run = L1Run(schedule, implementation)
+    run.advance(schedule)
+    return run.finish()
 
-    start = time.perf_counter()
-    kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
-    replay = CacheReplay(implementation, schedule, kv)
-    oracle = Oracle(schedule, kv)
-    for event in schedule.events:
+
+class L1Run:
+    """One schedule in progress: the replay, the oracle and what was found.
+
+    ``advance`` takes the same schedule grown by more events, so a generator
+    can extend a schedule one event at a time and see each event checked.
+    """
+
+    def __init__(self, schedule, implementation: Implementation):
+        self.implementation = implementation
+        self.result = ScheduleResult(
+            schedule.name, "L1", implementation.name, 0, path=schedule.path
+        )
+        self.kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
+        self.replay = CacheReplay(implementation, schedule, self.kv)
+        self.oracle = Oracle(schedule, self.kv)
+        self.stopped = False
+        self.applied = 0  # events of the schedule replayed so far
+        self.seconds = 0.0
+
+    def advance(self, schedule) -> List[Divergence]:
+        """Apply the events of ``schedule`` not applied yet; return what they broke."""
+        start = time.perf_counter()
+        result = self.result
+        self.replay.schedule = self.oracle.schedule = schedule
+        result.events, result.path = len(schedule.events), schedule.path
+        for rid in schedule.requests:
+            result.row(rid)
+        missing = [c for c in schedule.needs if not self.implementation.supports(c)]
+        if missing and not self.stopped:
+            self.not_supported(f"needs {', '.join(missing)}")
+        found = []
+        for event in schedule.events[self.applied :]:
+            if self.stopped:
+                break
+            found += self.apply(event)
+            self.applied += 1
+        self.seconds += time.perf_counter() - start
+        return found
+
+    def not_supported(self, reason):
+        self.result.verdict, self.result.reason = NOT_SUPPORTED, reason
+        for row in self.result.rows:
+            row.verdict = NOT_SUPPORTED
+        self.stopped = True
+
+    def apply(self, event) -> List[Divergence]:
+        result, replay = self.result, self.replay
         try:
             replay.apply(event)
         except NotImplementedError as error:
-            result.verdict = NOT_SUPPORTED
-            result.reason = f"event {event.describe()}: {error}"
-            for row in result.rows:
-                row.verdict = NOT_SUPPORTED
-            break
+            self.not_supported(f"event {event.describe()}: {error}")
+            return []
         except Exception as error:  # the implementation under test broke
             result.reason = f"event {event.describe()} raised {type(error).__name__}: {error}"
-            for rid in replay.rows or list(schedule.requests):
-                result.row(rid).divergences.append(
-                    Divergence("raised", event.describe(), rid, detail=result.reason)
-                )
-            break
-        oracle.apply(event.index)
-        for divergence in check_event(replay, oracle, event.describe()):
-            row = result.row(divergence.request) if divergence.request else None
-            for target in [row] if row else [result.row(r) for r in replay.rows]:
-                target.divergences.append(divergence)
+            found = [
+                Divergence("raised", event.describe(), rid, detail=result.reason)
+                for rid in replay.rows or list(replay.schedule.requests)
+            ]
+            self.record(found, replay.rows)
+            self.stopped = True
+            return found
+        self.oracle.apply(event.index)
+        found = check_event(replay, self.oracle, event.describe())
+        self.record(found, replay.rows)
         for rid in replay.rows:
             result.row(rid).checks += 1
-    finish(result)
-    result.seconds = time.perf_counter() - start
-    return result
+        return found
 
+    def record(self, found, rows):
+        for divergence in found:
+            if divergence.request is not None:
+                self.result.row(divergence.request).divergences.append(divergence)
+            else:  # a batch-wide divergence belongs to every row in it
+                for rid in rows:
+                    self.result.row(rid).divergences.append(divergence)
 
-def finish(result: ScheduleResult):
-    for row in result.rows:
-        if row.divergences:
-            row.verdict = FAIL
-    if result.verdict != NOT_SUPPORTED and (
-        result.divergences or result.reason
-    ):
-        result.verdict = FAIL
+    def finish(self) -> ScheduleResult:
+        result = self.result
+        result.seconds = self.seconds
+        if result.verdict == NOT_SUPPORTED:
+            return result
+        for row in result.rows:
+            if row.divergences:
+                row.verdict = FAIL
+        if result.divergences or result.reason:
+            result.verdict = FAIL
+        return result
 
 
 class Oracle:

@@ -1,0 +1,163 @@
+"""Broken variants of the reference cache: each must be caught by L1.
+
+Every class breaks one thing a real implementation gets wrong, and names the
+check expected to catch it. ``test_negative_controls.py`` runs the catalog on
+each and fails if any survives. They are also valid ``--impl`` targets, e.g.
+``kvparity run --impl kvparity.suites.negative_controls:MaskIgnoresLeftPadding``.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import QuantizedKVCache
+
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+
+
+class LeftPaddingOffByOne(BatchQuantizedKVCache):
+    """merge records one pad column too many for every padded row."""
+
+    caught_by = "left_padding"
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        padded = (batch.left_padding > 0).astype(mx.int32)
+        batch.left_padding = batch.left_padding + padded
+        return batch
+
+
+class FilterKeepsSharedPadding(BatchQuantizedKVCache):
+    """filter keeps the rows but forgets to drop the padding they all share."""
+
+    caught_by = "shared_padding"
+
+    def filter(self, batch_indices):
+        rows = mx.array([int(i) for i in batch_indices])
+        self.keys = tuple(x[rows] for x in self.keys)
+        self.values = tuple(x[rows] for x in self.values)
+        self.offset = self.offset[rows]
+        self.left_padding = self.left_padding[rows]
+
+
+class ExtractReturnsViews(BatchQuantizedKVCache):
+    """extract hands out slices of the batch instead of copies."""
+
+    caught_by = "alias"
+
+    def extract(self, idx):
+        cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        start = self.left_padding[idx].item()
+        cache.offset = self._idx - start
+        cache.keys = tuple(x[idx : idx + 1, :, start : self._idx] for x in self.keys)
+        cache.values = tuple(x[idx : idx + 1, :, start : self._idx] for x in self.values)
+        return cache
+
+
+class RollbackByLargest(BatchQuantizedKVCache):
+    """per-row rollback trims every row by the largest count."""
+
+    caught_by = "offset"
+
+    def rollback(self, amounts):
+        self.trim(max(amounts))
+
+
+class MergeRequantizes(BatchQuantizedKVCache):
+    """merge dequantizes each row and quantizes it again."""
+
+    caught_by = "bytes"
+
+    @classmethod
+    def merge(cls, caches):
+        requantized = []
+        for cache in caches:
+            copy = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+            copy.offset = cache.offset
+            if cache.keys is not None:
+                copy.keys, copy.values = (
+                    mx.quantize(
+                        mx.dequantize(*triple, group_size=cache.group_size, bits=cache.bits),
+                        group_size=cache.group_size,
+                        bits=cache.bits,
+                    )
+                    for triple in (cache.keys, cache.values)
+                )
+            requantized.append(copy)
+        return super().merge(requantized)
+
+
+class MaskIgnoresLeftPadding(BatchQuantizedKVCache):
+    """make_mask is causal but lets rows attend to their pad columns."""
+
+    caught_by = "mask"
+
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        return create_causal_mask(N, offset=self._idx, window_size=window_size)
+
+
+class ExtendForgetsExistingPadding(BatchQuantizedKVCache):
+    """extend shifts the existing rows' bytes right but not their left_padding."""
+
+    caught_by = "left_padding"
+
+    def extend(self, other):
+        rows, before = self.batch_size, self.left_padding
+        super().extend(other)
+        self.left_padding = mx.concatenate([before, self.left_padding[rows:]])
+
+
+class TrimForgetsOffset(BatchQuantizedKVCache):
+    """trim drops the columns but leaves the RoPE offsets where they were."""
+
+    caught_by = "offset"
+
+    def trim(self, n):
+        self._idx -= n
+        return n
+
+
+class FinalizeLeavesJunk(BatchQuantizedKVCache):
+    """finalize rolls right-padded prefill into place but keeps the pad bytes."""
+
+    caught_by = "pad"
+
+    def _shift_rows_right(self, shifts):
+        if max(shifts, default=0) == 0:
+            return
+        self.left_padding = self.left_padding + mx.array(shifts, dtype=mx.int32)
+        width = self._idx
+        source = (mx.arange(width)[None] - mx.array(shifts)[:, None]) % width
+        source = source[:, None, :, None]
+        roll = lambda x: mx.take_along_axis(x[..., :width, :], source, axis=2)
+        self.keys = tuple(roll(x) for x in self.keys)
+        self.values = tuple(roll(x) for x in self.values)
+        self._drop_shared_padding()
+
+
+class GrowthDropsTail(BatchQuantizedKVCache):
+    """buffer growth past 256 tokens copies only the first full step."""
+
+    caught_by = "bytes"
+
+    def _grow(self, keys, values, num_steps):
+        super()._grow(keys, values, num_steps)
+        if self._idx > self.step:
+            zero_tail = lambda x: mx.concatenate(
+                [x[..., : self.step, :], mx.zeros_like(x[..., self.step :, :])], axis=2
+            )
+            self.keys = tuple(zero_tail(x) for x in self.keys)
+            self.values = tuple(zero_tail(x) for x in self.values)
+
+
+VARIANTS = [
+    LeftPaddingOffByOne,
+    FilterKeepsSharedPadding,
+    ExtractReturnsViews,
+    RollbackByLargest,
+    MergeRequantizes,
+    MaskIgnoresLeftPadding,
+    ExtendForgetsExistingPadding,
+    TrimForgetsOffset,
+    FinalizeLeavesJunk,
+    GrowthDropsTail,
+]

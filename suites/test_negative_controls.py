@@ -1,0 +1,36 @@
+"""The gate bites: every broken variant of the reference fails L1 on the
+catalog, and the check named on the variant is among those that catch it."""
+
+import pytest
+
+from kvparity.impl.adapter import load_implementation
+from kvparity.reports.results import FAIL
+from kvparity.suites import negative_controls
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import catalog_paths, load
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return [load(p) for p in catalog_paths("L1")]
+
+
+@pytest.mark.parametrize("variant", negative_controls.VARIANTS, ids=lambda v: v.__name__)
+def test_broken_variant_is_caught(variant, catalog):
+    impl = load_implementation(f"kvparity.suites.negative_controls:{variant.__name__}")
+    results = [run_l1(s, impl) for s in catalog]
+    failed = [r for r in results if r.verdict == FAIL]
+    assert failed, f"{variant.__name__} survived the whole L1 catalog"
+    checks = {d.check for r in failed for d in r.divergences}
+    assert variant.caught_by in checks, (
+        f"{variant.__name__} was caught, but by {sorted(checks)}, not {variant.caught_by!r}"
+    )
+
+
+def test_every_variant_is_listed():
+    classes = {
+        obj for obj in vars(negative_controls).values()
+        if isinstance(obj, type) and hasattr(obj, "caught_by")
+    }
+    assert classes == set(negative_controls.VARIANTS)
+    assert len(classes) >= 6
