@@ -50,17 +50,17 @@ def _empty_triple(like, rows, width=0):
     )
 
 
-def _layout(keys, values):
-    """What two rows must share to live in one batch: heads, widths, dtype."""
-    return tuple((p.shape[1], p.shape[3], s.shape[3], s.dtype) for p, s, _ in (keys, values))
+def _layout(keys, values, bits):
+    """What two rows must share to live in one batch."""
+    # bits per element in uint32 words: the packed width gives back head_dim.
+    k_dim, v_dim = (x[0].shape[3] * 32 // bits for x in (keys, values))
+    return keys[0].shape[1], k_dim, v_dim, keys[1].dtype
 
 
 def _describe(layout):
-    (heads, k_packed, k_groups, dtype), (_, v_packed, v_groups, _) = layout
-    return (
-        f"{heads} heads, {dtype}, keys {k_packed} packed words/{k_groups} groups, "
-        f"values {v_packed}/{v_groups}"
-    )
+    heads, k_dim, v_dim, dtype = layout
+    dims = f"head_dim {k_dim}" if k_dim == v_dim else f"head_dim {k_dim} (keys) {v_dim} (values)"
+    return f"{heads} kv heads, {dims}, {dtype}"
 
 
 class BatchQuantizedKVCache(_BaseCache):
@@ -259,7 +259,8 @@ class BatchQuantizedKVCache(_BaseCache):
                 f"with a {other.bits}-bit group-{other.group_size} batch"
             )
         if self.keys is not None and other.keys is not None:
-            mine, theirs = _layout(self.keys, self.values), _layout(other.keys, other.values)
+            mine = _layout(self.keys, self.values, self.bits)
+            theirs = _layout(other.keys, other.values, other.bits)
             if mine != theirs:
                 raise ValueError(
                     f"cannot extend a batch of {_describe(mine)} "
@@ -337,8 +338,8 @@ class BatchQuantizedKVCache(_BaseCache):
                 continue
             if cache.keys[0].shape[0] != 1:
                 raise ValueError(f"row {row} holds {cache.keys[0].shape[0]} rows, not 1")
-            layout = _layout(cache.keys, cache.values)
-            first = _layout(filled[0].keys, filled[0].values)
+            layout = _layout(cache.keys, cache.values, bits)
+            first = _layout(filled[0].keys, filled[0].values, bits)
             if layout != first:
                 raise ValueError(
                     f"row {row} has {_describe(layout)}; "

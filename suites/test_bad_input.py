@@ -1,0 +1,161 @@
+"""Bad input is refused with a clear error before anything changes:
+at the cache (the reference) and in schedule files."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.oracle.parity import digest, owned_arrays
+from kvparity.suites.schedule import ScheduleError, load
+
+
+def solo(length, bits=4, group_size=64, heads=2, head_dim=64, dtype=mx.bfloat16, seed=0):
+    cache = QuantizedKVCache(group_size=group_size, bits=bits)
+    if length:
+        k = mx.random.normal((1, heads, length, head_dim), key=mx.random.key(seed)).astype(dtype)
+        cache.update_and_fetch(k, k + 1)
+    return cache
+
+
+@pytest.fixture
+def batch():
+    return BatchQuantizedKVCache.merge([solo(5, seed=1), solo(9, seed=2)])
+
+
+def unchanged(cache):
+    """Snapshot a cache; calling the result asserts nothing moved since."""
+    before = (digest(owned_arrays(cache)), cache.size(), cache.offset.tolist(), cache.left_padding.tolist())
+
+    def check():
+        after = (digest(owned_arrays(cache)), cache.size(), cache.offset.tolist(), cache.left_padding.tolist())
+        assert after == before, "a refused call changed the cache"
+
+    return check
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([solo(3, bits=4), solo(3, bits=8)], "row 1 is 8-bit group-64, row 0 is 4-bit group-64"),
+        ([solo(3, group_size=64), solo(3, group_size=32)], "row 1 is 4-bit group-32"),
+        ([solo(3, heads=2), solo(3, heads=4)], "row 1 has 4 kv heads, head_dim 64, mlx.core.bfloat16; the first filled row has 2 kv heads"),
+        ([solo(3, head_dim=64), solo(3, head_dim=128)], "row 1 has 2 kv heads, head_dim 128, mlx.core.bfloat16; the first filled row has 2 kv heads, head_dim 64"),
+        ([solo(3), solo(3, dtype=mx.float16)], "row 1 has 2 kv heads, head_dim 64, mlx.core.float16"),
+        ([], "merge needs at least one row"),
+    ],
+)
+def test_merge_refuses_rows_that_cannot_share_a_batch(rows, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        BatchQuantizedKVCache.merge(rows)
+
+
+def test_merge_refuses_an_unquantized_row_as_not_supported():
+    with pytest.raises(NotImplementedError, match="row 0 is an unquantized KVCache"):
+        BatchQuantizedKVCache.merge([KVCache(), solo(3)])
+
+
+@pytest.mark.parametrize("bits", [1, 7, 16])
+def test_unsupported_bits(bits):
+    with pytest.raises(ValueError, match=f"bits={bits} is not supported"):
+        BatchQuantizedKVCache([0], bits=bits)
+
+
+def test_group_size_must_divide_head_dim():
+    batch = BatchQuantizedKVCache([0], group_size=128, bits=4)
+    check = unchanged(batch)
+    k = mx.zeros((1, 2, 1, 64))
+    with pytest.raises(ValueError, match="group_size=128 does not divide head_dim=64"):
+        batch.update_and_fetch(k, k)
+    check()
+
+
+def test_update_with_the_wrong_row_count(batch):
+    check = unchanged(batch)
+    k = mx.zeros((3, 2, 1, 64), dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match="got 3 rows but the batch holds 2"):
+        batch.update_and_fetch(k, k)
+    check()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda b: b.filter([0, 2]), r"filter indices \[0, 2\] out of range for 2 rows"),
+        (lambda b: b.filter([1, 1]), "repeat a row"),
+        (lambda b: b.filter([]), "must keep at least one row"),
+        (lambda b: b.extract(2), r"extract\(2\) out of range for 2 rows"),
+        (lambda b: b.rollback([1]), "rollback got 1 amounts for 2 rows"),
+        (lambda b: b.rollback([6, 0]), "cannot roll back 6 tokens of row 0: it holds 5"),
+        (lambda b: b.rollback([0, -1]), "cannot roll back -1 tokens of row 1"),
+        (lambda b: b.trim(6), "cannot trim 6 tokens: the shortest row holds 5"),
+        (lambda b: b.extend(BatchQuantizedKVCache.merge([solo(2, bits=8)])), "cannot extend a 4-bit group-64 batch with a 8-bit"),
+        (lambda b: b.extend(BatchQuantizedKVCache.merge([solo(2, heads=4)])), "cannot extend a batch of 2 kv heads, head_dim 64, mlx.core.bfloat16 with one of 4 kv heads"),
+    ],
+)
+def test_refused_calls_leave_the_cache_unchanged(batch, call, message):
+    check = unchanged(batch)
+    with pytest.raises(ValueError, match=message):
+        call(batch)
+    check()
+
+
+def test_merge_leaves_its_sources_unchanged():
+    rows = [solo(5, seed=1), solo(9, seed=2)]
+    before = [digest(owned_arrays(r)) for r in rows]
+    BatchQuantizedKVCache.merge(rows).update_and_fetch(*(2 * [mx.zeros((2, 2, 1, 64), dtype=mx.bfloat16)]))
+    assert [digest(owned_arrays(r)) for r in rows] == before
+
+
+# -- schedule files ----------------------------------------------------------------
+
+GOOD = {
+    "name": "t",
+    "levels": ["L1"],
+    "requests": {"a": {"prompt_len": 4}, "b": {"prompt_len": 2}},
+    "events": [{"join": ["a"]}, {"step": 2}],
+}
+
+
+def with_changes(**changes):
+    doc = json.loads(json.dumps(GOOD))
+    doc.update(changes)
+    return doc
+
+
+@pytest.mark.parametrize(
+    "doc, where, reason",
+    [
+        (with_changes(events=[{"leave": ["zz"]}]), 'event #0 leave ["zz"]', "unknown request 'zz'"),
+        (with_changes(events=[{"join": ["a"]}, {"leave": ["b"]}]), "event #1 leave", "'b' is not in the batch (it has not joined)"),
+        (with_changes(events=[{"join": ["a"]}, {"step": 1}, {"rollback": {"a": 2}}]), "event #2 rollback", "past what it generated (1)"),
+        (with_changes(kv={"bits": 4, "group_size": 128}), "kv", "group_size=128 does not divide head_dim=64"),
+        (with_changes(kv={"bits": 7}), "kv", "bits=7 is not supported"),
+        (with_changes(events=[{"jump": 1}]), "event #0", "unknown event 'jump'"),
+        (with_changes(events=[{"join": ["a"]}, {"spec_round": {"k": 2, "accepted": {"a": 3}}}]), "event #1 spec_round", "accepts 3 of only k=2"),
+        (with_changes(events=[{"join": ["a"]}, {"join": ["a"]}]), "event #1 join", "already joined"),
+        (with_changes(events=[{"join": ["a"]}, {"solo_step": {"a": 1}}]), "event #1 solo_step", "'a' is not extracted"),
+        (with_changes(events=[{"step": 1}]), "event #0 step", "step on an empty batch"),
+        (with_changes(requests={"a": {"prompt_len": 0}}), "request 'a' prompt_len", "expected an integer >= 1"),
+        (with_changes(requests={"a": {"prompt_len": 3, "kv_bits": 4}}), "request 'a'", "unknown field 'kv_bits'"),
+        (with_changes(synthetic={"dtype": "int8"}), "synthetic.dtype", "'int8' is not one of"),
+    ],
+)
+def test_bad_schedule_is_refused_naming_file_event_and_reason(tmp_path, doc, where, reason):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScheduleError) as error:
+        load(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ")
+    assert where in message and reason in message, message
+
+
+def test_unreadable_schedule_files(tmp_path):
+    with pytest.raises(ScheduleError, match="cannot read"):
+        load(tmp_path / "missing.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ScheduleError, match="broken.json: not JSON"):
+        load(tmp_path / "broken.json")
