@@ -1,0 +1,62 @@
+"""The environment a run happened in: what changes numerics, and what ran."""
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+
+import mlx.core as mx
+
+# Environment variables that change MLX numerics or kernel choice.
+NUMERIC_KNOBS = ("MLX_ENABLE_TF32", "MLX_METAL_FAST_SYNCH", "MLX_MAX_OPS_PER_BUFFER", "OMP_NUM_THREADS")
+
+
+def _version(package):
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(directory="."):
+    """The commit of the repository under test, when there is one."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def device_name(device=None) -> str:
+    device = device or mx.default_device()
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+    except Exception:  # some backends cannot describe themselves
+        info = {}
+    name = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
+    return f"{device.type.name} ({name})" if name else device.type.name
+
+
+def describe(implementation=None, model=None, device=None) -> dict:
+    device = device or mx.default_device()
+    env = {
+        "kvparity": _version("kvparity"),
+        "mlx": mx.__version__,
+        "mlx_lm": _version("mlx-lm"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backend": device.type.name,
+        "device": device_name(device),
+        "knobs": {k: os.environ.get(k) for k in NUMERIC_KNOBS},
+        "git_commit": git_commit(),
+    }
+    if implementation is not None:
+        env["implementation"] = implementation.spec
+        env["capabilities"] = implementation.capabilities
+    if model is not None:
+        env["model"] = model.name
+        env["model_sha256"] = model.sha256
+    return env
