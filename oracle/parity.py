@@ -85,6 +85,18 @@ def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
     return found
 
 
+def compare_batch_row(triples, i: int, start: int, stop: int, expected: dict, prefix: str, **where):
+    """Row ``i`` of batch triples on columns [start, stop) against solo triples.
+
+    ``triples`` and ``expected`` map "keys"/"values" to (packed, scales, biases).
+    """
+    found = []
+    for name, triple in triples.items():
+        row = tuple(x[i : i + 1, :, start:stop] for x in triple)
+        found += compare_triples(expected[name], row, f"{prefix}{name}", **where)
+    return found
+
+
 def _shapes(triple):
     return None if triple is None else [tuple(x.shape) for x in triple]
 

@@ -6,6 +6,7 @@ from typing import List, Optional
 PASS = "pass"
 FAIL = "FAIL"
 NOT_SUPPORTED = "not supported"
+SKIPPED = "skipped"  # the schedule does not fit the chosen model
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RowResult:
     verdict: str = PASS
     divergences: List[Divergence] = field(default_factory=list)
     checks: int = 0
+    metrics: dict = field(default_factory=dict)  # L2: logit statistics
 
     @property
     def first(self) -> Optional[Divergence]:

@@ -25,7 +25,14 @@ import numpy as np
 
 from kvparity.impl.adapter import Implementation
 from kvparity.impl.cache_replay import CacheReplay
-from kvparity.oracle.parity import any_shared, compare_triples, digest, owned_arrays, raw
+from kvparity.oracle.parity import (
+    any_shared,
+    compare_batch_row,
+    compare_triples,
+    digest,
+    owned_arrays,
+    raw,
+)
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.reports.results import FAIL, NOT_SUPPORTED, Divergence, ScheduleResult
@@ -201,16 +208,14 @@ def check_event(replay: CacheReplay, oracle: Oracle, event: str) -> List[Diverge
             )
             continue  # the row's columns are unknown: bytes would only echo this
         lp = pads[i]
-        expected_k, expected_v = _solo_tokens(solo, "keys"), _solo_tokens(solo, "values")
-        for name, got in (("keys", keys), ("values", values)):
-            expected = expected_k if name == "keys" else expected_v
-            row = tuple(x[i : i + 1, :, lp:size] for x in got)
-            found += compare_triples(expected, row, f"batch.{name}", **where)
+        expected = {name: _solo_tokens(solo, name) for name in ("keys", "values")}
+        state = {"keys": keys, "values": values}
+        found += compare_batch_row(state, i, lp, size, expected, "batch.", **where)
+        for name, got in state.items():
             found += _check_zero_pad(got, i, lp, name, where)
         if replay.last_fetch is not None:
-            for name, got, expected in zip(("keys", "values"), replay.last_fetch, (expected_k, expected_v)):
-                row = tuple(x[i : i + 1, :, lp:size] for x in got)
-                found += compare_triples(expected, row, f"fetched.{name}", **where)
+            fetched = dict(zip(("keys", "values"), replay.last_fetch))
+            found += compare_batch_row(fetched, i, lp, size, expected, "fetched.", **where)
         found += check_extract(batch, i, solo, where)
     if digest(owned_arrays(batch)) != before:
         found.append(Divergence("extract_modified_batch", event))

@@ -1,0 +1,171 @@
+"""The serial oracle (L2): each request alone, through mlx-lm's own code.
+
+A request's calls (``Schedule.calls``) are replayed on mlx-lm's prompt cache
+exactly as ``mlx_lm.generate.generate_step`` drives it: the prompt in
+``prefill_step_size`` chunks (all but the last token), the last token in its
+own call, ``maybe_quantize_kv_cache`` after every call (so the cache becomes
+a ``QuantizedKVCache`` when mlx-lm would convert it), and ``trim_prompt_cache``
+for rollbacks.
+
+Tokens are greedy: the input after a call is the argmax of the log
+probabilities at the last position the cache keeps, as mlx-lm's greedy
+sampler picks it. A verify window of n tokens is that token followed by n - 1
+draft tokens, fixed by the request's seed (the schedule says how many are
+accepted, so any drafts will do).
+"""
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+
+def log_probs(logits: mx.array) -> mx.array:
+    """As generate_step computes them, so results compare bit for bit."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def greedy(logits: mx.array) -> int:
+    return mx.argmax(log_probs(logits), axis=-1).item()
+
+
+def prompt_tokens(request, vocab_size: int, tokenizer=None) -> List[int]:
+    if request.prompt is not None:
+        return list(request.prompt)
+    if request.text is not None:
+        if tokenizer is None:
+            raise ValueError(f"request {request.id!r} has a text prompt but the model has no tokenizer")
+        return list(tokenizer.encode(request.text))
+    rng = np.random.default_rng([request.seed, zlib.crc32(request.id.encode())])
+    return rng.integers(0, vocab_size, size=request.prompt_len).tolist()
+
+
+def draft_tokens(request, position: int, n: int, vocab_size: int) -> List[int]:
+    rng = np.random.default_rng([request.seed, zlib.crc32(request.id.encode()), position, 1])
+    return rng.integers(0, vocab_size, size=n).tolist()
+
+
+def layer_bytes(cache) -> Dict[str, mx.array]:
+    """One layer's cache on [0, offset): keys and values, as triples when quantized."""
+    n = cache.offset
+    out = {}
+    for name in ("keys", "values"):
+        stored = getattr(cache, name)
+        if isinstance(stored, (tuple, list)):
+            for part, x in zip(("packed", "scales", "biases"), stored):
+                out[f"{name}.{part}"] = x[..., :n, :]
+        elif stored is not None:
+            out[name] = stored[..., :n, :]
+    return out
+
+
+@dataclass
+class Call:
+    event: int
+    op: str  # "prefill", "append" or "trim"
+    inputs: List[int]  # tokens fed (prefill: the whole prompt); [] for trim
+    logits: Optional[mx.array] = None  # [positions, vocab] as produced (prefill: the last)
+
+
+@dataclass
+class SoloTrace:
+    request: str
+    calls: List[Call] = field(default_factory=list)
+    # event index -> per layer {tensor name: array on [0, offset)}, after the event
+    snapshots: Dict[int, List[Dict[str, mx.array]]] = field(default_factory=dict)
+    offsets: Dict[int, int] = field(default_factory=dict)
+
+    def calls_at(self, event: int) -> List[Call]:
+        return [c for c in self.calls if c.event == event]
+
+    def step_of(self, call: Call) -> int:
+        return self.calls.index(call)
+
+    def snapshot_at(self, event: int):
+        """The cache as it stands after ``event``: the latest snapshot."""
+        known = [e for e in self.snapshots if e <= event]
+        return (self.snapshots[max(known)], self.offsets[max(known)]) if known else (None, None)
+
+
+class SoloRequest:
+    """One request's prompt cache, driven the way generate_step drives it."""
+
+    def __init__(self, model, request, bits: int, group_size: int, vocab_size: int, tokenizer=None):
+        self.model = model
+        self.request = request
+        self.bits = bits
+        self.group_size = group_size
+        self.vocab_size = vocab_size
+        self.cache = make_prompt_cache(model)
+        self.prompt = prompt_tokens(request, vocab_size, tokenizer)
+        self.logits_at: Dict[int, mx.array] = {}  # position -> logits row
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset
+
+    def convert(self):
+        maybe_quantize_kv_cache(
+            self.cache, self.request.quantized_kv_start, self.group_size, self.bits
+        )
+
+    def remember(self, logits: mx.array, first_position: int):
+        for i in range(logits.shape[0]):
+            self.logits_at[first_position + i] = logits[i]
+
+    def prefill(self) -> mx.array:
+        """The prompt: chunks without logits, then the last token's logits."""
+        tokens = mx.array(self.prompt)
+        start = 0
+        for n in self.request.prefill_chunks(len(self.prompt))[:-1]:
+            self.model(tokens[start : start + n][None], cache=self.cache)
+            self.convert()
+            mx.eval([c.state for c in self.cache])
+            start += n
+        logits = self.model(tokens[start:][None], cache=self.cache)[0, -1:, :]
+        self.convert()
+        self.remember(logits, len(self.prompt) - 1)
+        return logits
+
+    def next_token(self) -> int:
+        return greedy(self.logits_at[self.offset - 1])
+
+    def window(self, n: int) -> List[int]:
+        """The inputs of an n-token call: the next token, then drafts."""
+        first = self.next_token()
+        return [first] + draft_tokens(self.request, self.offset, n - 1, self.vocab_size)
+
+    def append(self, inputs: List[int]) -> mx.array:
+        position = self.offset
+        logits = self.model(mx.array(inputs)[None], cache=self.cache)[0]
+        self.convert()
+        self.remember(logits, position)
+        return logits
+
+    def trim(self, n: int):
+        trim_prompt_cache(self.cache, n)
+
+
+def run_solo(model, schedule, rid: str, vocab_size: int, tokenizer=None) -> SoloTrace:
+    """Replay every call request ``rid`` sees in the schedule, alone."""
+    request = schedule.requests[rid]
+    solo = SoloRequest(model, request, schedule.bits, schedule.group_size, vocab_size, tokenizer)
+    trace = SoloTrace(rid)
+    for call in schedule.calls[rid]:
+        if call.op == "prefill":
+            logits = solo.prefill()
+            trace.calls.append(Call(call.event, "prefill", list(solo.prompt), logits))
+        elif call.op == "append":
+            inputs = solo.window(call.n)
+            trace.calls.append(Call(call.event, "append", inputs, solo.append(inputs)))
+        else:
+            solo.trim(call.n)
+            trace.calls.append(Call(call.event, "trim", []))
+        trace.snapshots[call.event] = [layer_bytes(c) for c in solo.cache]
+        trace.offsets[call.event] = solo.offset
+        mx.eval([c.logits for c in trace.calls[-1:] if c.logits is not None], trace.snapshots[call.event])
+    return trace

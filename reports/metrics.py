@@ -1,0 +1,79 @@
+"""How far batched logits are from solo logits, beyond bit equality."""
+
+from dataclasses import dataclass, field
+from typing import List
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class LogitStats:
+    """Accumulates per-position comparisons of one row's logits."""
+
+    positions: int = 0
+    bit_exact: int = 0
+    top1_agree: int = 0
+    max_abs_diff: float = 0.0
+    max_ulp: int = 0
+    kl: List[float] = field(default_factory=list)  # KL(solo || batched) per position
+
+    def add(self, solo: mx.array, batched: mx.array):
+        s = np.array(solo.astype(mx.float32))
+        b = np.array(batched.astype(mx.float32))
+        self.positions += s.shape[0]
+        self.bit_exact += int(sum(np.array_equal(x, y) for x, y in zip(_bits(solo), _bits(batched))))
+        self.top1_agree += int((s.argmax(-1) == b.argmax(-1)).sum())
+        self.max_abs_diff = max(self.max_abs_diff, float(np.abs(s - b).max(initial=0.0)))
+        self.max_ulp = max(self.max_ulp, ulp_distance(solo, batched))
+        self.kl += kl_divergence(s, b).tolist()
+
+    def as_dict(self) -> dict:
+        kl = np.array(self.kl) if self.kl else np.zeros(1)
+        return {
+            "positions": self.positions,
+            "bit_exact": self.bit_exact,
+            "top1_agree": self.top1_agree,
+            "max_abs_diff": self.max_abs_diff,
+            "max_ulp": self.max_ulp,
+            "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()),
+            "kl_p99": float(np.percentile(kl, 99)),
+            "kl_p95": float(np.percentile(kl, 95)),
+            "kl_median": float(np.median(kl)),
+        }
+
+
+def _bits(x: mx.array) -> np.ndarray:
+    from kvparity.oracle.parity import raw
+
+    return raw(x).reshape(x.shape[0], -1)
+
+
+def ulp_distance(a: mx.array, b: mx.array) -> int:
+    """Largest distance in units in the last place, through the float's
+    ordered integer encoding (sign-magnitude mapped to a monotone line)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return -1
+    width = {2: np.int16, 4: np.int32}.get(a.dtype.size)
+    if width is None:
+        return -1
+    from kvparity.oracle.parity import raw
+
+    x, y = (raw(v).view(width).astype(np.int64) for v in (a, b))
+    sign = np.int64(1) << (8 * a.dtype.size - 1)
+    x = np.where(x < 0, -(x & (sign - 1)), x)
+    y = np.where(y < 0, -(y & (sign - 1)), y)
+    return int(np.abs(x - y).max(initial=0))
+
+
+def kl_divergence(solo_logits: np.ndarray, batched_logits: np.ndarray) -> np.ndarray:
+    """KL(solo || batched) per position, in nats, computed in float64."""
+    p = _log_softmax(solo_logits.astype(np.float64))
+    q = _log_softmax(batched_logits.astype(np.float64))
+    return (np.exp(p) * (p - q)).sum(-1)
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
