@@ -106,6 +106,20 @@ class ExtendForgetsExistingPadding(BatchQuantizedKVCache):
         self.left_padding = mx.concatenate([before, self.left_padding[rows:]])
 
 
+class RopeOffsetIgnoresLeftPadding(BatchQuantizedKVCache):
+    """offset (the RoPE position) counts from column 0, padding included."""
+
+    caught_by = "offset"
+
+    @property
+    def offset(self):
+        return mx.full((self.batch_size,), self._idx, dtype=mx.int32)
+
+    @offset.setter
+    def offset(self, value):
+        pass  # derived from the width alone
+
+
 class TrimForgetsOffset(BatchQuantizedKVCache):
     """trim drops the columns but leaves the RoPE offsets where they were."""
 
@@ -157,6 +171,7 @@ VARIANTS = [
     MergeRequantizes,
     MaskIgnoresLeftPadding,
     ExtendForgetsExistingPadding,
+    RopeOffsetIgnoresLeftPadding,
     TrimForgetsOffset,
     FinalizeLeavesJunk,
     GrowthDropsTail,

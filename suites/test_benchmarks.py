@@ -1,0 +1,338 @@
+"""Performance of a batch cache, measured with pytest-benchmark.
+
+What matters is ratios of two benchmarks of one run, so that the machine's
+speed cancels out. Every benchmark records what it measured in ``extra_info``
+(``metric``, ``case``, ``variant``, and any byte counts); the variant a ratio
+is about also records the ratio's definition and target under ``ratios``.
+``kvparity.reports.bench`` turns the JSON into a table. Nothing here asserts
+a time or a ratio: a benchmark fails only if the code under it fails.
+
+Deselected by default; run with ``pytest -m benchmark_suite``. Set
+``KVPARITY_BENCH_QUICK=1`` for the short grids CI runs. ``--impl`` picks the
+cache as for the other suites.
+"""
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, make_prompt_cache
+
+from kvparity.oracle.models import ModelUnavailable, load_model
+
+pytestmark = pytest.mark.benchmark_suite
+
+QUICK = os.environ.get("KVPARITY_BENCH_QUICK", "") not in ("", "0")
+
+JOIN_BATCHES = (1, 4, 16) if QUICK else (1, 4, 16, 64)
+LEAVE_BATCHES = tuple(b for b in JOIN_BATCHES if b > 1)  # filter keeps >= 1 row
+WIDTHS = (128, 1024) if QUICK else (128, 1024, 4096)
+DECODE_BATCHES = (1, 8) if QUICK else (1, 2, 4, 8, 16)
+DECODE_MODELS = (
+    ("llama-h64-bf16", "smollm2")
+    if QUICK
+    else ("llama-h64-bf16", "llama-h128-bf16", "qwen3-h64-bf16", "smollm2")
+)
+ROUNDS, WARMUP = (5, 1) if QUICK else (20, 2)
+
+# The layout the join, leave and decode benchmarks use: mlx-lm's default group
+# size, 4 bits, and the random models' KV shape.
+BITS, GROUP_SIZE, KV_HEADS, HEAD_DIM = 4, 64, 2, 128
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``numerator / denominator``: one quantity of two variants of one case."""
+
+    name: str
+    numerator: str
+    denominator: str
+    quantity: str = "time"  # "time": median seconds; otherwise an extra_info key
+    targets: tuple = ()  # (case, ">=" or "<=", value)
+
+    def record(self, case):
+        target = next(([op, x] for c, op, x in self.targets if c == case), None)
+        return {
+            "name": self.name,
+            "numerator": self.numerator,
+            "denominator": self.denominator,
+            "quantity": self.quantity,
+            "target": target,
+        }
+
+
+JOIN = Ratio(
+    "join: re-merge / extend time", "remerge", "extend",
+    targets=(("B=16 width=1024", ">=", 3.0),),
+)
+LEAVE = Ratio("leave: re-merge / filter time", "remerge", "filter")
+BATCHED_VS_SOLO = Ratio(
+    "decode: batched / solo tokens per second", "solo-quantized", "batch-quantized",
+    targets=tuple((f"{m} B=8", ">=", 3.0) for m in DECODE_MODELS),
+)
+QUANTIZED_VS_DENSE = Ratio(
+    "decode: quantized / unquantized BatchKVCache step time",
+    "batch-quantized", "batch-dense",
+    targets=(("smollm2 B=8", "<=", 1.5),),
+)
+DECODE_PEAK = Ratio(
+    "decode: quantized / unquantized step peak memory",
+    "batch-quantized", "batch-dense", quantity="step_peak_bytes",
+)
+BYTES_PER_TOKEN = Ratio(
+    "memory: quantized / bf16 bytes per token", "quantized", "bf16",
+    quantity="bytes_per_token", targets=(("bits=4 head_dim=128", "<=", 0.3),),
+)
+
+
+def _record(benchmark, metric, case, variant, ratios=(), **values):
+    benchmark.extra_info.update(
+        metric=metric,
+        case=case,
+        variant=variant,
+        ratios=[r.record(case) for r in ratios],
+        **values,
+    )
+
+
+def _pedantic(benchmark, fn, setup=None):
+    # Explicit rounds: most functions here consume their input (extend, filter,
+    # a decode step), so each round gets a fresh one from `setup`.
+    return benchmark.pedantic(fn, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP)
+
+
+def _eval_cache(cache):
+    mx.eval([x for x in cache.state if isinstance(x, (mx.array, tuple))])
+
+
+# -- join and leave -----------------------------------------------------------
+
+
+def _solo_row(length, key):
+    """A solo quantized row as mlx-lm leaves it after a prefill (256-step buffer)."""
+    k, v = (
+        mx.random.normal((1, KV_HEADS, length, HEAD_DIM), key=key).astype(mx.bfloat16)
+        for key in mx.random.split(key)
+    )
+    cache = QuantizedKVCache(group_size=GROUP_SIZE, bits=BITS)
+    cache.update_and_fetch(k, v)
+    mx.eval(cache.keys, cache.values)
+    return cache
+
+
+@lru_cache(maxsize=None)
+def _rows(B, width):
+    """B rows from `width` tokens down to about width/2, and a joiner of width/2."""
+    keys = mx.random.split(mx.random.key(B * 100_000 + width), B + 1)
+    rows = [_solo_row(width - width // 2 * i // B, keys[i]) for i in range(B)]
+    return rows, _solo_row(width // 2, keys[B])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("B", JOIN_BATCHES)
+@pytest.mark.parametrize("variant", ["extend", "remerge"])
+def test_join(benchmark, implementation, variant, B, width):
+    """One row joins a batch of B: extend, or merge all B + 1 rows again."""
+    Batch = implementation.batch_class
+    rows, joiner = _rows(B, width)
+
+    def fresh_batch():
+        batch = Batch.merge(rows)
+        _eval_cache(batch)
+        return (batch,), {}
+
+    def extend(batch):
+        batch.extend(Batch.merge([joiner]))
+        _eval_cache(batch)
+
+    def remerge():
+        _eval_cache(Batch.merge(rows + [joiner]))
+
+    if variant == "extend":
+        _pedantic(benchmark, extend, setup=fresh_batch)
+    else:
+        _pedantic(benchmark, remerge)
+    ratios = [JOIN] if variant == "extend" else []
+    _record(benchmark, "join", f"B={B} width={width}", variant, ratios, B=B, width=width)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("B", LEAVE_BATCHES)
+@pytest.mark.parametrize("variant", ["filter", "remerge"])
+def test_leave(benchmark, implementation, variant, B, width):
+    """The longest row leaves a batch of B: filter, or merge the survivors."""
+    Batch = implementation.batch_class
+    rows, _ = _rows(B, width)
+    survivors = list(range(1, B))
+
+    def fresh_batch():
+        batch = Batch.merge(rows)
+        _eval_cache(batch)
+        return (batch,), {}
+
+    def filter_(batch):
+        batch.filter(survivors)
+        _eval_cache(batch)
+
+    def remerge():
+        _eval_cache(Batch.merge(rows[1:]))
+
+    if variant == "filter":
+        _pedantic(benchmark, filter_, setup=fresh_batch)
+    else:
+        _pedantic(benchmark, remerge)
+    ratios = [LEAVE] if variant == "filter" else []
+    _record(benchmark, "leave", f"B={B} width={width}", variant, ratios, B=B, width=width)
+
+
+# -- decode ----------------------------------------------------------------------
+
+
+def _model(name):
+    try:
+        return load_model(name)
+    except ModelUnavailable as error:
+        pytest.skip(f"{name} unavailable: {error}")
+
+
+def _prompt_length(row):
+    # 32 to 95 tokens, different for neighbouring rows, so the batch is padded.
+    return 32 + (41 * row) % 64
+
+
+@lru_cache(maxsize=None)
+def _prefilled(name, row):
+    """Row `row` of model `name` prefilled alone: one mlx-lm KVCache per layer."""
+    loaded = _model(name)
+    key = mx.random.key(1000 + row)
+    prompt = mx.random.randint(0, loaded.vocab_size, (1, _prompt_length(row)), key=key)
+    cache = make_prompt_cache(loaded.model)
+    loaded.model(prompt, cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _next_tokens(B, vocab_size):
+    return mx.random.randint(0, vocab_size, (B, 1), key=mx.random.key(B))
+
+
+def _decode_setup(variant, name, B, Batch):
+    """(step function, the caches it grows) for B rows of model `name`."""
+    loaded = _model(name)
+    model = loaded.model
+    rows = [_prefilled(name, i) for i in range(B)]
+    tokens = _next_tokens(B, loaded.vocab_size)
+
+    def quantized(row):
+        return [c.to_quantized(group_size=GROUP_SIZE, bits=BITS) for c in row]
+
+    if variant == "solo-quantized":
+        solo = [quantized(row) for row in rows]
+
+        def step():
+            # B independent requests: each one's forward is evaluated on its own.
+            for i, cache in enumerate(solo):
+                mx.eval(model(tokens[i : i + 1], cache=cache))
+
+        caches = [c for cache in solo for c in cache]
+    else:
+        if variant == "batch-quantized":
+            layers = zip(*(quantized(row) for row in rows))
+            caches = [Batch.merge(list(layer)) for layer in layers]
+        else:
+            caches = [BatchKVCache.merge(list(layer)) for layer in zip(*rows)]
+
+        def step():
+            mx.eval(model(tokens, cache=caches))
+
+    for cache in caches:
+        _eval_cache(cache)
+    return step, caches
+
+
+def _kv_dtype(variant, activations):
+    return str(activations).split(".")[-1] if variant == "batch-dense" else f"{BITS}-bit"
+
+
+@pytest.mark.parametrize("B", DECODE_BATCHES)
+@pytest.mark.parametrize("name", DECODE_MODELS)
+@pytest.mark.parametrize("variant", ["batch-quantized", "solo-quantized", "batch-dense"])
+def test_decode(benchmark, implementation, variant, name, B):
+    """One decode step (one token for each of B rows) at a context of 32-95 tokens.
+
+    batch-quantized: the cache under test; solo-quantized: B mlx-lm
+    QuantizedKVCache requests one after another; batch-dense: mlx-lm's
+    BatchKVCache in the model's activation dtype.
+    """
+    step, caches = _decode_setup(variant, name, B, implementation.batch_class)
+    rounds = []
+
+    def rewind():
+        # Undo the previous round's token so that every round sees one context.
+        for cache in caches:
+            cache.trim(len(rounds))
+        rounds[:] = [None]
+
+    _pedantic(benchmark, step, setup=rewind)
+
+    rewind()
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    step()
+    step_peak = mx.get_peak_memory() - active
+
+    ratios = [BATCHED_VS_SOLO, QUANTIZED_VS_DENSE, DECODE_PEAK]
+    _record(
+        benchmark,
+        "decode",
+        f"{name} B={B}",
+        variant,
+        ratios if variant == "batch-quantized" else [],
+        model=name,
+        B=B,
+        tokens=B,
+        kv_dtype=_kv_dtype(variant, _model(name).dtype),
+        cache_bytes=sum(c.nbytes for c in caches),
+        step_peak_bytes=step_peak,
+    )
+
+
+# -- memory ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("variant", ["quantized", "bf16"])
+def test_bytes_per_token(benchmark, implementation, variant, bits, head_dim):
+    """Append 256 tokens to 4 empty rows; bytes per token read from the arrays."""
+    B, T, heads = 4, 256, 8
+    k, v = (
+        mx.random.normal((B, heads, T, head_dim), key=key).astype(mx.bfloat16)
+        for key in mx.random.split(mx.random.key(head_dim + bits))
+    )
+    mx.eval(k, v)
+
+    def append():
+        if variant == "quantized":
+            empty = QuantizedKVCache(group_size=GROUP_SIZE, bits=bits)
+            cache = implementation.batch_class.merge([empty] * B)
+        else:
+            cache = BatchKVCache([0] * B)
+        mx.eval(cache.update_and_fetch(k, v))
+        return cache
+
+    cache = _pedantic(benchmark, append)
+    # 256 tokens fill the buffer exactly, so nbytes holds no spare capacity.
+    _record(
+        benchmark,
+        "memory",
+        f"bits={bits} head_dim={head_dim}",
+        variant,
+        [BYTES_PER_TOKEN] if variant == "quantized" else [],
+        bits=bits,
+        head_dim=head_dim,
+        kv_heads=heads,
+        bytes_per_token=cache.nbytes / (B * T),
+    )

@@ -1,0 +1,54 @@
+"""L2 over the schedule catalog on the random models, and proof that broken
+caches fail it with a first divergence at the right row and step."""
+
+import pytest
+
+from kvparity.impl.adapter import load_implementation
+from kvparity.reports.results import FAIL
+from kvparity.suites.l2 import run_l2
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.verdicts import assert_parity
+
+PATHS = catalog_paths("L2")
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_catalog_schedule(path, implementation):
+    assert_parity(run_l2(load(path), implementation))
+
+
+def test_l2_catalog_covers_models_and_settings():
+    schedules = [load(p) for p in PATHS]
+    models = {s.model for s in schedules if s.model}
+    assert {"qwen3-h64-bf16", "qwen3-h128-f32", "llama-h64-f32"} <= models
+    assert {s.bits for s in schedules} == {2, 3, 4, 5, 6, 8}
+    assert {s.group_size for s in schedules} >= {32, 64, 128}
+    assert {s.head_dim for s in schedules} == {64, 128}
+
+
+def _event_index(divergence):
+    return int(divergence.event.split()[0][1:])
+
+
+@pytest.mark.parametrize(
+    "variant, first_event, first_check",
+    [
+        # the mask is only used by a batched call: the first decode step
+        ("MaskIgnoresLeftPadding", 1, "logits"),
+        # the offset is wrong as soon as the rows merge, before any call
+        ("RopeOffsetIgnoresLeftPadding", 0, "offset"),
+    ],
+)
+def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_check):
+    """join-longer-joiner: rows a (6 tokens) and b (4 tokens, 2 pad columns)
+    merge, then decode. Only b is padded, so b diverges first, and its first
+    wrong logits come from its first batched call (step 1, event #1)."""
+    broken = load_implementation(f"kvparity.suites.negative_controls:{variant}")
+    result = run_l2(load(CATALOG / "join-longer-joiner.json"), broken)
+    assert result.verdict == FAIL
+    first = min(result.divergences, key=lambda d: (_event_index(d), d.step or 0))
+    assert (first.request, _event_index(first), first.check) == ("b", first_event, first_check), first.message()
+    logits = [d for d in result.row("b").divergences if d.check == "logits"]
+    assert (_event_index(logits[0]), logits[0].step) == (1, 1), logits[0].message()
+    assert "max abs diff" in logits[0].detail and "top-1 agree" in logits[0].detail
+    assert all(_event_index(d) > 1 for d in result.row("a").divergences)

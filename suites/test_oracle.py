@@ -1,0 +1,86 @@
+"""The serial oracle is mlx-lm: it equals generate_step token for token and
+log-probability for log-probability, bit for bit."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvparity.oracle.models import load_model
+from kvparity.oracle.parity import first_difference
+from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
+from kvparity.oracle.trace import TraceError, load_trace, save_trace
+from kvparity.suites.schedule import parse
+
+TOKENS = 10
+
+
+def solo_schedule(prompt_len, start, step_size, bits=4, group_size=64):
+    return parse(
+        {
+            "name": "solo",
+            "levels": ["L2"],
+            "kv": {"bits": bits, "group_size": group_size},
+            "requests": {"a": {"prompt_len": prompt_len, "quantized_kv_start": start, "prefill_step_size": step_size}},
+            "events": [{"join": ["a"]}, {"step": TOKENS - 1}],
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "model_name, prompt_len, start, step_size, bits",
+    [
+        ("llama-h64-bf16", 12, 0, 2048, 4),  # quantized from the first call
+        ("llama-h64-bf16", 12, 0, 4, 4),  # several prefill chunks
+        ("llama-h64-bf16", 23, 9, 5, 8),  # converts inside the prompt, mid-prefill
+        ("llama-h64-bf16", 12, 16, 3, 4),  # converts after the prompt, while decoding
+        ("qwen3-h128-f32", 30, 0, 7, 3),
+        ("llama-h128-f32", 1, 0, 2048, 2),  # a one-token prompt
+    ],
+)
+def test_oracle_equals_generate_step(model_name, prompt_len, start, step_size, bits):
+    model = load_model(model_name)
+    schedule = solo_schedule(prompt_len, start, step_size, bits)
+    prompt = prompt_tokens(schedule.requests["a"], model.vocab_size)
+    reference = [
+        (int(token), logprobs)
+        for token, logprobs in generate_step(
+            mx.array(prompt), model.model, max_tokens=TOKENS, kv_bits=bits, kv_group_size=64,
+            quantized_kv_start=start, prefill_step_size=step_size,
+        )
+    ]
+    trace = run_solo(model.model, schedule, "a", model.vocab_size)
+    calls = [c for c in trace.calls if c.logits is not None]
+    assert len(calls) == len(reference) == TOKENS
+    for step, (call, (token, logprobs)) in enumerate(zip(calls, reference)):
+        ours = log_probs(call.logits[-1])
+        assert greedy(call.logits[-1]) == token, f"token differs at step {step}"
+        assert first_difference(logprobs, ours) is None, f"log-probabilities differ at step {step}"
+    # the cache ends quantized exactly when mlx-lm's rule says it should
+    final = trace.snapshots[max(trace.snapshots)][0]
+    assert ("keys.packed" in final) == (prompt_len + TOKENS - 1 >= start)
+
+
+def test_oracle_detects_a_different_code_path():
+    """Sanity of the equality above: a different prefill chunking changes the
+    bits on bf16 (so the comparison is not vacuous)."""
+    model = load_model("llama-h64-bf16")
+    one = run_solo(model.model, solo_schedule(40, 0, 2048), "a", model.vocab_size)
+    many = run_solo(model.model, solo_schedule(40, 0, 3), "a", model.vocab_size)
+    assert any(
+        first_difference(a.logits, b.logits) is not None for a, b in zip(one.calls, many.calls)
+    )
+
+
+def test_trace_round_trip_and_tamper_detection(tmp_path):
+    model = load_model("llama-h64-bf16")
+    trace = run_solo(model.model, solo_schedule(9, 0, 4), "a", model.vocab_size)
+    save_trace(trace, tmp_path / "t")
+    loaded = load_trace(tmp_path / "t")
+    for a, b in zip(trace.calls, loaded.calls):
+        assert a.inputs == b.inputs
+        assert (a.logits is None and b.logits is None) or first_difference(a.logits, b.logits) is None
+    data = bytearray((tmp_path / "t" / "trace.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (tmp_path / "t" / "trace.safetensors").write_bytes(bytes(data))
+    with pytest.raises(TraceError, match="does not match its sha256"):
+        load_trace(tmp_path / "t")
