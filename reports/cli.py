@@ -54,28 +54,64 @@ class Progress:
             self.stream.flush()
 
 
-def run_l1_schedules(schedules, implementation, progress=None):
-    from kvparity.suites.l1 import run_l1
+def _use_device(name):
+    import mlx.core as mx
+
+    if name is None:
+        return
+    device = {"cpu": mx.cpu, "gpu": mx.gpu}[name]
+    if not mx.is_available(device):
+        raise CannotRun(f"--device {name}: this MLX build has no {name} backend")
+    mx.set_default_device(device)
+
+
+def run_schedules(runs, progress=None):
+    """``runs`` is a list of (schedule, callable returning its result)."""
+    from kvparity.oracle.models import ModelUnavailable
 
     results = []
-    for schedule in schedules:
-        results.append(run_l1(schedule, implementation))
+    for schedule, run in runs:
+        try:
+            results.append(run())
+        except ModelUnavailable as error:
+            raise CannotRun(str(error))
         if progress:
-            progress.advance(schedule.name)
+            progress.advance(f"{results[-1].level} {schedule.name}")
     return results
 
 
+def plan(args, implementation, files=None):
+    """The (schedule, run) pairs a command asks for, validated up front."""
+    from kvparity.suites.l1 import run_l1
+    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, load
+
+    levels = ("L1", "L2") if args.level == "all" else (args.level,)
+    runs = []
+    if "L1" in levels:
+        for schedule in [load(p) for p in (files or catalog_paths("L1"))]:
+            if "L1" in schedule.levels:
+                runs.append((schedule, lambda s=schedule: run_l1(s, implementation)))
+    if "L2" in levels:
+        folder = REAL_CATALOG if args.model == "smollm2" else CATALOG
+        forced = args.model if args.model != "smollm2" else None
+        for schedule in [load(p) for p in (files or catalog_paths("L2", folder))]:
+            if "L2" in schedule.levels:
+                runs.append((schedule, lambda s=schedule: run_l2(s, implementation, forced)))
+    return runs
+
+
 def _print_summary(results, out=None):
-    from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS
+    from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED
     from kvparity.reports.writer import summary_rows
 
     out = out or sys.stdout
     headers, rows = summary_rows(results)
     print(tabulate(rows, headers, tablefmt="simple"), file=out)
-    counts = {v: sum(r.verdict == v for r in results) for v in (PASS, FAIL, NOT_SUPPORTED)}
+    counts = {v: sum(r.verdict == v for r in results) for v in (PASS, FAIL, NOT_SUPPORTED, SKIPPED)}
     print(
-        f"\n{counts[PASS]} passed, {counts[FAIL]} failed, "
-        f"{counts[NOT_SUPPORTED]} not supported ({len(results)} schedules)",
+        f"\n{counts[PASS]} passed, {counts[FAIL]} failed, {counts[NOT_SUPPORTED]} not supported, "
+        f"{counts[SKIPPED]} skipped ({len(results)} schedule runs)",
         file=out,
     )
     return counts[FAIL] == 0
@@ -85,10 +121,11 @@ def cmd_run(args):
     from kvparity.reports.environment import describe
     from kvparity.reports.writer import write_report
 
+    _use_device(args.device)
     implementation = _implementation(args.impl)
-    schedules = _schedules(args.schedule, "L1")
-    progress = Progress(len(schedules))
-    results = run_l1_schedules(schedules, implementation, progress)
+    runs = plan(args, implementation, args.schedule)
+    progress = Progress(len(runs))
+    results = run_schedules(runs, progress)
     progress.close()
     ok = _print_summary(results)
     if not args.no_report:
@@ -100,9 +137,9 @@ def cmd_run(args):
 def cmd_replay(args):
     from kvparity.suites.verdicts import describe_failure
 
+    _use_device(args.device)
     implementation = _implementation(args.impl)
-    schedules = _schedules([args.file], "L1")
-    results = run_l1_schedules(schedules, implementation)
+    results = run_schedules(plan(args, implementation, [args.file]))
     ok = _print_summary(results)
     for result in results:
         if result.divergences or result.reason:
@@ -122,10 +159,19 @@ def build_parser():
 
     impl_help = "implementation under test as package.module:factory (default: the reference)"
 
+    def common(command):
+        command.add_argument("--impl", metavar="MODULE:FACTORY", help=impl_help)
+        command.add_argument("--level", choices=("L1", "L2", "all"), default="all",
+                             help="L1 cache bytes, L2 model per row, or both (default: %(default)s)")
+        command.add_argument("--model", metavar="NAME",
+                             help="run L2 on this model (smollm2: the real-model schedules); "
+                             "default: each schedule's own, a seeded random model")
+        command.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: MLX's default)")
+
     run = sub.add_parser("run", help="run the schedule catalog and write a report",
-                         description="Run the L1 schedule catalog against an implementation, "
-                         "print a summary and write a report directory.")
-    run.add_argument("--impl", metavar="MODULE:FACTORY", help=impl_help)
+                         description="Run the schedule catalog (L1 cache bytes and L2 per-row model "
+                         "parity) against an implementation, print a summary and write a report directory.")
+    common(run)
     run.add_argument("--schedule", metavar="FILE", action="append",
                      help="run this schedule file instead of the catalog (repeatable)")
     run.add_argument("--out", metavar="DIR", default="reports/out",
@@ -136,7 +182,7 @@ def build_parser():
     replay = sub.add_parser("replay", help="replay one schedule file and show each row's first divergence",
                             description="Replay one schedule file row by row.")
     replay.add_argument("file", metavar="FILE", help="schedule file (JSON)")
-    replay.add_argument("--impl", metavar="MODULE:FACTORY", help=impl_help)
+    common(replay)
     replay.set_defaults(func=cmd_replay)
     return parser
 

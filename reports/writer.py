@@ -52,12 +52,16 @@ class ReportDirectory:
 
 
 def summary_rows(results: List[ScheduleResult]):
-    headers = ["schedule", "level", "rows", "events", "verdict", "first divergence"]
+    headers = ["schedule", "level", "rows", "events", "verdict", "logits bit-exact", "top-1", "first divergence"]
     rows = []
     for r in results:
         first = next((d for d in r.divergences), None)
         note = first.message() if first else r.reason
-        rows.append([r.schedule, r.level, len(r.rows), r.events, r.verdict, _short(note)])
+        positions = sum(row.metrics.get("positions", 0) for row in r.rows)
+        exact = sum(row.metrics.get("bit_exact", 0) for row in r.rows)
+        top1 = sum(row.metrics.get("top1_agree", 0) for row in r.rows)
+        logit_cols = [f"{exact}/{positions}", f"{top1}/{positions}"] if positions else ["", ""]
+        rows.append([r.schedule, r.level, len(r.rows), r.events, r.verdict, *logit_cols, _short(note)])
     return headers, rows
 
 

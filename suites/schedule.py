@@ -30,6 +30,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_PREFILL_STEP = 2048
 
 CATALOG = Path(__file__).parent / "catalog"
+REAL_CATALOG = CATALOG / "real"  # schedules for the real model (SmolLM2)
 
 
 class ScheduleError(ValueError):
@@ -152,8 +153,8 @@ def save(schedule: Schedule, path) -> Path:
     return path
 
 
-def catalog_paths(level: Optional[str] = None) -> List[Path]:
-    paths = sorted(CATALOG.glob("*.json"))
+def catalog_paths(level: Optional[str] = None, folder: Path = CATALOG) -> List[Path]:
+    paths = sorted(Path(folder).glob("*.json"))
     if level is None:
         return paths
     return [p for p in paths if level in load(p).levels]

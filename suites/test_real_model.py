@@ -1,0 +1,32 @@
+"""L2 on the real SmolLM2-135M: English prompts, three rows, joins, a leave,
+uneven rollback and preemption, bit-exact against solo mlx-lm runs."""
+
+import pytest
+
+from kvparity.oracle.models import ModelUnavailable, load_model
+from kvparity.suites.l2 import run_l2
+from kvparity.suites.schedule import REAL_CATALOG, catalog_paths, load
+from kvparity.suites.verdicts import assert_parity
+
+PATHS = catalog_paths("L2", REAL_CATALOG)
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smollm2():
+    try:
+        return load_model("smollm2")
+    except ModelUnavailable as error:
+        pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_real_model_schedule(path, implementation):
+    schedule = load(path)
+    assert len(schedule.requests) >= 3
+    assert sum(e.args for e in schedule.events if e.kind == "step") >= 16
+    assert_parity(run_l2(schedule, implementation))
+
+
+def test_real_model_catalog_exists():
+    assert len(PATHS) >= 2
