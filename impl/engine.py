@@ -14,7 +14,9 @@ from typing import Dict, List
 import mlx.core as mx
 
 from kvparity.impl.adapter import Implementation
-from kvparity.oracle.solo import SoloRequest, SoloTrace
+from kvparity.oracle.solo import SoloRequest, SoloTrace, layer_bytes
+
+TRIPLE = ("packed", "scales", "biases")
 
 
 @dataclass
@@ -91,6 +93,23 @@ class Engine:
         inputs = mx.array([call.inputs for _, call in calls])
         logits = self.model(inputs, cache=self.layers)
         return [Output(rid, j, logits[i]) for i, (rid, (j, _)) in enumerate(zip(self.rows, calls))]
+
+    def row_bytes(self, rid: str):
+        """Per layer, the request's cache bytes as the engine holds them, named
+        like the oracle's snapshots, and its RoPE offset."""
+        if rid in self.preempted:
+            caches = self.preempted[rid]
+            return [layer_bytes(c) for c in caches], caches[0].offset
+        i = self.rows.index(rid)
+        layers = []
+        for batch in self.layers:
+            start, stop = batch.left_padding[i].item(), batch.size()
+            named = {}
+            for name, triple in zip(("keys", "values"), batch.state[:2]):
+                for part, x in zip(TRIPLE, triple):
+                    named[f"{name}.{part}"] = x[i : i + 1, :, start:stop]
+            layers.append(named)
+        return layers, int(self.layers[0].offset[i].item())
 
     # -- events ----------------------------------------------------------------------
 

@@ -97,6 +97,24 @@ def compare_batch_row(triples, i: int, start: int, stop: int, expected: dict, pr
     return found
 
 
+def compare_named(expected: dict, actual: dict, prefix: str = "", **where) -> List[Divergence]:
+    """Compare two {name: array} maps, name by name."""
+    found = []
+    for name, e in expected.items():
+        a = actual.get(name)
+        if a is None:
+            found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None, **where))
+            continue
+        diff = first_difference(e, a)
+        if diff is not None:
+            index, want, got = diff
+            found.append(
+                Divergence("bytes" if index is not None else "layout", tensor=prefix + name,
+                           index=index, expected=want, actual=got, **where)
+            )
+    return found
+
+
 def _shapes(triple):
     return None if triple is None else [tuple(x.shape) for x in triple]
 

@@ -49,6 +49,8 @@ class RowResult:
     divergences: List[Divergence] = field(default_factory=list)
     checks: int = 0
     metrics: dict = field(default_factory=dict)  # L2: logit statistics
+    tier: str = ""  # the strongest verdict tier the row reached
+    required: str = "bit-exact"  # the tier the policy asked for
 
     @property
     def first(self) -> Optional[Divergence]:

@@ -128,6 +128,7 @@ class L1Run:
         if result.verdict == NOT_SUPPORTED:
             return result
         for row in result.rows:
+            row.tier = "diverged" if row.divergences else "bit-exact"
             if row.divergences:
                 row.verdict = FAIL
         if result.divergences or result.reason:

@@ -5,21 +5,21 @@ bit-identical at every event boundary.
 """
 
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from kvparity.impl.adapter import Implementation
 from kvparity.impl.engine import Engine
 from kvparity.oracle.models import load_model
-from kvparity.oracle.parity import compare_batch_row, compare_triples, first_difference
-from kvparity.oracle.solo import greedy, run_solo
+from kvparity.oracle.parity import compare_named, first_difference
+from kvparity.oracle.solo import Call, SoloTrace, greedy, run_solo
 from kvparity.oracle.trace import cached_solo
 from kvparity.reports.metrics import LogitStats
+from kvparity.reports.policy import Policy, load_policy, tier_reached
 from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED, Divergence, ScheduleResult
 from kvparity.suites.schedule import parse
 
-TRIPLE = ("packed", "scales", "biases")
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
 
 
@@ -52,7 +52,11 @@ def fit_to_model(schedule, model):
     return schedule, None
 
 
-def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=True) -> ScheduleResult:
+def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=True,
+           policy: Policy = None, capture: Optional[dict] = None) -> ScheduleResult:
+    """Replay ``schedule`` on the model; ``capture``, when given, receives the
+    engine's own trace per request (same format as the oracle's)."""
+    policy = policy or load_policy()
     model = load_model(model_for(schedule, model_name))
     result = ScheduleResult(schedule.name, "L2", implementation.name, len(schedule.events), path=schedule.path)
     for rid in schedule.requests:
@@ -71,6 +75,8 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     for rid in schedule.requests:
         run = lambda rid=rid: run_solo(model.model, schedule, rid, model.vocab_size, model.tokenizer)
         traces[rid] = cached_solo(run, schedule, rid, model) if use_cache else run()
+    if capture is not None:
+        capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls]) for rid, t in traces.items()})
     engine = Engine(model.model, implementation, schedule, traces, model.vocab_size, model.tokenizer)
     stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
     for event in schedule.events:
@@ -90,20 +96,70 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
             expected = traces[out.request].calls[out.step].logits
             stats[out.request].add(expected, out.logits)
             found += compare_logits(expected, out.logits, label, out.request, out.step)
+            if capture is not None:
+                capture[out.request].calls[out.step].logits = out.logits
         found += compare_caches(engine, traces, label, event.index)
+        if capture is not None:
+            for rid in engine.rows + list(engine.preempted):
+                capture[rid].snapshots[event.index], capture[rid].offsets[event.index] = engine.row_bytes(rid)
         for divergence in found:
             result.row(divergence.request).divergences.append(divergence)
         for rid in engine.rows:
             result.row(rid).checks += 1
+    finish(result, stats, policy)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def finish(result: ScheduleResult, stats: Dict[str, LogitStats], policy: Policy):
+    """Row and schedule verdicts: a divergence fails a row only if the
+    policy says it gates."""
     for row in result.rows:
         row.metrics = stats[row.request].as_dict()
+        row.tier = tier_reached(row.metrics, row.divergences)
+        row.required = policy.required()
         if result.verdict == NOT_SUPPORTED:
             row.verdict = NOT_SUPPORTED
-        elif row.divergences:
+        elif any(policy.gates(d, row.metrics) for d in row.divergences):
             row.verdict = FAIL
-    if result.verdict != NOT_SUPPORTED and (result.divergences or result.reason):
+    if result.verdict != NOT_SUPPORTED and (result.reason or any(r.verdict == FAIL for r in result.rows)):
         result.verdict = FAIL
-    result.seconds = time.perf_counter() - start
+
+
+def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str, SoloTrace],
+                   source: str, policy: Policy = None) -> ScheduleResult:
+    """The L2 comparison between two recorded trace sets: logits per call,
+    cache bytes per layer at every recorded event boundary."""
+    policy = policy or load_policy()
+    events = max((c.event for t in golden.values() for c in t.calls), default=-1) + 1
+    result = ScheduleResult(name, "L2", source, events)
+    stats = {rid: LogitStats() for rid in golden}
+    for rid, expected in golden.items():
+        row = result.row(rid)
+        got = candidate.get(rid)
+        if got is None or len(got.calls) != len(expected.calls):
+            row.divergences.append(Divergence("layout", "trace", rid, detail="the candidate's calls differ in number"))
+            continue
+        for step, (e, a) in enumerate(zip(expected.calls, got.calls)):
+            if e.logits is None:
+                continue
+            if a.logits is None:
+                row.divergences.append(Divergence("layout", f"#{e.event}", rid, tensor="logits", step=step,
+                                                  detail="missing in the candidate"))
+                continue
+            stats[rid].add(e.logits, a.logits)
+            row.divergences += compare_logits(e.logits, a.logits, f"#{e.event}", rid, step)
+        for event, layers in sorted(expected.snapshots.items()):
+            actual, _ = got.snapshot_at(event)
+            if actual is None:
+                continue
+            if got.offsets.get(event, expected.offsets[event]) != expected.offsets[event]:
+                row.divergences.append(Divergence("offset", f"#{event}", rid, expected=expected.offsets[event],
+                                                  actual=got.offsets[event]))
+            for layer, (e, a) in enumerate(zip(layers, actual)):
+                row.divergences += compare_named(e, a, event=f"#{event}", request=rid, layer=layer)
+        row.checks = len(expected.snapshots)
+    finish(result, stats, policy)
     return result
 
 
@@ -144,28 +200,13 @@ def compare_logits(expected: mx.array, actual: mx.array, event: str, rid: str, s
 def compare_caches(engine: Engine, traces, event: str, event_index: int) -> List[Divergence]:
     """Every layer of every row, batched or preempted, against its solo bytes."""
     found = []
-    if engine.layers is not None:
-        size = engine.layers[0].size()
-        for i, rid in enumerate(engine.rows):
-            snapshot, offset = traces[rid].snapshot_at(event_index)
-            step = engine.consumed[rid] - 1
-            for layer, batch in enumerate(engine.layers):
-                where = dict(event=event, request=rid, layer=layer, step=step)
-                row_offset = int(batch.offset[i].item())
-                pad = int(batch.left_padding[i].item())
-                if row_offset != offset or size - pad != offset:
-                    found.append(Divergence("offset", expected=offset, actual=row_offset,
-                                            detail=f"left padding {pad} of size() {batch.size()}", **where))
-                    break
-                expected = {n: tuple(snapshot[layer][f"{n}.{p}"] for p in TRIPLE) for n in ("keys", "values")}
-                state = {"keys": batch.state[0], "values": batch.state[1]}
-                found += compare_batch_row(state, i, pad, batch.size(), expected, "", **where)
-    for rid, caches in engine.preempted.items():
-        snapshot, _ = traces[rid].snapshot_at(event_index)
-        for layer, cache in enumerate(caches):
-            for n in ("keys", "values"):
-                expected = tuple(snapshot[layer][f"{n}.{p}"] for p in TRIPLE)
-                got = tuple(x[..., : cache.offset, :] for x in getattr(cache, n))
-                found += compare_triples(expected, got, f"extracted.{n}", event=event, request=rid,
-                                         layer=layer, step=engine.consumed[rid] - 1)
+    for rid in engine.rows + list(engine.preempted):
+        expected, offset = traces[rid].snapshot_at(event_index)
+        actual, actual_offset = engine.row_bytes(rid)
+        prefix = "extracted." if rid in engine.preempted else ""
+        where = dict(event=event, request=rid, step=engine.consumed[rid] - 1)
+        if actual_offset != offset:
+            found.append(Divergence("offset", expected=offset, actual=actual_offset, detail="RoPE offset", **where))
+        for layer, (e, a) in enumerate(zip(expected, actual)):
+            found += compare_named(e, a, prefix, layer=layer, **where)
     return found

@@ -1,0 +1,106 @@
+"""Goldens: trace directories recorded on one machine, compared on the same kind.
+
+A trace directory holds ``golden.json`` (format, environment, machine key,
+source, schedules) and, per schedule and request, a trace in the format of
+``oracle/trace.py`` (``trace.safetensors`` + ``manifest.json`` with the sha256
+of every tensor). ``source`` is ``oracle`` for solo mlx-lm runs or
+``engine:<impl>`` for a batched run; an engine in another language that
+writes the same files can be compared against a golden.
+
+Traces from different machines are never compared: the machine key (backend,
+device, mlx and mlx-lm versions, numeric knobs) must match, and the refusal
+names the key that differs.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+from kvparity.oracle.solo import SoloTrace
+from kvparity.oracle.trace import TraceError, load_trace, save_trace
+from kvparity.reports.environment import describe
+
+FORMAT = "kvparity.golden/1"
+MACHINE_KEYS = ("backend", "device", "mlx", "mlx_lm", "knobs")
+
+
+class GoldenError(Exception):
+    """A trace directory that cannot be compared: the message says why."""
+
+
+def machine_key(environment: dict) -> dict:
+    return {k: environment.get(k) for k in MACHINE_KEYS}
+
+
+def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrace]], schedules) -> Path:
+    """``recorded`` maps schedule name -> request -> trace. Written atomically."""
+    out = Path(out)
+    if out.exists():
+        raise GoldenError(f"{out} exists: traces are never overwritten")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=out.parent))
+    try:
+        environment = describe(model=model)
+        for name, traces in recorded.items():
+            for rid, trace in traces.items():
+                save_trace(trace, staging / name / rid)
+        doc = {
+            "format": FORMAT,
+            "source": source,
+            "environment": environment,
+            "machine": machine_key(environment),
+            "schedules": {s.name: s.to_json() for s in schedules if s.name in recorded},
+        }
+        (staging / "golden.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def read_golden(directory) -> dict:
+    directory = Path(directory)
+    try:
+        doc = json.loads((directory / "golden.json").read_text())
+    except OSError:
+        raise GoldenError(f"{directory}: not a trace directory (no golden.json)")
+    except json.JSONDecodeError as error:
+        raise GoldenError(f"{directory}/golden.json: not JSON: {error}")
+    if doc.get("format") != FORMAT:
+        raise GoldenError(f"{directory}: format {doc.get('format')!r}, expected {FORMAT!r}")
+    return doc
+
+
+def load_traces(directory, doc) -> Dict[str, Dict[str, SoloTrace]]:
+    directory = Path(directory)
+    out = {}
+    for name, schedule in doc["schedules"].items():
+        out[name] = {}
+        for rid in schedule["requests"]:
+            try:
+                out[name][rid] = load_trace(directory / name / rid)
+            except TraceError as error:
+                raise GoldenError(str(error))
+    return out
+
+
+def check_same_machine(golden: dict, candidate: dict, here: dict = None):
+    """Refuse traces from another machine, naming the key that differs."""
+    pairs = [("candidate", candidate["machine"])]
+    if here is not None:
+        pairs.append(("this machine", machine_key(here)))
+    for who, machine in pairs:
+        for key in MACHINE_KEYS:
+            if golden["machine"].get(key) != machine.get(key):
+                raise GoldenError(
+                    f"golden recorded with {key}={golden['machine'].get(key)!r}, "
+                    f"{who} has {key}={machine.get(key)!r}: refusing to compare"
+                )
+
+
+def schedules_in(doc) -> List[str]:
+    return list(doc["schedules"])

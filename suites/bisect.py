@@ -1,0 +1,116 @@
+"""Event-level bisection: the first event after which parity breaks, and a
+minimal schedule that still breaks the same way.
+
+Parity is checked after every event, so the first failing event is read off
+one run. Shrinking is greedy delta debugging on the schedule document: drop
+events after the first failure, then drop single events, lower counts and
+shorten prompts while the schedule stays valid and still fails with the same
+check; last, forget requests no event names.
+"""
+
+import json
+from typing import Callable, Optional
+
+from kvparity.reports.results import FAIL, ScheduleResult
+from kvparity.suites.schedule import ScheduleError, parse
+
+
+def event_index(divergence) -> int:
+    return int(divergence.event.split()[0].lstrip("#"))
+
+
+def first_failure(result: ScheduleResult):
+    """The earliest divergence that failed a row, or None."""
+    failed = {row.request for row in result.rows if row.verdict == FAIL}
+    found = [d for d in result.divergences if d.request in failed or d.request is None]
+    return min(found, key=lambda d: (event_index(d), d.step or 0), default=None)
+
+
+class Shrinker:
+    def __init__(self, run: Callable, schedule):
+        self.run = run  # schedule -> ScheduleResult
+        self.source = schedule.path
+        self.original = run(schedule)
+        self.first = first_failure(self.original)
+        self.tries = 0
+
+    def still_fails(self, doc) -> bool:
+        self.tries += 1
+        try:
+            schedule = parse(json.loads(json.dumps(doc)), source=self.source)
+        except ScheduleError:
+            return False
+        result = self.run(schedule)
+        first = first_failure(result)
+        return result.verdict == FAIL and first is not None and first.check == self.first.check
+
+    def shrink(self, schedule) -> Optional[dict]:
+        if self.first is None:
+            return None
+        doc = schedule.to_json()
+        doc["events"] = doc["events"][: event_index(self.first) + 1]
+        doc["name"] = f"{schedule.name}-min"
+        changed = True
+        while changed:
+            changed = False
+            for candidate in self.candidates(doc):
+                if self.still_fails(candidate):
+                    doc, changed = candidate, True
+                    break
+        used = {rid for event in doc["events"] for rid in _requests_named(event)}
+        doc["requests"] = {rid: r for rid, r in doc["requests"].items() if rid in used}
+        doc["description"] = f"shrunk from {schedule.name}: fails with {self.first.check}"
+        return doc
+
+    def candidates(self, doc):
+        events = doc["events"]
+        for i in reversed(range(len(events))):  # drop an event
+            yield {**doc, "events": events[:i] + events[i + 1 :]}
+        if len(doc["requests"]) > 1:
+            for rid in doc["requests"]:  # drop a request everywhere
+                yield _without_request(doc, rid)
+        for i, event in enumerate(events):  # lower a count
+            (kind, args), = event.items()
+            if kind in ("step", "trim") and args > 1:
+                yield {**doc, "events": events[:i] + [{kind: args - 1}] + events[i + 1 :]}
+            if kind == "spec_round" and args["k"] > 1:
+                k = args["k"] - 1
+                accepted = {r: min(a, k) for r, a in args.get("accepted", {}).items()}
+                yield {**doc, "events": events[:i] + [{kind: {"k": k, "accepted": accepted}}] + events[i + 1 :]}
+        for rid, request in doc["requests"].items():  # shorten a prompt
+            n = request.get("prompt_len", 0)
+            for shorter in ({n // 2, n - 1} - {0, n}) if n > 1 else ():
+                smaller = {**request, "prompt_len": shorter}
+                if smaller.get("quantized_kv_start", 0) > shorter:
+                    smaller["quantized_kv_start"] = shorter
+                yield {**doc, "requests": {**doc["requests"], rid: smaller}}
+
+
+def _without_request(doc, rid):
+    events = []
+    for event in doc["events"]:
+        (kind, args), = event.items()
+        if args == rid:
+            continue
+        if isinstance(args, list):
+            args = [r for r in args if r != rid]
+        elif isinstance(args, dict) and kind == "spec_round":
+            args = {**args, "accepted": {r: a for r, a in args.get("accepted", {}).items() if r != rid}}
+        elif isinstance(args, dict):
+            args = {r: n for r, n in args.items() if r != rid}
+        if args in ([], {}):
+            continue
+        events.append({kind: args})
+    requests = {r: x for r, x in doc["requests"].items() if r != rid}
+    return {**doc, "requests": requests, "events": events}
+
+
+def _requests_named(event):
+    (_, args), = event.items()
+    if isinstance(args, str):
+        return [args]
+    if isinstance(args, list):
+        return args
+    if isinstance(args, dict):
+        return list(args.get("accepted", args))
+    return []
