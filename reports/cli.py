@@ -6,6 +6,7 @@ Exit status: 0 parity holds, 1 parity broken, 2 bad usage or bad input,
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ class CannotRun(Exception):
 def _implementation(spec):
     from kvparity.impl.adapter import ImplementationError, load_implementation
 
+    # The repository under test is the working directory (as under git bisect run).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return load_implementation(spec)
     except ImplementationError as error:
@@ -190,7 +194,7 @@ def cmd_record(args):
     implementation = _implementation(args.impl) if args.engine else None
     args.level = "L2"
     recorded, schedules, model = {}, [], None
-    for schedule, _ in plan(args, _implementation(None)):
+    for schedule, _ in plan(args, _implementation(None), args.schedule):
         model = load_model(model_for(schedule, args.model if args.model != "smollm2" else None))
         schedule, unfit = fit_to_model(schedule, model)
         if unfit or (implementation and any(not implementation.supports(c) for c in schedule.needs)):
@@ -214,6 +218,13 @@ def cmd_record(args):
     return EXIT_OK
 
 
+def missing(name, traces, source):
+    from kvparity.reports.results import SKIPPED, RowResult, ScheduleResult
+
+    rows = [RowResult(rid, SKIPPED) for rid in traces]
+    return ScheduleResult(name, "L2", source, 0, rows, SKIPPED, "the candidate has no trace of this schedule")
+
+
 def cmd_compare(args):
     from kvparity.oracle.golden import GoldenError, check_same_machine, load_traces, read_golden
     from kvparity.suites.l2 import compare_traces
@@ -227,7 +238,8 @@ def cmd_compare(args):
         raise CannotRun(str(error)) if "refusing" in str(error) else UsageError(str(error))
     policy = _policy(args)
     results = [
-        compare_traces(name, traces, candidate_traces.get(name, {}), candidate["source"], policy)
+        compare_traces(name, traces, candidate_traces[name], candidate["source"], policy)
+        if name in candidate_traces else missing(name, traces, candidate["source"])
         for name, traces in golden_traces.items()
     ]
     return EXIT_OK if _print_summary(results) else EXIT_BROKEN
