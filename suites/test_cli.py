@@ -50,3 +50,27 @@ def test_help_lists_commands(capsys):
     assert exit.value.code == 0
     out = capsys.readouterr().out
     assert "run" in out and "replay" in out and "125" in out
+
+
+def test_probe_prints_the_l0_table(capsys):
+    assert main(["probe", "--batch-sizes", "1,4"]) == EXIT_OK
+    out = capsys.readouterr().out
+    for op in ("matmul", "quantized_matmul", "quantize", "rope_per_row_offset", "quantized_sdpa_left_padding"):
+        assert op in out
+    assert "B=4" in out
+
+
+def test_run_l2_reports_logit_agreement(capsys):
+    code = main(["run", "--no-report", "--level", "L2", "--schedule", str(CATALOG / "rollback-uneven.json")])
+    assert code == EXIT_OK
+    out = capsys.readouterr().out
+    assert "logits bit-exact" in out and "39/39" in out
+
+
+def test_missing_backend_exits_125(capsys):
+    import mlx.core as mx
+
+    if mx.is_available(mx.gpu):
+        pytest.skip("this machine has a GPU backend")
+    assert main(["run", "--no-report", "--device", "gpu"]) == EXIT_CANNOT_RUN
+    assert "no gpu backend" in capsys.readouterr().err
