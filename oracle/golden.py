@@ -13,14 +13,12 @@ names the key that differs.
 """
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict, List
 
 from kvparity.oracle.solo import SoloTrace
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
+from kvparity.reports.atomic import AtomicDirectory
 from kvparity.reports.environment import describe
 
 FORMAT = "kvparity.golden/1"
@@ -38,27 +36,22 @@ def machine_key(environment: dict) -> dict:
 def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrace]], schedules) -> Path:
     """``recorded`` maps schedule name -> request -> trace. Written atomically."""
     out = Path(out)
-    if out.exists():
-        raise GoldenError(f"{out} exists: traces are never overwritten")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=out.parent))
+    environment = describe(model=model)
     try:
-        environment = describe(model=model)
-        for name, traces in recorded.items():
-            for rid, trace in traces.items():
-                save_trace(trace, staging / name / rid)
-        doc = {
-            "format": FORMAT,
-            "source": source,
-            "environment": environment,
-            "machine": machine_key(environment),
-            "schedules": {s.name: s.to_json() for s in schedules if s.name in recorded},
-        }
-        (staging / "golden.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        os.rename(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with AtomicDirectory(out.parent, out.name) as staging:
+            for name, traces in recorded.items():
+                for rid, trace in traces.items():
+                    save_trace(trace, staging / name / rid)
+            doc = {
+                "format": FORMAT,
+                "source": source,
+                "environment": environment,
+                "machine": machine_key(environment),
+                "schedules": {s.name: s.to_json() for s in schedules if s.name in recorded},
+            }
+            (staging / "golden.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    except FileExistsError:
+        raise GoldenError(f"{out} exists: traces are never overwritten")
     return out
 
 

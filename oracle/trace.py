@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ import mlx.core as mx
 from kvparity.oracle.gguf import cache_dir
 from kvparity.oracle.parity import digest
 from kvparity.oracle.solo import Call, SoloTrace
+from kvparity.reports.atomic import AtomicDirectory
 from kvparity.reports.environment import describe
 
 FORMAT = "kvparity.trace/1"
@@ -72,29 +72,24 @@ def _tensors(trace: SoloTrace):
 
 
 def save_trace(trace: SoloTrace, directory, metadata: Optional[dict] = None) -> Path:
-    """Write atomically: the directory appears complete or not at all."""
+    """Write atomically: the directory appears complete or not at all. If it
+    already exists (another run wrote the same trace), theirs is kept."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     tensors, calls, snapshots = _tensors(trace)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=directory.parent))
     try:
-        mx.save_safetensors(str(staging / "trace.safetensors"), tensors)
-        manifest = {
-            "format": FORMAT,
-            "request": trace.request,
-            "calls": calls,
-            "snapshots": snapshots,
-            "sha256": {name: digest([x]) for name, x in tensors.items()},
-            **(metadata or {}),
-        }
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
-        try:
-            os.rename(staging, directory)
-        except OSError:  # another run wrote the same trace first: keep theirs
-            shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with AtomicDirectory(directory.parent, directory.name) as staging:
+            mx.save_safetensors(str(staging / "trace.safetensors"), tensors)
+            manifest = {
+                "format": FORMAT,
+                "request": trace.request,
+                "calls": calls,
+                "snapshots": snapshots,
+                "sha256": {name: digest([x]) for name, x in tensors.items()},
+                **(metadata or {}),
+            }
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    except FileExistsError:
+        pass
     return directory
 
 

@@ -8,7 +8,6 @@ Exit status: 0 parity holds, 1 parity broken, 2 bad usage or bad input,
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from tabulate import tabulate
 
@@ -137,9 +136,34 @@ def cmd_run(args):
     progress.close()
     ok = _print_summary(results)
     if not args.no_report:
-        path = write_report(results, describe(implementation), args.out)
+        model = _probe_model(args)
+        path = write_report(
+            results, describe(implementation, model), args.out, policy=_policy(args),
+            probes=_probes(model, args.device), capabilities=implementation.capabilities,
+        )
         print(f"report: {path}")
     return EXIT_OK if ok else EXIT_BROKEN
+
+
+def _probe_model(args):
+    from kvparity.oracle.models import DEFAULT_MODEL, load_model
+
+    return load_model(args.model or DEFAULT_MODEL)
+
+
+def _probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size=64):
+    """L0 for the model's shapes: explains L2 outcomes in the report."""
+    from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, run_probes
+
+    shapes = ProbeShapes.from_args(
+        hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+        head_dim=model.head_dim, vocab_size=model.vocab_size, dtype=model.dtype,
+        kv_bits=kv_bits, kv_group_size=kv_group_size,
+    )
+    try:
+        return run_probes(shapes, batch_sizes=batch_sizes, device=device)
+    except ProbeUnavailable as error:
+        raise CannotRun(str(error))
 
 
 def _policy(args):
@@ -164,19 +188,14 @@ def cmd_check(args):
 
 
 def cmd_probe(args):
-    from kvparity.oracle.models import ModelUnavailable, load_model
-    from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, probe_table, run_probes
+    from kvparity.oracle.models import ModelUnavailable
+    from kvparity.oracle.probes import probe_table
 
     try:
-        model = load_model(args.model or "llama-h64-bf16")
-        shapes = ProbeShapes.from_args(
-            hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-            head_dim=model.head_dim, vocab_size=model.vocab_size, dtype=model.dtype,
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-        )
-        results = run_probes(shapes, batch_sizes=args.batch_sizes, device=args.device)
-    except (ModelUnavailable, ProbeUnavailable) as error:
+        model = _probe_model(args)
+    except ModelUnavailable as error:
         raise CannotRun(str(error))
+    results = _probes(model, args.device, args.batch_sizes, args.kv_bits, args.kv_group_size)
     headers, rows = probe_table(results)
     print(f"L0 batch invariance on {model.name} shapes, {args.device or 'default device'}: "
           "is row i of a batch byte-identical to the op run on row i alone?")

@@ -1,10 +1,13 @@
 """How far batched logits are from solo logits, beyond bit equality."""
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
+
+
+SERIES = ("max_abs_diff", "max_ulp", "kl_max", "bit_exact")
 
 
 @dataclass
@@ -17,16 +20,26 @@ class LogitStats:
     max_abs_diff: float = 0.0
     max_ulp: int = 0
     kl: List[float] = field(default_factory=list)  # KL(solo || batched) per position
+    # per step (index = the request's call): how far that call's logits moved
+    series: Dict[str, List] = field(default_factory=lambda: {k: [] for k in SERIES})
 
-    def add(self, solo: mx.array, batched: mx.array):
+    def add(self, solo: mx.array, batched: mx.array, step: int):
         s = np.array(solo.astype(mx.float32))
         b = np.array(batched.astype(mx.float32))
+        exact = int(sum(np.array_equal(x, y) for x, y in zip(_bits(solo), _bits(batched))))
+        abs_diff = float(np.abs(s - b).max(initial=0.0))
+        ulp = ulp_distance(solo, batched)
+        kl = kl_divergence(s, b)
         self.positions += s.shape[0]
-        self.bit_exact += int(sum(np.array_equal(x, y) for x, y in zip(_bits(solo), _bits(batched))))
+        self.bit_exact += exact
         self.top1_agree += int((s.argmax(-1) == b.argmax(-1)).sum())
-        self.max_abs_diff = max(self.max_abs_diff, float(np.abs(s - b).max(initial=0.0)))
-        self.max_ulp = max(self.max_ulp, ulp_distance(solo, batched))
-        self.kl += kl_divergence(s, b).tolist()
+        self.max_abs_diff = max(self.max_abs_diff, abs_diff)
+        self.max_ulp = max(self.max_ulp, ulp)
+        self.kl += kl.tolist()
+        for name, value in zip(SERIES, (abs_diff, ulp, float(kl.max(initial=0.0)), exact / s.shape[0])):
+            column = self.series[name]
+            column.extend([None] * (step + 1 - len(column)))
+            column[step] = value
 
     def as_dict(self) -> dict:
         kl = np.array(self.kl) if self.kl else np.zeros(1)

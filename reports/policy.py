@@ -8,14 +8,22 @@ whatever the policy says.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import mlx.core as mx
 
+from kvparity.reports.results import NOT_SUPPORTED, SKIPPED
+
 POLICIES = Path(__file__).parent / "policies"
 TIERS = ("bit-exact", "ulp", "kl")
+BIT_EXACT, DIVERGED = "bit-exact", "diverged"
+TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
+# Checks a backend that is not batch-invariant may fail without a bug: logits,
+# and the cache bytes the model writes from them. Any other check (raised,
+# mask, alias, ...) is structural and puts a row at `diverged` whatever its logits.
 LOGIT_CHECKS = ("logits", "tokens")
 CACHE_CHECKS = ("bytes", "layout", "offset")
 
@@ -57,18 +65,58 @@ class Policy:
         return True  # raised, alias, ...: never a matter of numerics
 
 
-def tier_reached(metrics: dict, divergences) -> str:
-    """The strongest tier a row's logits reached, with its measured bound."""
-    positions = metrics.get("positions", 0)
+
+
+def tier_of(row_metrics: Mapping, bytes_ok: bool) -> str:
+    """The strongest tier a row reached: ``bit-exact`` > ``ulp<=N`` >
+    ``kl<=tau and top-1 agree`` > ``diverged``, with N and tau as measured.
+
+    ``row_metrics`` are a row's L2 logit statistics (empty for L1, where
+    bytes are the whole story); ``bytes_ok`` says every cache check held.
+    """
+    positions = row_metrics.get("positions", 0)
     if not positions:
-        return "bit-exact" if not divergences else "diverged"
-    if metrics["bit_exact"] == positions:
-        return "bit-exact"
-    if metrics["max_ulp"] >= 0 and metrics["top1_agree"] == positions:
-        return f"ulp<={metrics['max_ulp']}"
-    if metrics["top1_agree"] == positions:
-        return f"kl<={metrics['kl_max']:.3g}"
-    return "diverged"
+        return BIT_EXACT if bytes_ok else DIVERGED
+    if bytes_ok and row_metrics["bit_exact"] == positions:
+        return BIT_EXACT
+    if row_metrics["top1_agree"] != positions:
+        return DIVERGED  # a flipped greedy token is past every tolerance tier
+    if row_metrics["max_ulp"] >= 0:  # -1: dtypes or shapes differ, no ULP distance
+        return f"ulp<={row_metrics['max_ulp']}"
+    if math.isfinite(row_metrics["kl_max"]):
+        return f"kl<={_round_up(row_metrics['kl_max'])} and top-1 agree"
+    return DIVERGED
+
+
+def tier_family(tier: Optional[str]) -> Optional[str]:
+    """``ulp<=3`` -> ``ulp``: tiers grouped for counting."""
+    if tier is None:
+        return None
+    return next(f for f in TIER_FAMILIES if tier.startswith(f))
+
+
+def bytes_ok(row) -> bool:
+    """Every check other than logits held for the row (cache bytes, offsets, ...)."""
+    return not any(d.check not in LOGIT_CHECKS for d in row.divergences)
+
+
+def row_tier(row) -> Optional[str]:
+    """A row's tier; None where nothing was compared (not supported, skipped)."""
+    if row.verdict in (NOT_SUPPORTED, SKIPPED):
+        return None
+    if any(d.check not in LOGIT_CHECKS + CACHE_CHECKS for d in row.divergences):
+        return DIVERGED
+    return tier_of(row.metrics, bytes_ok(row))
+
+
+def _round_up(x: float, digits: int = 3) -> str:
+    """``x`` in ``digits`` significant digits, rounded up so a printed bound
+    is still a bound."""
+    text = f"{x:.{digits}g}"
+    if float(text) >= x:
+        return text
+    scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    return f"{float(text) + scale:.{digits}g}"
 
 
 def load_policy(spec: Optional[str] = None) -> Policy:

@@ -50,6 +50,7 @@ class RowResult:
     checks: int = 0
     metrics: dict = field(default_factory=dict)  # L2: logit statistics
     tier: str = ""  # the strongest verdict tier the row reached
+    series: dict = field(default_factory=dict)  # L2: per-step logit series (index = step)
     required: str = "bit-exact"  # the tier the policy asked for
 
     @property

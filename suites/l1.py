@@ -35,6 +35,7 @@ from kvparity.oracle.parity import (
 )
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
+from kvparity.reports.policy import row_tier
 from kvparity.reports.results import FAIL, NOT_SUPPORTED, Divergence, ScheduleResult
 
 MASK_WIDTHS = (1, 3)
@@ -128,9 +129,9 @@ class L1Run:
         if result.verdict == NOT_SUPPORTED:
             return result
         for row in result.rows:
-            row.tier = "diverged" if row.divergences else "bit-exact"
             if row.divergences:
                 row.verdict = FAIL
+            row.tier = row_tier(row)
         if result.divergences or result.reason:
             result.verdict = FAIL
         return result

@@ -16,8 +16,8 @@ from kvparity.oracle.parity import compare_named, first_difference
 from kvparity.oracle.solo import Call, SoloTrace, greedy, run_solo
 from kvparity.oracle.trace import cached_solo
 from kvparity.reports.metrics import LogitStats
-from kvparity.reports.policy import Policy, load_policy, tier_reached
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED, Divergence, ScheduleResult
+from kvparity.reports.policy import Policy, load_policy, row_tier
+from kvparity.reports.results import FAIL, NOT_SUPPORTED, SKIPPED, Divergence, ScheduleResult
 from kvparity.suites.schedule import parse
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
@@ -94,7 +94,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
         found = []
         for out in outputs:
             expected = traces[out.request].calls[out.step].logits
-            stats[out.request].add(expected, out.logits)
+            stats[out.request].add(expected, out.logits, out.step)
             found += compare_logits(expected, out.logits, label, out.request, out.step)
             if capture is not None:
                 capture[out.request].calls[out.step].logits = out.logits
@@ -116,12 +116,13 @@ def finish(result: ScheduleResult, stats: Dict[str, LogitStats], policy: Policy)
     policy says it gates."""
     for row in result.rows:
         row.metrics = stats[row.request].as_dict()
-        row.tier = tier_reached(row.metrics, row.divergences)
+        row.series = stats[row.request].series if row.metrics["positions"] else {}
         row.required = policy.required()
         if result.verdict == NOT_SUPPORTED:
             row.verdict = NOT_SUPPORTED
         elif any(policy.gates(d, row.metrics) for d in row.divergences):
             row.verdict = FAIL
+        row.tier = row_tier(row)
     if result.verdict != NOT_SUPPORTED and (result.reason or any(r.verdict == FAIL for r in result.rows)):
         result.verdict = FAIL
 
@@ -147,7 +148,7 @@ def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str,
                 row.divergences.append(Divergence("layout", f"#{e.event}", rid, tensor="logits", step=step,
                                                   detail="missing in the candidate"))
                 continue
-            stats[rid].add(e.logits, a.logits)
+            stats[rid].add(e.logits, a.logits, step)
             row.divergences += compare_logits(e.logits, a.logits, f"#{e.event}", rid, step)
         for event, layers in sorted(expected.snapshots.items()):
             actual, _ = got.snapshot_at(event)

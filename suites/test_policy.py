@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvparity.reports.policy import PolicyError, load_policy, tier_reached
+from kvparity.reports.policy import PolicyError, load_policy, tier_of
 from kvparity.reports.results import Divergence
 
 EXACT = {"positions": 4, "bit_exact": 4, "top1_agree": 4, "max_ulp": 0, "kl_max": 0.0}
@@ -16,9 +16,12 @@ RAISED = Divergence("raised", "#1 step 1", "a")
 
 
 def test_tiers_reached():
-    assert tier_reached(EXACT, []) == "bit-exact"
-    assert tier_reached(CLOSE, [LOGITS]) == "ulp<=3"
-    assert tier_reached(FLIPPED, [LOGITS]) == "diverged"
+    assert tier_of(EXACT, bytes_ok=True) == "bit-exact"
+    assert tier_of(EXACT, bytes_ok=False) == "ulp<=0"
+    assert tier_of(CLOSE, bytes_ok=True) == "ulp<=3"
+    assert tier_of({**CLOSE, "max_ulp": -1}, bytes_ok=True) == "kl<=2e-05 and top-1 agree"
+    assert tier_of(FLIPPED, bytes_ok=True) == "diverged"
+    assert tier_of({}, bytes_ok=False) == "diverged"
 
 
 def test_cpu_policy_requires_bit_exact():

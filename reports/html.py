@@ -1,0 +1,343 @@
+"""report.html: one self-contained page (inline CSS and SVG, no script, no
+network) with the environment, the tables, and per schedule the divergences
+over steps and a layer x step heatmap of where each row first diverged.
+
+Rendered from the report.json record. SVG elements carry ids and data-*
+attributes (row, step, layer, count) so tests can read the plots back out of
+a browser's DOM.
+"""
+
+import math
+import re
+from collections import Counter
+from html import escape
+
+from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+VERDICT_CLASS = {PASS: "pass", FAIL: "fail", NOT_SUPPORTED: "muted", SKIPPED: "muted"}
+TIER_CLASS = (("bit-exact", "pass"), ("ulp", "warn"), ("kl", "warn"), ("diverged", "fail"))
+SHOWN = 25  # divergences listed per row; report.json has them all
+
+STYLE = """
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#1d2733;color:#eee;padding:16px 24px}
+header h1{margin:0 0 4px;font-size:22px}
+.meta{color:#aab;margin:0 0 10px}
+.env{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:2px 24px;margin:8px 0 0;font-size:12px}
+.env div{display:flex;gap:8px;overflow:hidden}.env dt{color:#aab;white-space:nowrap}.env dd{margin:0;word-break:break-all}
+main{padding:8px 24px 40px}
+h2{margin:28px 0 8px;font-size:18px}
+.badge{display:inline-block;padding:2px 10px;border-radius:10px;margin-right:6px;font-weight:600;background:#445}
+.badge.pass{background:#2e7d32}.badge.fail{background:#c62828}.badge.muted{background:#666}
+.scroll{overflow-x:auto}
+table{border-collapse:collapse;font-size:12px;background:#fff}
+th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;white-space:nowrap}
+td:last-child{white-space:normal;min-width:320px}
+th{background:#eef0f3;position:sticky;top:0}
+td.pass{color:#2e7d32;font-weight:600}td.fail{color:#c62828;font-weight:600}
+td.warn{color:#b26a00;font-weight:600}td.muted{color:#777}
+details.schedule{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 0;padding:6px 12px}
+details.schedule>summary{cursor:pointer;font-weight:600}
+details.row>summary{cursor:pointer;font-size:13px}
+.plots{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start;margin:8px 0}
+figure{margin:0}figcaption{font-size:12px;color:#555}
+figure.heat{max-width:340px}
+svg text{font-family:inherit;font-size:11px;fill:#333}
+ol.divergences{font:11px/1.35 ui-monospace,Menlo,Consolas,monospace;margin:4px 0;padding-left:28px}
+.note{color:#666}
+"""
+
+
+def render(record: dict, tables) -> str:
+    """The page; ``tables`` are report.md's (title, headers, rows)."""
+    env = record["environment"]
+    counts = record["summary"]["schedules"]
+    badges = "".join(
+        f'<span class="badge {VERDICT_CLASS[v]}">{counts[v]} {escape(v)}</span>' for v in counts if counts[v]
+    )
+    items = "".join(
+        f"<div><dt>{escape(k)}</dt><dd>{escape(_str(v)) or '—'}</dd></div>" for k, v in _flatten(env).items()
+    )
+    title = f"kvparity report: {env.get('implementation') or ''}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>",
+        f'<header><h1>kvparity report</h1><p class="meta">written {escape(record["created"])} · '
+        f'{escape(record["schema"])} · {"parity holds" if record["passed"] else "parity broken"}</p>',
+        f'<div id="verdicts">{badges}</div><dl class="env" id="environment">{items}</dl></header><main>',
+    ]
+    (summary, *rest) = tables
+    parts.append(_table_section(summary, "summary"))
+    parts.append(_schedules_section(record["results"]))
+    parts += [_table_section(t, f"table-{i}") for i, t in enumerate(rest)]
+    parts.append("</main></body></html>\n")
+    return "\n".join(parts)
+
+
+# --- tables ----------------------------------------------------------------
+
+
+def _table_section(table, anchor) -> str:
+    title, headers, rows = table
+    head = "".join(f"<th>{escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(_cell(h, v) for h, v in zip(headers, row)) + "</tr>" for row in rows)
+    return (f'<section id="{anchor}"><h2>{escape(title)}</h2><div class="scroll"><table>'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div></section>")
+
+
+def _cell(header, value) -> str:
+    """A cell, coloured in the columns that judge: verdict, tier, bytes."""
+    text = _str(value)
+    css = ""
+    if header == "verdict":
+        css = VERDICT_CLASS.get(text, "")
+    elif header == "tier":
+        css = next((c for prefix, c in TIER_CLASS if text.startswith(prefix)), "")
+    elif header == "bytes":
+        css = {"ok": "pass", "differ": "fail"}.get(text, "")
+    return f'<td class="{css}">{escape(text)}</td>' if css else f"<td>{escape(text)}</td>"
+
+
+def _str(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# --- per schedule: plots and divergences -----------------------------------
+
+
+def _schedules_section(results) -> str:
+    cards = [_schedule_card(i, r) for i, r in enumerate(results)]
+    cards = [c for c in cards if c]
+    if not cards:
+        return ('<section id="plots"><h2>Divergence over steps</h2>'
+                '<p class="note">No divergences: every row matched its solo run.</p></section>')
+    return '<section id="plots"><h2>Divergence over steps</h2>' + "".join(cards) + "</section>"
+
+
+def _schedule_card(index, result) -> str:
+    rows = result["rows"]
+    diverged = [row for row in rows if row["divergences"]]
+    series = sorted({name for row in rows for name in (row.get("series") or {})})
+    if not diverged and not series:
+        return ""
+    key = f"{result['level']}-{_slug(result['schedule'])}-{index}"
+    figures = []
+    colors = {row["request"]: PALETTE[i % len(PALETTE)] for i, row in enumerate(rows)}
+    if diverged:
+        figures.append(_steps_chart(key, result, diverged, colors))
+    for name in series:
+        figures.append(_series_chart(key, name, rows, colors))
+    if result["level"] == "L2":
+        figures += [_heatmap(key, result, row) for row in diverged]
+    lists = "".join(_divergence_list(row) for row in diverged)
+    opened = " open" if result["verdict"] == FAIL else ""
+    return (f'<details class="schedule" id="schedule-{key}"{opened}><summary>{escape(result["level"])} '
+            f'{escape(result["schedule"])}: {escape(result["verdict"])} '
+            f'({len(diverged)} of {len(rows)} rows diverged)</summary>'
+            f'<div class="plots">{"".join(f for f in figures if f)}</div>{lists}</details>')
+
+
+def _divergence_list(row) -> str:
+    shown = row["divergences"][:SHOWN]
+    more = len(row["divergences"]) - len(shown)
+    items = "".join(f"<li>{escape(d['message'])}</li>" for d in shown)
+    tail = f'<p class="note">… {more} more in report.json</p>' if more > 0 else ""
+    return (f"<details class=\"row\"><summary>row <b>{escape(row['request'])}</b>: "
+            f"{len(row['divergences'])} divergence(s), tier {escape(str(row.get('tier')))}</summary>"
+            f"<ol class=\"divergences\">{items}</ol>{tail}</details>")
+
+
+def _x(divergence):
+    """The step of a divergence: its request's step (L2) or, where it has
+    none (L1), the index of the event after which it was seen."""
+    if divergence.get("step") is not None:
+        return divergence["step"]
+    found = re.match(r"#(\d+)", divergence.get("event") or "")
+    return int(found.group(1)) if found else None
+
+
+# Plot geometry (px): the drawing area sits inside these margins.
+W, H, LEFT, RIGHT, TOP, BOTTOM = 460, 200, 44, 10, 40, 34
+
+
+def _steps_chart(key, result, rows, colors) -> str:
+    """Grouped bars: divergences found per step, one bar per row."""
+    counts = {row["request"]: Counter(x for x in map(_x, row["divergences"]) if x is not None) for row in rows}
+    xs = [x for c in counts.values() for x in c]
+    if not xs:
+        return ""
+    lo, hi = min(xs), max(xs)
+    peak = _nice(max(n for c in counts.values() for n in c.values()))
+    axis = "step" if result["level"] == "L2" else "event"
+    slot = (W - LEFT - RIGHT) / (hi - lo + 1)
+    bar = slot * 0.8 / len(rows)
+    out = [_frame(f"steps-{key}", "divergences per " + axis, axis, lo, hi, peak, slot)]
+    for r, (rid, c) in enumerate(counts.items()):
+        color = colors[rid]
+        for x, n in sorted(c.items()):
+            h = (H - TOP - BOTTOM) * n / peak
+            px = LEFT + (x - lo) * slot + slot * 0.1 + r * bar
+            out.append(f'<rect class="bar" data-row="{escape(rid)}" data-step="{x}" data-count="{n}" '
+                       f'x="{px:.1f}" y="{H - BOTTOM - h:.1f}" width="{max(bar, 1):.1f}" height="{h:.1f}" '
+                       f'fill="{color}"><title>row {escape(rid)}, {axis} {x}: {n} divergence(s)</title></rect>')
+    out.append(_legend({rid: colors[rid] for rid in counts}))
+    out.append("</svg>")
+    return f"<figure>{''.join(out)}</figure>"
+
+
+def _series_chart(key, name, rows, colors) -> str:
+    """Lines: a per-step series of each row (e.g. KL or max abs logit diff)."""
+    lines = {}
+    for row in rows:
+        values = (row.get("series") or {}).get(name) or []
+        points = [(i, float(v)) for i, v in enumerate(values) if _finite(v)]
+        if points:
+            lines[row["request"]] = points
+    if not lines:
+        return ""
+    xs = [x for pts in lines.values() for x, _ in pts]
+    lo, hi = min(xs), max(xs)
+    peak = _nice(max(y for pts in lines.values() for _, y in pts))
+    slot = (W - LEFT - RIGHT) / (hi - lo + 1)
+    out = [_frame(f"series-{key}-{_slug(name)}", name + " per step", "step", lo, hi, peak, slot)]
+    for rid, points in lines.items():
+        color = colors[rid]
+        xy = [(LEFT + (x - lo + 0.5) * slot, H - BOTTOM - (H - TOP - BOTTOM) * y / peak) for x, y in points]
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" '
+                   f'points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in xy)}"/>')
+        for (x, y), (a, b) in zip(points, xy):
+            out.append(f'<circle class="point" data-row="{escape(rid)}" data-step="{x}" data-value="{y:.6g}" '
+                       f'cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}">'
+                       f"<title>row {escape(rid)}, step {x}: {escape(name)} {y:.4g}</title></circle>")
+    out.append(_legend({rid: colors[rid] for rid in lines}))
+    out.append("</svg>")
+    return f"<figure>{''.join(out)}</figure>"
+
+
+def _frame(svg_id, title, axis, lo, hi, peak, slot) -> str:
+    """An svg's opening tag, title, axes, grid and tick labels."""
+    bottom, plot_h = H - BOTTOM, H - TOP - BOTTOM
+    out = [f'<svg id="{svg_id}" width="{W}" height="{H}" '
+           f'viewBox="0 0 {W} {H}" role="img"><rect width="{W}" height="{H}" fill="#fff"/>',
+           f'<text x="{LEFT}" y="14" font-weight="600">{escape(title)}</text>']
+    for frac in (0, 0.5, 1):
+        y = bottom - plot_h * frac
+        out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e4e4e4"/>'
+                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{_tick(peak * frac)}</text>')
+    every = max(1, math.ceil((hi - lo + 1) / 12))  # at most a dozen step labels
+    for x in range(lo, hi + 1, every):
+        px = LEFT + (x - lo + 0.5) * slot
+        out.append(f'<text x="{px:.1f}" y="{bottom + 14}" text-anchor="middle">{x}</text>')
+    out.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{bottom}" y2="{bottom}" stroke="#888"/>'
+               f'<text x="{(LEFT + W - RIGHT) / 2:.0f}" y="{H - 4}" text-anchor="middle">{axis}</text>')
+    return "".join(out)
+
+
+def _legend(colors) -> str:
+    out = []
+    for r, (label, color) in enumerate(colors.items()):  # one line under the title
+        x = LEFT + 70 * r
+        out.append(f'<rect x="{x}" y="20" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{x + 14}" y="29">{escape(_clip(label, 8))}</text>')
+    return "".join(out)
+
+
+# Heatmap cell size (px) and the left gutter for its labels.
+CELL, GUTTER = 18, 52
+
+
+def _heatmap(key, result, row) -> str:
+    """Rows are the logits track then layers 0..L, columns steps; a cell's
+    colour counts the row's divergences there, and the row's first
+    divergence is outlined."""
+    placed = [d for d in row["divergences"] if d.get("step") is not None
+              and (d.get("layer") is not None or d["check"] in ("logits", "tokens"))]
+    if not placed:
+        return ""
+    every_divergence = [d for r in result["rows"] for d in r["divergences"]]
+    layers = [d["layer"] for d in every_divergence if d.get("layer") is not None]
+    tracks = ["logits"] + [f"layer {n}" for n in range(max(layers) + 1 if layers else 0)]
+    steps = [d["step"] for d in every_divergence if d.get("step") is not None]
+    lo, hi = min(steps), max(steps)  # one step axis for all rows of the schedule
+
+    def track(d):
+        return 0 if d.get("layer") is None else d["layer"] + 1
+
+    counts = Counter((track(d), d["step"]) for d in placed)
+    first = next(iter(placed))
+    peak = max(counts.values())
+    cell = CELL if hi - lo < 40 else max(6, 640 // (hi - lo + 1))
+    width, height = max(GUTTER + cell * (hi - lo + 1) + 4, 240), 22 + cell * len(tracks) + 18
+    rid = row["request"]
+    out = [f'<svg id="heat-{key}-{_slug(rid)}" width="{width}" '
+           f'height="{height}" viewBox="0 0 {width} {height}" role="img">'
+           f'<rect width="{width}" height="{height}" fill="#fff"/><text x="0" y="13" font-weight="600">'
+           f"row {escape(_clip(rid, 24))}: divergences by layer and step</text>"]
+    for t, label in enumerate(tracks):
+        out.append(f'<text x="{GUTTER - 4}" y="{22 + cell * t + cell * 0.7:.1f}" text-anchor="end">{label}</text>')
+        for step in range(lo, hi + 1):
+            n = counts.get((t, step), 0)
+            is_first = (t, step) == (track(first), first["step"])
+            stroke = ' stroke="#000" stroke-width="2"' if is_first else ' stroke="#fff"'
+            layer = "" if t == 0 else t - 1
+            out.append(f'<rect class="cell" data-layer="{layer}" data-step="{step}" data-count="{n}" '
+                       f'data-first="{int(is_first)}" x="{GUTTER + cell * (step - lo)}" y="{22 + cell * t}" '
+                       f'width="{cell}" height="{cell}" fill="{_heat(n, peak)}"{stroke}>'
+                       f"<title>{label}, step {step}: {n} divergence(s){' (first)' if is_first else ''}</title></rect>")
+    every = max(1, math.ceil((hi - lo + 1) * cell / 300))
+    for step in range(lo, hi + 1, every):
+        out.append(f'<text x="{GUTTER + cell * (step - lo + 0.5):.1f}" y="{height - 4}" '
+                   f'text-anchor="middle">{step}</text>')
+    out.append("</svg>")
+    caption = escape(_clip(f"outlined, the first: {first['message']}", 160))
+    return f'<figure class="heat">{"".join(out)}<figcaption>{caption}</figcaption></figure>'
+
+
+def _heat(n, peak) -> str:
+    """White-grey for none, then light orange to dark red with the count."""
+    if n == 0:
+        return "#f1f1f1"
+    t = n / peak
+    low, high = (253, 208, 162), (165, 15, 21)
+    return "#" + "".join(f"{round(a + (b - a) * t):02x}" for a, b in zip(low, high))
+
+
+def _nice(x) -> float:
+    """The smallest 1, 2 or 5 times a power of ten that is >= x (> 0)."""
+    if not x or x <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(x))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= x)
+
+
+def _tick(v) -> str:
+    return f"{v:.3g}"
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _slug(text) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", str(text))
+
+
+def _clip(text, width) -> str:
+    text = str(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
