@@ -49,10 +49,10 @@ def test_a_golden_from_another_machine_is_refused(golden, tmp_path, capsys):
 
     shutil.copytree(golden, other)
     doc = json.loads((other / "golden.json").read_text())
-    doc["machine"]["device"] = "gpu (NVIDIA H200)"
+    doc["machine"]["device"] = "gpu (Apple M2 Max)"
     (other / "golden.json").write_text(json.dumps(doc))
     assert main(["compare", str(other), str(golden)]) == EXIT_CANNOT_RUN
-    assert "golden recorded with device='gpu (NVIDIA H200)'" in capsys.readouterr().err
+    assert "golden recorded with device='gpu (Apple M2 Max)'" in capsys.readouterr().err
 
 
 def test_a_tampered_or_truncated_trace_is_refused(golden, tmp_path, capsys):

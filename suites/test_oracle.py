@@ -84,3 +84,27 @@ def test_trace_round_trip_and_tamper_detection(tmp_path):
     (tmp_path / "t" / "trace.safetensors").write_bytes(bytes(data))
     with pytest.raises(TraceError, match="does not match its sha256"):
         load_trace(tmp_path / "t")
+
+
+def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation):
+    """A second run of a schedule reuses the stored solo traces instead of
+    recomputing them; a changed request gets a new key."""
+    from kvparity.suites import l2
+    from kvparity.suites.schedule import CATALOG, load
+
+    monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
+    schedule = load(CATALOG / "rollback-uneven.json")
+    assert l2.run_l2(schedule, implementation).verdict == "pass"
+    stored = sorted(p.name for p in tmp_path.iterdir())
+    assert len(stored) == len(schedule.requests)
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("the oracle ran again")
+
+    monkeypatch.setattr(l2, "run_solo", recompute)
+    assert l2.run_l2(schedule, implementation).verdict == "pass"
+    assert sorted(p.name for p in tmp_path.iterdir()) == stored
+    doc = schedule.to_json()
+    doc["requests"]["a"]["prompt_len"] += 1
+    with pytest.raises(AssertionError, match="the oracle ran again"):
+        l2.run_l2(parse(doc), implementation)
