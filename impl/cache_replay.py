@@ -6,7 +6,7 @@ enter the batch through ``merge``/``extend``; every other event drives the
 implementation under test through the protocol only.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
@@ -147,6 +147,3 @@ class CacheReplay:
         row = self.preempted.pop(rid).cache
         self.watch("merge", [row])
         self.add_rows(self.impl.merge([row]), [rid])
-
-    def extracted(self, rid: str) -> Optional[SoloCache]:
-        return self.preempted.get(rid)

@@ -14,7 +14,7 @@ names the key that differs.
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 from kvparity.oracle.solo import SoloTrace
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
@@ -93,7 +93,3 @@ def check_same_machine(golden: dict, candidate: dict, here: dict = None):
                     f"golden recorded with {key}={golden['machine'].get(key)!r}, "
                     f"{who} has {key}={machine.get(key)!r}: refusing to compare"
                 )
-
-
-def schedules_in(doc) -> List[str]:
-    return list(doc["schedules"])

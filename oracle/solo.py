@@ -82,9 +82,6 @@ class SoloTrace:
     def calls_at(self, event: int) -> List[Call]:
         return [c for c in self.calls if c.event == event]
 
-    def step_of(self, call: Call) -> int:
-        return self.calls.index(call)
-
     def snapshot_at(self, event: int):
         """The cache as it stands after ``event``: the latest snapshot."""
         known = [e for e in self.snapshots if e <= event]

@@ -30,12 +30,6 @@ def _implementation(spec):
         raise CannotRun(str(error))
 
 
-def _schedules(paths, level):
-    from kvparity.suites.schedule import catalog_paths, load
-
-    return [load(p) for p in (paths or catalog_paths(level))]
-
-
 class Progress:
     """One line that rewrites itself on a terminal; silent elsewhere."""
 

@@ -159,3 +159,11 @@ def test_unreadable_schedule_files(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ScheduleError, match="broken.json: not JSON"):
         load(tmp_path / "broken.json")
+
+
+def test_state_round_trip(batch):
+    """state and meta_state rebuild the same batch, as mlx-lm's caches do."""
+    copy = BatchQuantizedKVCache.from_state(batch.state, batch.meta_state)
+    assert digest(owned_arrays(copy)) == digest(owned_arrays(batch))
+    assert (copy.size(), copy.bits, copy.group_size) == (batch.size(), batch.bits, batch.group_size)
+    assert copy.nbytes == batch.nbytes
