@@ -13,6 +13,7 @@ cache as for the other suites.
 """
 
 import os
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -35,7 +36,8 @@ DECODE_MODELS = (
     if QUICK
     else ("llama-h64-bf16", "llama-h128-bf16", "qwen3-h64-bf16", "smollm2")
 )
-ROUNDS, WARMUP = (5, 1) if QUICK else (20, 2)
+# Rounds per benchmark: as many as fit in BUDGET_S, within [MIN_ROUNDS, ROUNDS].
+MIN_ROUNDS, ROUNDS, BUDGET_S = (3, 10, 1.0) if QUICK else (5, 30, 4.0)
 
 # The layout the join, leave and decode benchmarks use: mlx-lm's default group
 # size, 4 bits, and the random models' KV shape.
@@ -77,6 +79,10 @@ QUANTIZED_VS_DENSE = Ratio(
     "batch-quantized", "batch-dense",
     targets=(("smollm2 B=8", "<=", 1.5),),
 )
+DECODE_CACHE = Ratio(
+    "decode: quantized / unquantized cache bytes",
+    "batch-quantized", "batch-dense", quantity="cache_bytes",
+)
 DECODE_PEAK = Ratio(
     "decode: quantized / unquantized step peak memory",
     "batch-quantized", "batch-dense", quantity="step_peak_bytes",
@@ -98,9 +104,18 @@ def _record(benchmark, metric, case, variant, ratios=(), **values):
 
 
 def _pedantic(benchmark, fn, setup=None):
-    # Explicit rounds: most functions here consume their input (extend, filter,
-    # a decode step), so each round gets a fresh one from `setup`.
-    return benchmark.pedantic(fn, setup=setup, rounds=ROUNDS, warmup_rounds=WARMUP)
+    """Time `fn`, after one untimed call that warms it up and sizes the rounds.
+
+    Most functions here consume their input (extend, filter, a decode step),
+    so `setup` gives each round a fresh one, as pytest-benchmark's pedantic
+    mode allows.
+    """
+    args, kwargs = (setup() if setup else None) or ((), {})
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    once = time.perf_counter() - start
+    rounds = max(MIN_ROUNDS, min(ROUNDS, int(BUDGET_S / once)))
+    return benchmark.pedantic(fn, setup=setup, rounds=rounds)
 
 
 def _eval_cache(cache):
@@ -130,9 +145,11 @@ def _rows(B, width):
     return rows, _solo_row(width // 2, keys[B])
 
 
+# The variants of one case run back to back (variant varies fastest), so
+# that a change in the machine's load between them cannot bias their ratio.
+@pytest.mark.parametrize("variant", ["extend", "remerge"])
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("B", JOIN_BATCHES)
-@pytest.mark.parametrize("variant", ["extend", "remerge"])
 def test_join(benchmark, implementation, variant, B, width):
     """One row joins a batch of B: extend, or merge all B + 1 rows again."""
     Batch = implementation.batch_class
@@ -158,9 +175,9 @@ def test_join(benchmark, implementation, variant, B, width):
     _record(benchmark, "join", f"B={B} width={width}", variant, ratios, B=B, width=width)
 
 
+@pytest.mark.parametrize("variant", ["filter", "remerge"])
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("B", LEAVE_BATCHES)
-@pytest.mark.parametrize("variant", ["filter", "remerge"])
 def test_leave(benchmark, implementation, variant, B, width):
     """The longest row leaves a batch of B: filter, or merge the survivors."""
     Batch = implementation.batch_class
@@ -198,8 +215,9 @@ def _model(name):
 
 
 def _prompt_length(row):
-    # 32 to 95 tokens, different for neighbouring rows, so the batch is padded.
-    return 32 + (41 * row) % 64
+    # 16 to 47 tokens, different for neighbouring rows, so the batch is padded.
+    # Short: SmolLM2 costs about as much per prompt token as per decoded one.
+    return 16 + (37 * row) % 32
 
 
 @lru_cache(maxsize=None)
@@ -256,34 +274,35 @@ def _kv_dtype(variant, activations):
     return str(activations).split(".")[-1] if variant == "batch-dense" else f"{BITS}-bit"
 
 
+@pytest.mark.parametrize("variant", ["batch-quantized", "solo-quantized", "batch-dense"])
 @pytest.mark.parametrize("B", DECODE_BATCHES)
 @pytest.mark.parametrize("name", DECODE_MODELS)
-@pytest.mark.parametrize("variant", ["batch-quantized", "solo-quantized", "batch-dense"])
 def test_decode(benchmark, implementation, variant, name, B):
-    """One decode step (one token for each of B rows) at a context of 32-95 tokens.
+    """One decode step (one token for each of B rows) after 16-47 token prompts.
 
     batch-quantized: the cache under test; solo-quantized: B mlx-lm
     QuantizedKVCache requests one after another; batch-dense: mlx-lm's
     BatchKVCache in the model's activation dtype.
     """
     step, caches = _decode_setup(variant, name, B, implementation.batch_class)
-    rounds = []
+    stepped = []
 
     def rewind():
         # Undo the previous round's token so that every round sees one context.
         for cache in caches:
-            cache.trim(len(rounds))
-        rounds[:] = [None]
+            cache.trim(len(stepped))
+        stepped[:] = [True]
 
     _pedantic(benchmark, step, setup=rewind)
 
+    # What one step allocates on top of what is already held (weights, caches).
     rewind()
     mx.reset_peak_memory()
     active = mx.get_active_memory()
     step()
-    step_peak = mx.get_peak_memory() - active
+    peak = mx.get_peak_memory()
 
-    ratios = [BATCHED_VS_SOLO, QUANTIZED_VS_DENSE, DECODE_PEAK]
+    ratios = [BATCHED_VS_SOLO, QUANTIZED_VS_DENSE, DECODE_CACHE, DECODE_PEAK]
     _record(
         benchmark,
         "decode",
@@ -295,16 +314,17 @@ def test_decode(benchmark, implementation, variant, name, B):
         tokens=B,
         kv_dtype=_kv_dtype(variant, _model(name).dtype),
         cache_bytes=sum(c.nbytes for c in caches),
-        step_peak_bytes=step_peak,
+        peak_bytes=peak,
+        step_peak_bytes=peak - active,
     )
 
 
 # -- memory ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("variant", ["quantized", "bf16"])
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("bits", (4, 8))
-@pytest.mark.parametrize("variant", ["quantized", "bf16"])
 def test_bytes_per_token(benchmark, implementation, variant, bits, head_dim):
     """Append 256 tokens to 4 empty rows; bytes per token read from the arrays."""
     B, T, heads = 4, 256, 8
