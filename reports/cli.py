@@ -13,6 +13,17 @@ from tabulate import tabulate
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_RUN = 0, 1, 2, 125
 
+EXAMPLES = """examples:
+  kvparity run                                   the catalog against the reference cache
+  kvparity run --impl myserver.cache:BatchCache  ... against your implementation
+  kvparity run --model smollm2                   L2 on the real SmolLM2-135M
+  kvparity replay found.json --level L1          one schedule, row by row
+  git bisect run kvparity check --impl myserver.cache:BatchCache
+                                                 find the commit that broke parity
+
+exit status: 0 parity holds, 1 parity broken, 2 usage error, 125 cannot run here
+"""
+
 
 class CannotRun(Exception):
     """Raised for exit 125: nothing is wrong with parity, it cannot be judged here."""
@@ -310,7 +321,8 @@ def build_parser():
         prog="kvparity",
         description="Parity harness for batched, affine-quantized KV caches on MLX: "
         "every row of a batch must match the same request run alone through mlx-lm, byte for byte.",
-        epilog="Exit status: 0 parity holds, 1 parity broken, 2 usage error, 125 cannot run here.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -37,7 +37,7 @@ DECODE_MODELS = (
     else ("llama-h64-bf16", "llama-h128-bf16", "qwen3-h64-bf16", "smollm2")
 )
 # Rounds per benchmark: as many as fit in BUDGET_S, within [MIN_ROUNDS, ROUNDS].
-MIN_ROUNDS, ROUNDS, BUDGET_S = (3, 10, 1.0) if QUICK else (5, 30, 4.0)
+MIN_ROUNDS, ROUNDS, BUDGET_S = (3, 50, 0.5) if QUICK else (5, 200, 2.0)
 
 # The layout the join, leave and decode benchmarks use: mlx-lm's default group
 # size, 4 bits, and the random models' KV shape.
