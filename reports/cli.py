@@ -142,9 +142,12 @@ def cmd_run(args):
     ok = _print_summary(results)
     if not args.no_report:
         model = _probe_model(args)
+        bench = None
+        if args.bench:
+            bench = lambda directory: _benchmarks(directory, args.quick, args.impl)
         path = write_report(
             results, describe(implementation, model), args.out, policy=_policy(args),
-            probes=_probes(model, args.device), capabilities=implementation.capabilities,
+            probes=_probes(model, args.device), capabilities=implementation.capabilities, extra=bench,
         )
         print(f"report: {path}")
     return EXIT_OK if ok else EXIT_BROKEN
@@ -303,6 +306,28 @@ def cmd_bisect(args):
     return EXIT_BROKEN
 
 
+def _benchmarks(directory, quick, impl):
+    from kvparity.reports.bench import ratio_table, run_benchmarks
+
+    try:
+        run_benchmarks(directory, quick, impl)
+    except RuntimeError as error:
+        print(f"kvparity: {error}", file=sys.stderr)
+    headers, rows = ratio_table(directory / "benchmark.json")
+    print(tabulate(rows, headers, tablefmt="simple"))
+
+
+def cmd_bench(args):
+    from kvparity.reports.writer import ReportDirectory
+
+    _implementation(args.impl)  # refuse an unusable one before minutes of benchmarks
+    report = ReportDirectory(args.out)
+    with report as directory:
+        _benchmarks(directory, args.quick, args.impl)
+    print(f"benchmarks: {report.path}")
+    return EXIT_OK
+
+
 def cmd_replay(args):
     from kvparity.suites.verdicts import describe_failure
 
@@ -350,7 +375,20 @@ def build_parser():
     run.add_argument("--out", metavar="DIR", default="reports/out",
                      help="where report directories go (default: %(default)s)")
     run.add_argument("--no-report", action="store_true", help="print the summary only")
+    run.add_argument("--bench", action="store_true",
+                     help="also run the benchmarks into the report directory (minutes)")
+    run.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
     run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="run the benchmarks and write their ratios to a report directory",
+                           description="Run the pytest-benchmark suite (join, leave, decode throughput, memory, "
+                           "the harness itself) and write benchmark.json and a table of ratios measured in one "
+                           "run into a new report directory.")
+    bench.add_argument("--impl", metavar="MODULE:FACTORY", help=impl_help)
+    bench.add_argument("--quick", action="store_true", help="the short grid CI runs")
+    bench.add_argument("--out", metavar="DIR", default="reports/out",
+                       help="where report directories go (default: %(default)s)")
+    bench.set_defaults(func=cmd_bench)
 
     check = sub.add_parser("check", help="exit 0 if parity holds, 1 if it breaks, 125 if it cannot run (for git bisect run)",
                            description="Run the catalog quietly and answer with the exit status: 0 parity holds, "

@@ -14,7 +14,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import List, Mapping
+from typing import Callable, List, Mapping, Optional
 
 from tabulate import tabulate
 
@@ -214,13 +214,14 @@ def render_markdown(record: dict, report_tables) -> str:
 
 
 def write_report(results: List[ScheduleResult], environment: dict, root, sections=(), *, policy=None,
-                 probes=None, capabilities=None) -> Path:
+                 probes=None, capabilities=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
     ``sections`` are extra (title, headers, rows) tables; ``policy`` the
     per-backend policy (dataclass or dict), ``probes`` L0 probe records,
-    ``capabilities`` {name: supported} (default: the environment's).
+    ``capabilities`` {name: supported} (default: the environment's);
+    ``extra(directory)`` adds files (benchmarks) before the directory appears.
     """
     from kvparity.reports import html, junit
 
@@ -233,4 +234,6 @@ def write_report(results: List[ScheduleResult], environment: dict, root, section
         (directory / "report.md").write_text(render_markdown(record, report_tables))
         (directory / "junit.xml").write_bytes(junit.render(record))
         (directory / "report.html").write_text(html.render(record, report_tables))
+        if extra is not None:
+            extra(directory)
     return report.path

@@ -13,15 +13,19 @@ cache as for the other suites.
 """
 
 import os
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, make_prompt_cache
 
 from kvparity.oracle.models import ModelUnavailable, load_model
+from kvparity.reports.bench import time_command
 
 pytestmark = pytest.mark.benchmark_suite
 
@@ -356,3 +360,41 @@ def test_bytes_per_token(benchmark, implementation, variant, bits, head_dim):
         kv_heads=heads,
         bytes_per_token=cache.nbytes / (B * T),
     )
+
+
+# -- the harness itself ------------------------------------------------------------
+
+HARNESS = Ratio(
+    "harness: cold / warm wall time", "cold", "warm", quantity="seconds",
+    targets=(("kvparity run", ">=", 3.0),),
+)
+
+
+COMMANDS = {
+    "kvparity run": ["-m", "kvparity", "run", "--no-report"],
+    "default test suite": ["-m", "pytest", "-q"],
+}
+
+
+@pytest.fixture(scope="module")
+def oracle_caches(tmp_path_factory):
+    return tmp_path_factory.mktemp("oracle")
+
+
+@pytest.mark.parametrize("variant", ["cold", "warm"])
+@pytest.mark.parametrize("command", ["kvparity run", *([] if QUICK else ["default test suite"])])
+def test_harness_wall_time(benchmark, oracle_caches, command, variant):
+    """Wall time of a whole command with an empty oracle cache (cold) and with
+    the cache a previous run filled (warm); one round each, they take seconds."""
+    argv = [sys.executable, *COMMANDS[command]]
+    cache = oracle_caches / command.replace(" ", "-")
+    env = {**os.environ, "KVPARITY_ORACLE_CACHE": str(cache)}
+    root = Path(__file__).parent.parent
+    if variant == "cold":
+        shutil.rmtree(cache, ignore_errors=True)
+    elif not cache.exists():
+        time_command(argv, env=env, cwd=root)  # fill it
+    seconds = []
+    benchmark.pedantic(lambda: seconds.append(time_command(argv, env=env, cwd=root)), rounds=1)
+    _record(benchmark, "harness", command, variant, [HARNESS] if variant == "cold" else [],
+            seconds=seconds[0])

@@ -1,0 +1,183 @@
+"""``kvparity bench``: run the benchmark suite and tabulate its ratios.
+
+The suite (``suites/test_benchmarks.py``) records in each benchmark's
+``extra_info`` what it measured (``metric``, ``case``, ``variant``, byte
+counts) and, on the variant a ratio is about, the ratio's definition and
+target. This module only reads the JSON pytest-benchmark writes, so a table
+can be rebuilt from any earlier run's ``benchmark.json``.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from tabulate import tabulate
+
+import kvparity.suites
+
+SUITE = Path(kvparity.suites.__file__).parent / "test_benchmarks.py"
+RATIO_HEADERS = ["ratio", "case", "measured", "target", "met?"]
+DECODE_HEADERS = [
+    "model", "B", "variant", "KV", "step ms", "tokens/s", "cache MiB", "step peak MiB"
+]
+
+
+def time_command(argv: Sequence[str], env: Optional[dict] = None, cwd=None) -> float:
+    """Wall seconds of one run of `argv`; raises CalledProcessError if it fails."""
+    start = time.perf_counter()
+    subprocess.run(list(argv), env=env, cwd=cwd, check=True)
+    return time.perf_counter() - start
+
+
+def run_benchmarks(
+    out_dir: Path, quick: bool, impl: Optional[str] = None, pytest_args: Sequence[str] = ()
+) -> Path:
+    """Run the suite into ``out_dir/benchmark.json``; write and return ``benchmarks.md``.
+
+    The suite runs in a fresh interpreter (MLX state and model caches stay out
+    of this process), from the repository root so that its pytest
+    configuration applies. A failing suite still gets its table written when
+    pytest produced the JSON; then RuntimeError says so.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "benchmark.json"
+    json_path.unlink(missing_ok=True)
+    argv = [
+        sys.executable, "-m", "pytest", str(SUITE),
+        "-m", "benchmark_suite",
+        f"--benchmark-json={json_path}",
+        "--benchmark-columns=median,iqr,rounds",
+        "--benchmark-sort=fullname",
+        *(["--impl", impl] if impl else []),
+        *pytest_args,
+    ]
+    env = {**os.environ, "KVPARITY_BENCH_QUICK": "1" if quick else "0"}
+    start = time.perf_counter()
+    status = subprocess.run(argv, env=env, cwd=SUITE.parent.parent).returncode
+    seconds = time.perf_counter() - start
+    if not json_path.exists():
+        raise RuntimeError(f"benchmark suite wrote no results (pytest exit {status})")
+
+    md_path = out_dir / "benchmarks.md"
+    md_path.write_text(render_markdown(json_path, quick, seconds=seconds, impl=impl))
+    if status != 0:
+        raise RuntimeError(
+            f"benchmark suite failed (pytest exit {status}); partial table in {md_path}"
+        )
+    return md_path
+
+
+def _load(benchmark_json_path) -> List[dict]:
+    return json.loads(Path(benchmark_json_path).read_text())["benchmarks"]
+
+
+def _value(bench: dict, quantity: str) -> float:
+    if quantity == "time":
+        return bench["stats"]["median"]
+    return bench["extra_info"][quantity]
+
+
+def _met(value: float, target) -> str:
+    if target is None:
+        return ""
+    op, bound = target
+    return "yes" if (value >= bound if op == ">=" else value <= bound) else "NO"
+
+
+def ratio_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
+    """(headers, rows): one row per ratio and case, grouped by ratio in run order.
+
+    A row's measured value is None ("n/a") when one side of the ratio did not
+    run (skipped, failed or deselected).
+    """
+    benchmarks = _load(benchmark_json_path)
+    found: Dict[tuple, dict] = {}
+    for bench in benchmarks:
+        info = bench.get("extra_info", {})
+        if "metric" in info:
+            found[info["metric"], info["case"], info["variant"]] = bench
+
+    rows, seen = [], set()
+    for bench in benchmarks:
+        info = bench.get("extra_info", {})
+        for ratio in info.get("ratios", ()):
+            key = (ratio["name"], info["case"])
+            if key in seen:
+                continue
+            seen.add(key)
+            sides = [
+                found.get((info["metric"], info["case"], ratio[side]))
+                for side in ("numerator", "denominator")
+            ]
+            target = ratio["target"]
+            value = None
+            if all(sides):
+                num, den = (_value(b, ratio["quantity"]) for b in sides)
+                value = num / den if den else None
+            rows.append([
+                ratio["name"],
+                info["case"],
+                None if value is None else round(value, 3),
+                "" if target is None else f"{target[0]} {target[1]:g}",
+                "n/a" if value is None else _met(value, target),
+            ])
+    # Group the rows by ratio, in the order the ratios first ran.
+    first = {}
+    for row in rows:
+        first.setdefault(row[0], len(first))
+    return RATIO_HEADERS, sorted(rows, key=lambda row: first[row[0]])
+
+
+def decode_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
+    """(headers, rows): step time, tokens/s and step peak memory per decode benchmark."""
+    rows = []
+    for bench in _load(benchmark_json_path):
+        info = bench.get("extra_info", {})
+        if info.get("metric") != "decode":
+            continue
+        step = bench["stats"]["median"]
+        rows.append([
+            info["model"], info["B"], info["variant"], info["kv_dtype"],
+            round(step * 1e3, 2), round(info["tokens"] / step, 1),
+            round(info["cache_bytes"] / 2**20, 2), round(info["step_peak_bytes"] / 2**20, 2),
+        ])
+    return DECODE_HEADERS, rows
+
+
+def render_markdown(
+    benchmark_json_path, quick: bool, seconds: Optional[float] = None, impl: Optional[str] = None
+) -> str:
+    machine = json.loads(Path(benchmark_json_path).read_text()).get("machine_info", {})
+    lines = [
+        "# kvparity benchmarks",
+        "",
+        f"- grid: {'quick (KVPARITY_BENCH_QUICK=1)' if quick else 'full'}",
+        f"- machine: {machine.get('cpu', {}).get('brand_raw', platform.processor())}, "
+        f"{os.cpu_count()} cores, {platform.system()}; MLX {mx.__version__} "
+        f"on {mx.default_device()}",
+    ]
+    if impl:
+        lines.append(f"- implementation: `{impl}`")
+    if seconds is not None:
+        lines.append(f"- wall time of the suite: {seconds:.0f} s")
+    lines += [
+        "",
+        "Each ratio is numerator / denominator, both measured in this run "
+        "(median times, or bytes): `re-merge / extend` 4 means extend is 4x "
+        "cheaper than re-merging; `batched / solo tokens per second` is the "
+        "solo step time over the batched one.",
+        "",
+    ]
+    headers, rows = ratio_table(benchmark_json_path)
+    lines += [tabulate(rows, headers, tablefmt="github", missingval="n/a"), ""]
+    headers, rows = decode_table(benchmark_json_path)
+    if rows:
+        lines += ["## Decode steps", "", tabulate(rows, headers, tablefmt="github"), ""]
+    return "\n".join(lines)
