@@ -13,6 +13,7 @@ from collections import Counter
 from html import escape
 
 from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED
+from kvparity.reports.writer import flatten
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 VERDICT_CLASS = {PASS: "pass", FAIL: "fail", NOT_SUPPORTED: "muted", SKIPPED: "muted"}
@@ -57,7 +58,7 @@ def render(record: dict, tables) -> str:
         f'<span class="badge {VERDICT_CLASS[v]}">{counts[v]} {escape(v)}</span>' for v in counts if counts[v]
     )
     items = "".join(
-        f"<div><dt>{escape(k)}</dt><dd>{escape(_str(v)) or '—'}</dd></div>" for k, v in _flatten(env).items()
+        f"<div><dt>{escape(k)}</dt><dd>{escape(_str(v)) or '—'}</dd></div>" for k, v in flatten(env).items()
     )
     title = f"kvparity report: {env.get('implementation') or ''}"
     parts = [
@@ -106,16 +107,6 @@ def _str(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 # --- per schedule: plots and divergences -----------------------------------
