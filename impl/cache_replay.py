@@ -38,11 +38,10 @@ class CacheReplay:
         return self.kv.tokens(rid, start, n, seed=request.seed)
 
     def prefill_alone(self, rid: str) -> SoloCache:
-        request = self.schedule.requests[rid]
-        solo = SoloCache(self.schedule.bits, self.schedule.group_size, request.quantized_kv_start)
-        for n in request.prefill_chunks():
-            solo.append(*self.draw(rid, n))
-        return solo
+        return SoloCache.prefilled(
+            self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
+            lambda n: self.draw(rid, n),
+        )
 
     def watch(self, what: str, caches):
         """Remember the sources of a merge/extend so the checker can prove

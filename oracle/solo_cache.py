@@ -18,6 +18,15 @@ class SoloCache:
         # A one-layer prompt cache: mlx-lm converts layers in place in the list.
         self.layers = [cache if cache is not None else KVCache()]
 
+    @classmethod
+    def prefilled(cls, request, bits: int, group_size: int, draw, prompt_len=None):
+        """The request's prompt appended in generate_step's chunks;
+        ``draw(n)`` gives the next n tokens' keys and values."""
+        solo = cls(bits, group_size, request.quantized_kv_start)
+        for n in request.prefill_chunks(prompt_len):
+            solo.append(*draw(n))
+        return solo
+
     @property
     def cache(self):
         return self.layers[0]

@@ -156,10 +156,10 @@ class Oracle:
             request = self.schedule.requests[rid]
             for call in calls:
                 if call.op == "prefill":
-                    solo = SoloCache(self.schedule.bits, self.schedule.group_size, request.quantized_kv_start)
-                    self.solo[rid] = solo
-                    for n in request.prefill_chunks(call.n):
-                        solo.append(*self.draw(rid, n))
+                    self.solo[rid] = SoloCache.prefilled(
+                        request, self.schedule.bits, self.schedule.group_size,
+                        lambda n, rid=rid: self.draw(rid, n), call.n,
+                    )
                 elif call.op == "append":
                     self.solo[rid].append(*self.draw(rid, call.n))
                 else:
