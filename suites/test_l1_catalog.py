@@ -2,8 +2,11 @@
 
 import pytest
 
+from kvparity.impl.adapter import Implementation, detect_capabilities
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.reports.results import NOT_SUPPORTED, PASS
 from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import catalog_paths, load
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
 from kvparity.suites.verdicts import assert_parity
 
 PATHS = catalog_paths("L1")
@@ -26,3 +29,19 @@ def test_catalog_covers_the_design_list():
     required |= {f"bits-{b}" for b in (2, 3, 4, 5, 6, 8)}
     required |= {f"group-{g}" for g in (32, 64, 128)}
     assert required <= names, sorted(required - names)
+
+
+class WithoutPerRowRollback(BatchQuantizedKVCache):
+    rollback = None  # the capability is detected as missing
+
+
+def test_a_missing_capability_is_not_supported_never_a_pass():
+    impl = Implementation("tests:WithoutPerRowRollback", WithoutPerRowRollback,
+                          detect_capabilities(WithoutPerRowRollback))
+    assert impl.capabilities == {"per_row_rollback": False, "delayed_conversion": False}
+    uneven = run_l1(load(CATALOG / "rollback-uneven.json"), impl)
+    assert uneven.verdict == NOT_SUPPORTED and uneven.reason == "needs per_row_rollback"
+    assert all(row.verdict == NOT_SUPPORTED for row in uneven.rows)
+    assert run_l1(load(CATALOG / "spec-round-even.json"), impl).verdict == PASS
+    with pytest.raises(pytest.skip.Exception, match="not supported: needs per_row_rollback"):
+        assert_parity(uneven)
