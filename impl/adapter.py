@@ -45,15 +45,6 @@ CAPABILITIES: Dict[str, tuple] = {
         "(rollback(amounts), re-aligning the rows)",
         lambda cls: callable(getattr(cls, "rollback", None)),
     ),
-    # A forward runs every row through one attention path (mlx-lm dispatches
-    # quantized SDPA on the cache), so rows still unquantized need an engine
-    # with a second, unquantized sub-batch. The engines do not have one yet:
-    # schedules that need this are "not supported" for every implementation.
-    "delayed_conversion": (
-        "rows cross quantized_kv_start at different steps, after joining "
-        "(not driven by the engines yet)",
-        lambda cls: False,
-    ),
 }
 
 

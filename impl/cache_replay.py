@@ -3,7 +3,9 @@
 This is the cache half of an engine: no model, one layer. Joiners prefill
 alone through mlx-lm's path (the same ``SoloCache`` the oracle uses) and
 enter the batch through ``merge``/``extend``; every other event drives the
-implementation under test through the protocol only.
+implementation under test through the protocol only. As in the model engine,
+a request that joins before its ``quantized_kv_start`` waits outside the
+batch, appending alone, and enters when mlx-lm converts it.
 """
 
 from typing import Dict, List
@@ -24,6 +26,7 @@ class CacheReplay:
         self.kv = kv
         self.batch = None
         self.rows: List[str] = []  # request id of each batch row, in order
+        self.waiting: Dict[str, SoloCache] = {}  # joined, not yet quantized
         self.preempted: Dict[str, SoloCache] = {}
         self.written: Dict[str, int] = {}  # tokens each request has drawn
         self.last_fetch = None  # what the last update_and_fetch returned
@@ -57,20 +60,43 @@ class CacheReplay:
             self.batch.extend(new_batch)
         self.rows.extend(rids)
 
-    def append_all(self, n: int):
-        keys, values = zip(*(self.draw(rid, n) for rid in self.rows))
-        self.last_fetch = self.batch.update_and_fetch(
-            mx.concatenate(keys), mx.concatenate(values)
-        )
+    def enter(self, solos: Dict[str, SoloCache]):
+        """Quantized rows join the batch together; the others wait."""
+        ready = [rid for rid, solo in solos.items() if solo.quantized]
+        if ready:
+            rows = [solos[rid].cache for rid in ready]
+            self.watch("merge", rows)
+            self.add_rows(self.impl.merge(rows), ready)
+        self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
 
-    def drop_rows(self, amounts: List[int]):
-        if len(set(amounts)) == 1:
-            if amounts[0]:
-                self.batch.trim(amounts[0])
+    def running(self) -> List[str]:
+        return self.rows + list(self.waiting)
+
+    def append_all(self, n: int):
+        if self.rows:
+            keys, values = zip(*(self.draw(rid, n) for rid in self.rows))
+            self.last_fetch = self.batch.update_and_fetch(
+                mx.concatenate(keys), mx.concatenate(values)
+            )
+        waiting, self.waiting = self.waiting, {}
+        for rid, solo in waiting.items():
+            solo.append(*self.draw(rid, n))
+        self.enter(waiting)
+        if len(self.waiting) < len(waiting):
+            self.last_fetch = None  # rows entered: it shows the batch before them
+
+    def drop_rows(self, amounts: Dict[str, int]):
+        batched = [amounts.get(rid, 0) for rid in self.rows]
+        if len(set(batched)) <= 1:
+            if batched and batched[0]:
+                self.batch.trim(batched[0])
         elif not self.impl.supports("per_row_rollback"):
             raise NotImplementedError("per-row rollback is not supported")
         else:
-            self.batch.rollback(amounts)
+            self.batch.rollback(batched)
+        for rid, solo in self.waiting.items():
+            if amounts.get(rid, 0):
+                solo.trim(amounts[rid])
 
     def keep_rows(self, keep: List[str]):
         if not keep:
@@ -87,9 +113,7 @@ class CacheReplay:
         getattr(self, f"on_{event.kind}")(event.args)
 
     def on_join(self, rids):
-        rows = [self.prefill_alone(rid).cache for rid in rids]
-        self.watch("merge", rows)
-        self.add_rows(self.impl.merge(rows), rids)
+        self.enter({rid: self.prefill_alone(rid) for rid in rids})
 
     def on_batched_join(self, rids):
         """Prefill several requests in one right-padded call: prepare/finalize."""
@@ -113,23 +137,28 @@ class CacheReplay:
             self.append_all(1)
 
     def on_leave(self, rids):
+        for rid in rids:
+            self.waiting.pop(rid, None)
         self.keep_rows([rid for rid in self.rows if rid not in rids])
 
     def on_spec_round(self, args):
         k, accepted = args["k"], args.get("accepted", {})
         self.append_all(k + 1)
-        dropped = [k - accepted.get(rid, k) for rid in self.rows]
+        dropped = {rid: k - accepted.get(rid, k) for rid in self.running()}
         self.drop_rows(dropped)
-        if any(dropped):
+        if any(dropped.values()):
             self.last_fetch = None  # it showed the window before the rollback
 
     def on_rollback(self, amounts):
-        self.drop_rows([amounts.get(rid, 0) for rid in self.rows])
+        self.drop_rows(amounts)
 
     def on_trim(self, n: int):
-        self.batch.trim(n)
+        self.drop_rows({rid: n for rid in self.running()})
 
     def on_extract(self, rid: str):
+        if rid in self.waiting:
+            self.preempted[rid] = self.waiting.pop(rid)
+            return
         row = self.batch.extract(self.rows.index(rid))
         request = self.schedule.requests[rid]
         self.preempted[rid] = SoloCache(
@@ -143,6 +172,4 @@ class CacheReplay:
                 self.preempted[rid].append(*self.draw(rid, 1))
 
     def on_reinsert(self, rid: str):
-        row = self.preempted.pop(rid).cache
-        self.watch("merge", [row])
-        self.add_rows(self.impl.merge([row]), [rid])
+        self.enter({rid: self.preempted.pop(rid)})

@@ -3,9 +3,14 @@
 Joiners prefill alone through the oracle's path (mlx-lm's prompt cache and
 conversion rule), then enter the running batch through the implementation's
 ``merge`` and ``extend``, one batch cache per layer. Decode steps and verify
-windows run every row in one batched forward. Inputs are teacher-forced from
-the solo traces so one flipped argmax cannot derail the comparison; the
-engine's own argmax is recorded separately.
+windows run every row of the batch in one batched forward. Inputs are
+teacher-forced from the solo traces so one flipped argmax cannot derail the
+comparison; the engine's own argmax is recorded separately.
+
+The batch is quantized, and a forward runs every row through one attention
+path, so a request that joins before its ``quantized_kv_start`` waits: it
+decodes alone through mlx-lm, and enters the batch at the call after which
+mlx-lm converts it (per-row delayed conversion).
 """
 
 from dataclasses import dataclass
@@ -38,9 +43,14 @@ class Engine:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.layers = None  # one batch cache per layer, or None when no row runs
-        self.rows: List[str] = []
-        self.preempted: Dict[str, list] = {}  # request -> per-layer solo caches
+        self.rows: List[str] = []  # batch rows, in order
+        self.waiting: Dict[str, SoloRequest] = {}  # joined, not yet quantized: decode alone
+        self.preempted: Dict[str, SoloRequest] = {}  # extracted: decode only when told
         self.consumed: Dict[str, int] = {}  # calls of each request's trace replayed
+
+    def alone(self, rid: str, cache=None) -> SoloRequest:
+        return SoloRequest(self.model, self.schedule.requests[rid], self.schedule.bits,
+                           self.schedule.group_size, self.vocab_size, self.tokenizer, cache)
 
     # -- teacher forcing ---------------------------------------------------------
 
@@ -64,6 +74,13 @@ class Engine:
                 batch.extend(other)
         self.rows.extend(rids)
 
+    def enter(self, solos: Dict[str, SoloRequest]):
+        """Quantized rows join the batch together; the others wait."""
+        ready = [rid for rid, solo in solos.items() if solo.quantized]
+        if ready:
+            self.add_rows([solos[rid].cache for rid in ready], ready)
+        self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
+
     def keep_rows(self, keep: List[str]):
         if not keep:
             self.layers, self.rows = None, []
@@ -73,33 +90,47 @@ class Engine:
             batch.filter(indices)
         self.rows = keep
 
-    def drop_tokens(self, amounts: List[int]):
-        if len(set(amounts)) == 1:
-            if amounts[0]:
+    def drop_tokens(self, amounts: Dict[str, int]):
+        """Roll back the named rows, batched or waiting, by their counts."""
+        batched = [amounts.get(rid, 0) for rid in self.rows]
+        if len(set(batched)) <= 1:
+            if batched and batched[0]:
                 for batch in self.layers:
-                    batch.trim(amounts[0])
+                    batch.trim(batched[0])
         elif not self.impl.supports("per_row_rollback"):
             raise NotImplementedError("per-row rollback is not supported")
         else:
             for batch in self.layers:
-                batch.rollback(amounts)
-        for rid, n in zip(self.rows, amounts):
-            if n:
+                batch.rollback(batched)
+        for rid, n in amounts.items():
+            if rid in self.waiting and n:
+                self.waiting[rid].trim(n)
+        for rid in self.rows + list(self.waiting):
+            if amounts.get(rid, 0):
                 self.next_call(rid, "trim")
 
-    def forward_batch(self, n: int) -> List[Output]:
-        """One batched call of n tokens per row, inputs from the traces."""
-        calls = [self.next_call(rid, "append") for rid in self.rows]
-        inputs = mx.array([call.inputs for _, call in calls])
-        logits = self.model(inputs, cache=self.layers)
-        return [Output(rid, j, logits[i]) for i, (rid, (j, _)) in enumerate(zip(self.rows, calls))]
+    def forward(self, n: int) -> List[Output]:
+        """One call of n tokens for every running row: one batched forward,
+        and one alone for each waiting row; rows mlx-lm just converted enter."""
+        outputs = []
+        if self.rows:
+            calls = [self.next_call(rid, "append") for rid in self.rows]
+            inputs = mx.array([call.inputs for _, call in calls])
+            logits = self.model(inputs, cache=self.layers)
+            outputs += [Output(rid, j, logits[i]) for i, (rid, (j, _)) in enumerate(zip(self.rows, calls))]
+        waiting, self.waiting = self.waiting, {}
+        for rid, solo in waiting.items():
+            j, call = self.next_call(rid, "append")
+            outputs.append(Output(rid, j, solo.append(call.inputs)))
+        self.enter(waiting)
+        return outputs
 
     def row_bytes(self, rid: str):
         """Per layer, the request's cache bytes as the engine holds them, named
         like the oracle's snapshots, and its RoPE offset."""
-        if rid in self.preempted:
-            caches = self.preempted[rid]
-            return [layer_bytes(c) for c in caches], caches[0].offset
+        alone = self.waiting.get(rid) or self.preempted.get(rid)
+        if alone is not None:
+            return [layer_bytes(c) for c in alone.cache], alone.offset
         i = self.rows.index(rid)
         layers = []
         for batch in self.layers:
@@ -111,47 +142,52 @@ class Engine:
             layers.append(named)
         return layers, int(self.layers[0].offset[i].item())
 
+    def running(self) -> List[str]:
+        return self.rows + list(self.waiting)
+
     # -- events ----------------------------------------------------------------------
 
     def apply(self, event) -> List[Output]:
         return getattr(self, f"on_{event.kind}")(event.args) or []
 
     def on_join(self, rids):
-        outputs, caches = [], []
+        outputs, solos = [], {}
         for rid in rids:
-            request = self.schedule.requests[rid]
-            solo = SoloRequest(self.model, request, self.schedule.bits, self.schedule.group_size,
-                               self.vocab_size, self.tokenizer)
+            solo = solos[rid] = self.alone(rid)
             j, _ = self.next_call(rid, "prefill")
             outputs.append(Output(rid, j, solo.prefill()))
-            caches.append(solo.cache)
-        self.add_rows(caches, rids)
+        self.enter(solos)
         return outputs
 
     def on_step(self, n: int):
         outputs = []
         for _ in range(n):
-            outputs += self.forward_batch(1)
+            outputs += self.forward(1)
         return outputs
 
     def on_leave(self, rids):
+        for rid in rids:
+            self.waiting.pop(rid, None)
         self.keep_rows([r for r in self.rows if r not in rids])
 
     def on_spec_round(self, args):
         k, accepted = args["k"], args.get("accepted", {})
-        outputs = self.forward_batch(k + 1)
-        self.drop_tokens([k - accepted.get(rid, k) for rid in self.rows])
+        outputs = self.forward(k + 1)
+        self.drop_tokens({rid: k - accepted.get(rid, k) for rid in self.running()})
         return outputs
 
     def on_rollback(self, amounts):
-        self.drop_tokens([amounts.get(rid, 0) for rid in self.rows])
+        self.drop_tokens(amounts)
 
     def on_trim(self, n: int):
-        self.drop_tokens([n] * len(self.rows))
+        self.drop_tokens({rid: n for rid in self.running()})
 
     def on_extract(self, rid):
+        if rid in self.waiting:
+            self.preempted[rid] = self.waiting.pop(rid)
+            return
         i = self.rows.index(rid)
-        self.preempted[rid] = [batch.extract(i) for batch in self.layers]
+        self.preempted[rid] = self.alone(rid, [batch.extract(i) for batch in self.layers])
         self.keep_rows([r for r in self.rows if r != rid])
 
     def on_solo_step(self, steps):
@@ -159,9 +195,8 @@ class Engine:
         for rid, n in steps.items():
             for _ in range(n):
                 j, call = self.next_call(rid, "append")
-                logits = self.model(mx.array(call.inputs)[None], cache=self.preempted[rid])[0]
-                outputs.append(Output(rid, j, logits))
+                outputs.append(Output(rid, j, self.preempted[rid].append(call.inputs)))
         return outputs
 
     def on_reinsert(self, rid):
-        self.add_rows([self.preempted.pop(rid)], [rid])
+        self.enter({rid: self.preempted.pop(rid)})

@@ -91,19 +91,24 @@ class SoloTrace:
 class SoloRequest:
     """One request's prompt cache, driven the way generate_step drives it."""
 
-    def __init__(self, model, request, bits: int, group_size: int, vocab_size: int, tokenizer=None):
+    def __init__(self, model, request, bits: int, group_size: int, vocab_size: int, tokenizer=None,
+                 cache=None):
         self.model = model
         self.request = request
         self.bits = bits
         self.group_size = group_size
         self.vocab_size = vocab_size
-        self.cache = make_prompt_cache(model)
+        self.cache = cache if cache is not None else make_prompt_cache(model)
         self.prompt = prompt_tokens(request, vocab_size, tokenizer)
         self.logits_at: Dict[int, mx.array] = {}  # position -> logits row
 
     @property
     def offset(self) -> int:
         return self.cache[0].offset
+
+    @property
+    def quantized(self) -> bool:
+        return all(hasattr(c, "bits") for c in self.cache)
 
     def convert(self):
         maybe_quantize_kv_cache(

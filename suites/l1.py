@@ -28,11 +28,13 @@ from kvparity.impl.cache_replay import CacheReplay
 from kvparity.oracle.parity import (
     any_shared,
     compare_batch_row,
+    compare_named,
     compare_triples,
     digest,
     owned_arrays,
     raw,
 )
+from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.reports.policy import row_tier
@@ -111,7 +113,7 @@ class L1Run:
         self.oracle.apply(event.index)
         found = check_event(replay, self.oracle, event.describe())
         self.record(found, replay.rows)
-        for rid in replay.rows:
+        for rid in replay.running():
             result.row(rid).checks += 1
         return found
 
@@ -168,15 +170,12 @@ class Oracle:
 
 def check_event(replay: CacheReplay, oracle: Oracle, event: str) -> List[Divergence]:
     found = check_sources(replay, event)
-    for rid, solo in replay.preempted.items():
-        for name in ("keys", "values"):
-            found += compare_triples(
-                _solo_tokens(oracle.solo[rid].cache, name),
-                _solo_tokens(solo.cache, name),
-                f"extracted.{name}",
-                event=event,
-                request=rid,
-            )
+    for prefix, alone in (("extracted.", replay.preempted), ("waiting.", replay.waiting)):
+        for rid, solo in alone.items():
+            expected = oracle.solo[rid].cache
+            if solo.cache.offset != expected.offset:
+                found.append(Divergence("offset", event, rid, expected=expected.offset, actual=solo.cache.offset))
+            found += compare_named(layer_bytes(expected), layer_bytes(solo.cache), prefix, event=event, request=rid)
     batch = replay.batch
     if batch is None:
         return found

@@ -100,11 +100,11 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
                 capture[out.request].calls[out.step].logits = out.logits
         found += compare_caches(engine, traces, label, event.index)
         if capture is not None:
-            for rid in engine.rows + list(engine.preempted):
+            for rid in engine.running() + list(engine.preempted):
                 capture[rid].snapshots[event.index], capture[rid].offsets[event.index] = engine.row_bytes(rid)
         for divergence in found:
             result.row(divergence.request).divergences.append(divergence)
-        for rid in engine.rows:
+        for rid in engine.running():
             result.row(rid).checks += 1
     finish(result, stats, policy)
     result.seconds = time.perf_counter() - start
@@ -201,10 +201,10 @@ def compare_logits(expected: mx.array, actual: mx.array, event: str, rid: str, s
 def compare_caches(engine: Engine, traces, event: str, event_index: int) -> List[Divergence]:
     """Every layer of every row, batched or preempted, against its solo bytes."""
     found = []
-    for rid in engine.rows + list(engine.preempted):
+    for rid in engine.running() + list(engine.preempted):
         expected, offset = traces[rid].snapshot_at(event_index)
         actual, actual_offset = engine.row_bytes(rid)
-        prefix = "extracted." if rid in engine.preempted else ""
+        prefix = "extracted." if rid in engine.preempted else "waiting." if rid in engine.waiting else ""
         where = dict(event=event, request=rid, step=engine.consumed[rid] - 1)
         if actual_offset != offset:
             found.append(Divergence("offset", expected=offset, actual=actual_offset, detail="RoPE offset", **where))

@@ -385,9 +385,6 @@ class Simulation:
             request = self.request(event, rid)
             if rid in self.batch or rid in self.preempted or rid in self.gone:
                 self.fail(event, f"request {rid!r} already joined")
-            if request.quantized_kv_start > request.prompt_len and request.text is None:
-                # The row would join unquantized and convert later, on its own.
-                self.needs.add("delayed_conversion")
             self.batch.append(rid)
             self.length[rid] = request.prompt_len
             self.generated[rid] = 0
@@ -397,6 +394,11 @@ class Simulation:
         if "L2" in self.s.levels:
             self.fail(event, "batched_join (padded batched prefill) is an L1 event")
         self.on_join(event, args)
+        for rid in args:
+            request = self.s.requests[rid]
+            if request.quantized_kv_start > request.prompt_len:
+                self.fail(event, f"{rid!r} would join unquantized: batched_join prefills straight into "
+                          "the quantized batch, so quantized_kv_start must be <= prompt_len")
 
     def on_step(self, event, n):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -38,7 +38,7 @@ class WithoutPerRowRollback(BatchQuantizedKVCache):
 def test_a_missing_capability_is_not_supported_never_a_pass():
     impl = Implementation("tests:WithoutPerRowRollback", WithoutPerRowRollback,
                           detect_capabilities(WithoutPerRowRollback))
-    assert impl.capabilities == {"per_row_rollback": False, "delayed_conversion": False}
+    assert impl.capabilities == {"per_row_rollback": False}
     uneven = run_l1(load(CATALOG / "rollback-uneven.json"), impl)
     assert uneven.verdict == NOT_SUPPORTED and uneven.reason == "needs per_row_rollback"
     assert all(row.verdict == NOT_SUPPORTED for row in uneven.rows)
