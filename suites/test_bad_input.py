@@ -141,6 +141,8 @@ def with_changes(**changes):
         (with_changes(requests={"a": {"prompt_len": 0}}), "request 'a' prompt_len", "expected an integer >= 1"),
         (with_changes(requests={"a": {"prompt_len": 3, "kv_bits": 4}}), "request 'a'", "unknown field 'kv_bits'"),
         (with_changes(synthetic={"dtype": "int8"}), "synthetic.dtype", "'int8' is not one of"),
+        (with_changes(requests={"a": {"prompt_len": 3, "quantized_kv_start": 5}}, events=[{"batched_join": ["a"]}]),
+         "event #0 batched_join", "quantized_kv_start must be <= prompt_len"),
     ],
 )
 def test_bad_schedule_is_refused_naming_file_event_and_reason(tmp_path, doc, where, reason):
