@@ -35,10 +35,7 @@ class CacheReplay:
     # -- helpers -------------------------------------------------------------
 
     def draw(self, rid: str, n: int):
-        request = self.schedule.requests[rid]
-        start = self.written.get(rid, 0)
-        self.written[rid] = start + n
-        return self.kv.tokens(rid, start, n, seed=request.seed)
+        return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
     def prefill_alone(self, rid: str) -> SoloCache:
         return SoloCache.prefilled(

@@ -19,18 +19,13 @@ from typing import Dict
 from kvparity.oracle.solo import SoloTrace
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.environment import describe
+from kvparity.reports.environment import describe, machine
 
 FORMAT = "kvparity.golden/1"
-MACHINE_KEYS = ("backend", "device", "mlx", "mlx_lm", "knobs")
 
 
 class GoldenError(Exception):
     """A trace directory that cannot be compared: the message says why."""
-
-
-def machine_key(environment: dict) -> dict:
-    return {k: environment.get(k) for k in MACHINE_KEYS}
 
 
 def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrace]], schedules) -> Path:
@@ -46,7 +41,7 @@ def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrac
                 "format": FORMAT,
                 "source": source,
                 "environment": environment,
-                "machine": machine_key(environment),
+                "machine": machine(),
                 "schedules": {s.name: s.to_json() for s in schedules if s.name in recorded},
             }
             (staging / "golden.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -83,7 +78,7 @@ def load_traces(directory, doc) -> Dict[str, Dict[str, SoloTrace]]:
 
 def check_same_machine(golden: dict, candidate: dict):
     """Refuse traces from another machine, naming the key that differs."""
-    for key in MACHINE_KEYS:
+    for key in sorted(set(golden["machine"]) | set(candidate["machine"])):
         if golden["machine"].get(key) != candidate["machine"].get(key):
             raise GoldenError(
                 f"golden recorded with {key}={golden['machine'].get(key)!r}, "

@@ -70,19 +70,7 @@ def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
         if expected is None and actual is None:
             return []
         return [Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)]
-    bits = raw_many(list(expected) + list(actual))
-    found = []
-    for part, e, a, e_bits, a_bits in zip(TRIPLE, expected, actual, bits[:3], bits[3:]):
-        diff = first_difference(e, a, (e_bits, a_bits))
-        if diff is not None:
-            index, want, got = diff
-            check = "bytes" if index is not None else "layout"
-            found.append(
-                Divergence(
-                    check, tensor=f"{name}.{part}", index=index, expected=want, actual=got, **where
-                )
-            )
-    return found
+    return compare_named(dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", **where)
 
 
 def compare_batch_row(triples, i: int, start: int, stop: int, expected: dict, prefix: str, **where):
@@ -98,14 +86,17 @@ def compare_batch_row(triples, i: int, start: int, stop: int, expected: dict, pr
 
 
 def compare_named(expected: dict, actual: dict, prefix: str = "", **where) -> List[Divergence]:
-    """Compare two {name: array} maps, name by name."""
+    """Compare two {name: array} maps, name by name (all evaluated together)."""
     found = []
+    present = [name for name in expected if actual.get(name) is not None]
+    bits = raw_many([expected[n] for n in present] + [actual[n] for n in present])
+    pairs = dict(zip(present, zip(bits[: len(present)], bits[len(present) :])))
     for name, e in expected.items():
         a = actual.get(name)
         if a is None:
             found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None, **where))
             continue
-        diff = first_difference(e, a)
+        diff = first_difference(e, a, pairs[name])
         if diff is not None:
             index, want, got = diff
             found.append(

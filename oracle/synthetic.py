@@ -47,6 +47,13 @@ class SyntheticKV:
         values = mx.array(x[1]).astype(self.dtype)
         return keys, values
 
+    def draw(self, written: dict, request, n: int):
+        """The next n tokens of a request's stream; ``written`` counts what each
+        reader (the engine, the oracle) has drawn so far, per request."""
+        start = written.get(request.id, 0)
+        written[request.id] = start + n
+        return self.tokens(request.id, start, n, seed=request.seed)
+
     def padding(self, n: int):
         """Bytes for pad positions of a padded prefill: junk, never zeros."""
         return self.tokens("<pad>", 0, n)

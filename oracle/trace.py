@@ -23,7 +23,7 @@ from kvparity.oracle.gguf import cache_dir
 from kvparity.oracle.parity import digest
 from kvparity.oracle.solo import Call, SoloTrace
 from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.environment import describe
+from kvparity.reports.environment import machine
 
 FORMAT = "kvparity.trace/1"
 
@@ -34,7 +34,6 @@ class TraceError(Exception):
 
 def request_key(schedule, rid: str, model) -> str:
     """Everything a solo run depends on, hashed."""
-    env = describe()
     request = schedule.requests[rid]
     spec = {
         "format": FORMAT,
@@ -43,10 +42,7 @@ def request_key(schedule, rid: str, model) -> str:
         "bits": schedule.bits,
         "group_size": schedule.group_size,
         "calls": [[c.event, c.op, c.n] for c in schedule.calls[rid]],
-        "mlx": env["mlx"],
-        "mlx_lm": env["mlx_lm"],
-        "device": env["device"],
-        "knobs": env["knobs"],
+        "machine": machine(),
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -40,17 +40,25 @@ def device_name(device=None) -> str:
     return f"{device.type.name} ({name})" if name else device.type.name
 
 
-def describe(implementation=None, model=None, device=None) -> dict:
+def machine(device=None) -> dict:
+    """What decides the bits a computation produces here: solo traces are
+    keyed by it, and goldens from a machine that differs are refused."""
     device = device or mx.default_device()
-    env = {
-        "kvparity": _version("kvparity"),
-        "mlx": mx.__version__,
-        "mlx_lm": _version("mlx-lm"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
+    return {
         "backend": device.type.name,
         "device": device_name(device),
+        "mlx": mx.__version__,
+        "mlx_lm": _version("mlx-lm"),
         "knobs": {k: os.environ.get(k) for k in NUMERIC_KNOBS},
+    }
+
+
+def describe(implementation=None, model=None, device=None) -> dict:
+    env = {
+        "kvparity": _version("kvparity"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **machine(device),
         "git_commit": git_commit(),
     }
     if implementation is not None:

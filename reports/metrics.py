@@ -6,6 +6,8 @@ from typing import Dict, List
 import mlx.core as mx
 import numpy as np
 
+from kvparity.oracle.parity import raw
+
 
 SERIES = ("max_abs_diff", "max_ulp", "kl_max", "bit_exact")
 
@@ -58,8 +60,6 @@ class LogitStats:
 
 
 def _bits(x: mx.array) -> np.ndarray:
-    from kvparity.oracle.parity import raw
-
     return raw(x).reshape(x.shape[0], -1)
 
 
@@ -71,8 +71,6 @@ def ulp_distance(a: mx.array, b: mx.array) -> int:
     width = {2: np.int16, 4: np.int32}.get(a.dtype.size)
     if width is None:
         return -1
-    from kvparity.oracle.parity import raw
-
     x, y = (raw(v).view(width).astype(np.int64) for v in (a, b))
     sign = np.int64(1) << (8 * a.dtype.size - 1)
     x = np.where(x < 0, -(x & (sign - 1)), x)

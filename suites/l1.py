@@ -149,9 +149,7 @@ class Oracle:
         self.written: Dict[str, int] = {}
 
     def draw(self, rid, n):
-        start = self.written.get(rid, 0)
-        self.written[rid] = start + n
-        return self.kv.tokens(rid, start, n, seed=self.schedule.requests[rid].seed)
+        return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
     def apply(self, event_index: int):
         for rid, calls in self.schedule.calls_at(event_index).items():
