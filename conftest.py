@@ -1,17 +1,21 @@
-"""pytest options shared by every suite: which implementation is under test."""
+"""pytest options shared by every suite: which implementation is under test,
+and the gate that turns a run's evidence into a pytest outcome."""
 
 import pytest
 
-from kvparity.impl.adapter import ImplementationError, load_implementation
+from kvparity.reports.policy import PolicyError, load_policy
+from kvparity.reports.verdicts import judge
+from kvparity.suites.adapter import ImplementationError, load_implementation
+from kvparity.suites.evidence import NOT_SUPPORTED, PASS
+
+SHOWN = 5  # divergences quoted in a failure
 
 
 def pytest_addoption(parser):
-    parser.addoption(
-        "--impl",
-        default=None,
-        metavar="MODULE:FACTORY",
-        help="batch cache implementation under test (default: the reference)",
-    )
+    parser.addoption("--impl", default=None, metavar="MODULE:FACTORY",
+                     help="batch cache implementation under test (default: the reference)")
+    parser.addoption("--policy", default="cpu", metavar="NAME|FILE",
+                     help="verdict policy for the parity suites (default: cpu, bit-exact)")
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +24,39 @@ def implementation(pytestconfig):
         return load_implementation(pytestconfig.getoption("--impl"))
     except ImplementationError as error:
         pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def policy(pytestconfig):
+    try:
+        return load_policy(pytestconfig.getoption("--policy"))
+    except PolicyError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+def describe(result) -> str:
+    lines = [f"{result.level} {result.schedule}: {result.verdict} ({result.path})"]
+    if result.reason:
+        lines.append(f"  {result.reason}")
+    for row in result.rows:
+        if row.verdict != PASS:
+            lines.append(f"  row {row.request!r}: {row.verdict}, {row.checks} comparisons"
+                         + (f"; {row.reason}" if row.reason else ""))
+            lines += [f"    {d.message()}" for d in sorted(row.divergences, key=lambda d: d.order)[:SHOWN]]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="session")
+def gate(policy):
+    """``gate(result)``: pass with evidence, skip as not supported, or fail
+    saying why; a missing capability is never a pass, and neither is a run
+    that compared nothing."""
+
+    def check(result, under=None):
+        judge(result, under or policy)
+        if result.verdict == NOT_SUPPORTED:
+            pytest.skip(f"not supported: {result.reason}")
+        assert result.verdict == PASS, describe(result)
+        return result
+
+    return check

@@ -18,8 +18,8 @@ from typing import Dict
 
 from kvparity.oracle.solo import SoloTrace
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
-from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.environment import describe, machine
+from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.machine import environment, machine
 
 FORMAT = "kvparity.golden/1"
 
@@ -31,7 +31,7 @@ class GoldenError(Exception):
 def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrace]], schedules) -> Path:
     """``recorded`` maps schedule name -> request -> trace. Written atomically."""
     out = Path(out)
-    environment = describe(model=model)
+    recorded_on = {**environment(), "model": model.name, "model_sha256": model.sha256}
     try:
         with AtomicDirectory(out.parent, out.name) as staging:
             for name, traces in recorded.items():
@@ -40,7 +40,7 @@ def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrac
             doc = {
                 "format": FORMAT,
                 "source": source,
-                "environment": environment,
+                "environment": recorded_on,
                 "machine": machine(),
                 "schedules": {s.name: s.to_json() for s in schedules if s.name in recorded},
             }

@@ -21,7 +21,7 @@ from mlx_lm.models.base import (
     quantized_scaled_dot_product_attention,
 )
 
-from kvparity.oracle.parity import raw_many
+from kvparity.oracle.arrays import raw_many
 
 # Quantized Linear layers of a 4-bit mlx-lm model.
 WEIGHT_BITS = 4

@@ -103,6 +103,10 @@ class SoloRequest:
         self.logits_at: Dict[int, mx.array] = {}  # position -> logits row
 
     @property
+    def layers(self) -> list:
+        return self.cache
+
+    @property
     def offset(self) -> int:
         return self.cache[0].offset
 

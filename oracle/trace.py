@@ -20,10 +20,10 @@ from typing import Optional
 import mlx.core as mx
 
 from kvparity.oracle.gguf import cache_dir
-from kvparity.oracle.parity import digest
+from kvparity.oracle.arrays import digest
 from kvparity.oracle.solo import Call, SoloTrace
-from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.environment import machine
+from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.machine import machine
 
 FORMAT = "kvparity.trace/1"
 

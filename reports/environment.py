@@ -1,21 +1,9 @@
-"""The environment a run happened in: what changes numerics, and what ran."""
+"""The environment a run happened in, for report headers: the machine, the
+git commit of the working directory, the implementation and the model."""
 
-import os
-import platform
 import subprocess
-from importlib import metadata
 
-import mlx.core as mx
-
-# Environment variables that change MLX numerics or kernel choice.
-NUMERIC_KNOBS = ("MLX_ENABLE_TF32", "MLX_METAL_FAST_SYNCH", "MLX_MAX_OPS_PER_BUFFER", "OMP_NUM_THREADS")
-
-
-def _version(package):
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+from kvparity.oracle.machine import environment
 
 
 def git_commit(directory="."):
@@ -30,37 +18,8 @@ def git_commit(directory="."):
     return out.stdout.strip() or None
 
 
-def device_name(device=None) -> str:
-    device = device or mx.default_device()
-    try:
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
-    except Exception:  # some backends cannot describe themselves
-        info = {}
-    name = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
-    return f"{device.type.name} ({name})" if name else device.type.name
-
-
-def machine(device=None) -> dict:
-    """What decides the bits a computation produces here: solo traces are
-    keyed by it, and goldens from a machine that differs are refused."""
-    device = device or mx.default_device()
-    return {
-        "backend": device.type.name,
-        "device": device_name(device),
-        "mlx": mx.__version__,
-        "mlx_lm": _version("mlx-lm"),
-        "knobs": {k: os.environ.get(k) for k in NUMERIC_KNOBS},
-    }
-
-
 def describe(implementation=None, model=None, device=None) -> dict:
-    env = {
-        "kvparity": _version("kvparity"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        **machine(device),
-        "git_commit": git_commit(),
-    }
+    env = {**environment(device), "git_commit": git_commit()}
     if implementation is not None:
         env["implementation"] = implementation.spec
         env["capabilities"] = implementation.capabilities

@@ -1,10 +1,12 @@
 """Verdict tiers and the per-backend policy that decides which tier gates.
 
-Tiers, strongest first: ``bit-exact`` > ``ulp<=N`` > ``kl<=tau`` (with top-1
-agreement) > ``diverged``. A policy file names the tier L2 logits must reach
-and whether L2 cache bytes gate (``bit-exact``) or are only reported
-(``report``). L1 bytes are pure data movement: bit-exact on every backend,
-whatever the policy says.
+Logit tiers, strongest first: ``bit-exact`` > ``ulp<=N`` > ``kl<=tau and
+top-1 agree`` > ``diverged``, with N and tau named in the policy. A policy
+file says which tier L2 logits must reach, whether the cache bytes a model
+writes gate (``bit-exact``) or are only reported (``report``), and whether
+hygiene findings gate (``strict``) or are only reported. L1 bytes are pure
+data movement: bit-exact on every backend, whatever the policy says; and
+``layout`` (a dtype or shape that differs, a missing array) gates always.
 """
 
 import json
@@ -13,19 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-import mlx.core as mx
-
-from kvparity.reports.results import NOT_SUPPORTED, SKIPPED
-
 POLICIES = Path(__file__).parent / "policies"
-TIERS = ("bit-exact", "ulp", "kl")
+GATES = ("bit-exact", "ulp", "kl")
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
 TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
-# Checks a backend that is not batch-invariant may fail without a bug: logits,
-# and the cache bytes the model writes from them. Any other check (raised,
-# mask, alias, ...) is structural and puts a row at `diverged` whatever its logits.
+
+# Checks a backend that is not batch-invariant may fail without a bug: logits
+# and the cache bytes the model writes from them (L2, with a layer).
 LOGIT_CHECKS = ("logits", "tokens")
-CACHE_CHECKS = ("bytes", "layout", "offset")
+MODEL_WRITTEN = ("bytes", "offset")
+# What no request can observe: reported, gating only under a strict policy.
+HYGIENE_CHECKS = ("pad", "alias")
+
+FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "calibration"}
+LOGIT_FIELDS = {"gate", "max_ulp", "tau"}
 
 
 class PolicyError(ValueError):
@@ -35,57 +38,60 @@ class PolicyError(ValueError):
 @dataclass(frozen=True)
 class Policy:
     backend: str
-    logits_tier: str = "bit-exact"
-    max_ulp: int = 0
-    tau: float = 0.0
-    cache_bytes: str = "bit-exact"
+    gate: str = BIT_EXACT  # the logit tier that gates: bit-exact, ulp or kl
+    max_ulp: int = 0  # N of the ulp tier
+    tau: float = 0.0  # KL bound (nats) of the kl tier
+    cache_bytes: str = "bit-exact"  # L2 model-written cache bytes: bit-exact or report
+    hygiene: str = "report"  # report or gate
+    description: str = ""
     path: str = ""
 
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem if self.path else self.backend
+
     def required(self) -> str:
-        return {"bit-exact": "bit-exact", "ulp": f"ulp<={self.max_ulp}", "kl": f"kl<={self.tau} and top-1 agree"}[
-            self.logits_tier
-        ]
+        return {BIT_EXACT: BIT_EXACT, "ulp": self.ulp_tier, "kl": self.kl_tier}[self.gate]
 
-    def logits_ok(self, metrics: dict) -> bool:
+    @property
+    def ulp_tier(self) -> str:
+        return f"ulp<={self.max_ulp}"
+
+    @property
+    def kl_tier(self) -> str:
+        return f"kl<={self.tau:g} and top-1 agree"
+
+    def logit_tier(self, metrics: Mapping) -> Optional[str]:
+        """The strongest tier a row's logits reached; None with no positions."""
         positions = metrics.get("positions", 0)
-        if metrics.get("bit_exact", 0) == positions:
-            return True
-        if self.logits_tier == "ulp":
-            return 0 <= metrics["max_ulp"] <= self.max_ulp
-        if self.logits_tier == "kl":
-            return metrics["kl_max"] <= self.tau and metrics["top1_agree"] == positions
-        return False
+        if not positions:
+            return None
+        if not metrics.get("comparable", True):
+            return DIVERGED
+        if metrics["bit_exact"] == positions:
+            return BIT_EXACT
+        if metrics["max_ulp"] is not None and metrics["max_ulp"] <= self.max_ulp:
+            return self.ulp_tier
+        if metrics["top1_agree"] == positions and math.isfinite(metrics["kl_max"]) and metrics["kl_max"] <= self.tau:
+            return self.kl_tier
+        return DIVERGED
 
-    def gates(self, divergence, metrics: dict) -> bool:
-        """Whether a divergence of an L2 row fails it under this policy."""
-        if divergence.check in LOGIT_CHECKS:
-            return not self.logits_ok(metrics)
-        if divergence.check in CACHE_CHECKS and divergence.layer is not None:
+    def accepts(self, tier: Optional[str]) -> bool:
+        """Whether a logit tier is at least as strong as the gate."""
+        if tier is None:
+            return True  # nothing to judge here; evidence is counted elsewhere
+        return TIER_FAMILIES.index(tier_family(tier)) <= TIER_FAMILIES.index(self.gate)
+
+    def gates(self, divergence, level: str) -> bool:
+        """Whether a divergence (other than logits, judged by tier) fails its row."""
+        check = divergence.check
+        if check in HYGIENE_CHECKS:
+            return self.hygiene == "gate"
+        if check in LOGIT_CHECKS:
+            return False  # the logit tier decides
+        if level != "L1" and check in MODEL_WRITTEN and divergence.layer is not None:
             return self.cache_bytes == "bit-exact"
-        return True  # raised, alias, ...: never a matter of numerics
-
-
-
-
-def tier_of(row_metrics: Mapping, bytes_ok: bool) -> str:
-    """The strongest tier a row reached: ``bit-exact`` > ``ulp<=N`` >
-    ``kl<=tau and top-1 agree`` > ``diverged``, with N and tau as measured.
-
-    ``row_metrics`` are a row's L2 logit statistics (empty for L1, where
-    bytes are the whole story); ``bytes_ok`` says every cache check held.
-    """
-    positions = row_metrics.get("positions", 0)
-    if not positions:
-        return BIT_EXACT if bytes_ok else DIVERGED
-    if bytes_ok and row_metrics["bit_exact"] == positions:
-        return BIT_EXACT
-    if row_metrics["top1_agree"] != positions:
-        return DIVERGED  # a flipped greedy token is past every tolerance tier
-    if row_metrics["max_ulp"] >= 0:  # -1: dtypes or shapes differ, no ULP distance
-        return f"ulp<={row_metrics['max_ulp']}"
-    if math.isfinite(row_metrics["kl_max"]):
-        return f"kl<={_round_up(row_metrics['kl_max'])} and top-1 agree"
-    return DIVERGED
+        return True  # layout, mask, left_padding, raised, ...: never a matter of numerics
 
 
 def tier_family(tier: Optional[str]) -> Optional[str]:
@@ -95,52 +101,59 @@ def tier_family(tier: Optional[str]) -> Optional[str]:
     return next(f for f in TIER_FAMILIES if tier.startswith(f))
 
 
-def bytes_ok(row) -> bool:
-    """Every check other than logits held for the row (cache bytes, offsets, ...)."""
-    return not any(d.check not in LOGIT_CHECKS for d in row.divergences)
+def load_policy(spec: Optional[str] = None) -> Policy:
+    """A policy by name ("cpu", "gpu", "strict") or file path; default: the
+    backend MLX runs on. Unknown fields are refused."""
+    if spec is None:
+        import mlx.core as mx
+
+        spec = mx.default_device().type.name
+    path = Path(spec) if spec.endswith(".json") else POLICIES / f"{spec}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except OSError:
+        shipped = ", ".join(sorted(p.stem for p in POLICIES.glob("*.json")))
+        raise PolicyError(f"no policy {spec!r} (shipped: {shipped}; or a path to a .json file)")
+    except json.JSONDecodeError as error:
+        raise PolicyError(f"{path}: not JSON: {error}")
+    if not isinstance(doc, dict):
+        raise PolicyError(f"{path}: expected an object")
+    unknown = sorted(set(doc) - FIELDS)
+    if unknown:
+        raise PolicyError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")
+    if not isinstance(doc.get("backend"), str):
+        raise PolicyError(f"{path}: missing field 'backend' (the backend this policy is for)")
+    logits = doc.get("logits", {})
+    if not isinstance(logits, dict):
+        raise PolicyError(f"{path}: logits: expected an object")
+    unknown = sorted(set(logits) - LOGIT_FIELDS)
+    if unknown:
+        raise PolicyError(f"{path}: logits: unknown field {unknown[0]!r} (known: {', '.join(sorted(LOGIT_FIELDS))})")
+    gate = logits.get("gate", BIT_EXACT)
+    if gate not in GATES:
+        raise PolicyError(f"{path}: logits.gate {gate!r} is not one of {', '.join(GATES)}")
+    max_ulp, tau = logits.get("max_ulp", 0), logits.get("tau", 0.0)
+    if isinstance(max_ulp, bool) or not isinstance(max_ulp, int) or max_ulp < 0:
+        raise PolicyError(f"{path}: logits.max_ulp must be an integer >= 0, got {max_ulp!r}")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
+        raise PolicyError(f"{path}: logits.tau must be a number >= 0, got {tau!r}")
+    for key, allowed in (("cache_bytes", ("bit-exact", "report")), ("hygiene", ("report", "gate"))):
+        if doc.get(key, allowed[0]) not in allowed:
+            raise PolicyError(f"{path}: {key} must be one of {', '.join(allowed)}, got {doc[key]!r}")
+    return Policy(
+        backend=doc["backend"], gate=gate, max_ulp=max_ulp, tau=float(tau),
+        cache_bytes=doc.get("cache_bytes", "bit-exact"), hygiene=doc.get("hygiene", "report"),
+        description=str(doc.get("description", "")), path=str(path),
+    )
 
 
-def row_tier(row) -> Optional[str]:
-    """A row's tier; None where nothing was compared (not supported, skipped)."""
-    if row.verdict in (NOT_SUPPORTED, SKIPPED):
-        return None
-    if any(d.check not in LOGIT_CHECKS + CACHE_CHECKS for d in row.divergences):
-        return DIVERGED
-    return tier_of(row.metrics, bytes_ok(row))
-
-
-def _round_up(x: float, digits: int = 3) -> str:
+def round_up(x: float, digits: int = 3) -> str:
     """``x`` in ``digits`` significant digits, rounded up so a printed bound
     is still a bound."""
+    if x <= 0 or not math.isfinite(x):
+        return f"{x:g}"
     text = f"{x:.{digits}g}"
     if float(text) >= x:
         return text
     scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
     return f"{float(text) + scale:.{digits}g}"
-
-
-def load_policy(spec: Optional[str] = None) -> Policy:
-    """A policy by backend name ("cpu", "gpu") or file path; default: the
-    backend MLX runs on."""
-    spec = spec or mx.default_device().type.name
-    path = Path(spec) if spec.endswith(".json") else POLICIES / f"{spec}.json"
-    try:
-        doc = json.loads(path.read_text())
-    except OSError:
-        raise PolicyError(f"no policy {spec!r} (shipped: {', '.join(p.stem for p in POLICIES.glob('*.json'))})")
-    except json.JSONDecodeError as error:
-        raise PolicyError(f"{path}: not JSON: {error}")
-    logits = doc.get("logits", {})
-    tier = logits.get("tier", "bit-exact")
-    if tier not in TIERS:
-        raise PolicyError(f"{path}: logits.tier {tier!r} is not one of {', '.join(TIERS)}")
-    if doc.get("cache_bytes", "bit-exact") not in ("bit-exact", "report"):
-        raise PolicyError(f"{path}: cache_bytes must be 'bit-exact' or 'report'")
-    return Policy(
-        backend=doc.get("backend", path.stem),
-        logits_tier=tier,
-        max_ulp=int(logits.get("max_ulp", 0)),
-        tau=float(logits.get("tau", 0.0)),
-        cache_bytes=doc.get("cache_bytes", "bit-exact"),
-        path=str(path),
-    )

@@ -1,20 +1,27 @@
-"""L1, cache bytes: replay a schedule on the implementation and, after every
-event, hold every row against the same request run alone through mlx-lm.
+"""L1, cache bytes: replay a schedule on the implementation with synthetic
+keys and values and, after every event, hold every row against the same
+request run alone through mlx-lm's caches.
 
 Checked after each event, per row ``i`` of request ``r`` (``lp`` its left
-padding, ``size`` the batch width):
+padding, ``size`` the batch width). Parity, what a request can observe:
 
 * ``offset``: ``offset[i]`` (the row's RoPE position) equals the solo offset;
 * ``left_padding``: ``size - lp`` equals the solo offset;
 * ``bytes``: keys and values, packed, scales and biases, on ``[lp, size)`` of
-  the batch state and of what ``update_and_fetch`` returned equal the solo
-  cache on ``[0, offset)``, dtype and shape included;
-* ``pad``: columns ``[0, lp)`` are zero;
-* ``extract``: ``extract(i)`` is a solo cache equal to the oracle, owning its
-  memory, and leaves the batch unchanged;
+  the batch state, of what ``update_and_fetch`` returned and of
+  ``extract(i)`` equal the solo cache on ``[0, offset)``, dtype and shape included;
+* ``layout``: the state holds triples of the expected dtypes and shapes;
+* ``extract``: ``extract(i)`` has the row's offset, bits and group size, and
+  leaves the batch unchanged;
 * ``mask``: ``make_mask(N)`` hides exactly the padding and the future;
 * ``shared_padding``: no column is padding in every row;
-* ``source``: merge/extend left their sources unchanged and unaliased.
+* ``source``: merge/extend leave their sources' bytes unchanged.
+
+Hygiene, what no request can observe (reported; gating under ``strict``):
+
+* ``pad``: columns ``[0, lp)`` are zero;
+* ``alias``: ``extract`` returns memory of its own, and ``merge`` keeps none
+  of its sources' buffers (sharing keeps a buffer alive: it costs memory).
 """
 
 import time
@@ -22,125 +29,81 @@ from typing import Dict, List
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.impl.adapter import Implementation
-from kvparity.impl.cache_replay import CacheReplay
-from kvparity.oracle.parity import (
-    any_shared,
-    compare_batch_row,
-    compare_named,
-    compare_triples,
-    digest,
-    owned_arrays,
-    raw,
-)
+from kvparity.oracle.arrays import describe_shared, digest, owned_arrays, raw, shared_memory
 from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.reports.policy import row_tier
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, Divergence, ScheduleResult
+from kvparity.suites.adapter import Implementation
+from kvparity.suites.compare import Divergence, batch_row, compare_named, compare_triples
+from kvparity.suites.evidence import ScheduleResult, drive
+from kvparity.suites.replay import Replay
 
 MASK_WIDTHS = (1, 3)
+PARITY_CHECKS = ("bytes", "layout", "offset", "left_padding", "extract", "mask", "shared_padding", "source")
+HYGIENE_CHECKS = ("pad", "alias")
 
 
-def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
-    run = L1Run(schedule, implementation)
-    run.advance(schedule)
-    return run.finish()
+class SyntheticBackend:
+    """Tokens are synthetic keys and values per (request, token); one layer."""
 
-
-class L1Run:
-    """One schedule in progress: the replay, the oracle and what was found.
-
-    ``advance`` takes the same schedule grown by more events, so a generator
-    can extend a schedule one event at a time and see each event checked.
-    """
-
-    def __init__(self, schedule, implementation: Implementation):
+    def __init__(self, implementation: Implementation, schedule, kv: SyntheticKV):
         self.implementation = implementation
-        self.result = ScheduleResult(
-            schedule.name, "L1", implementation.name, 0, path=schedule.path
-        )
-        self.kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
-        self.replay = CacheReplay(implementation, schedule, self.kv)
-        self.oracle = Oracle(schedule, self.kv)
-        self.stopped = False
-        self.applied = 0  # events of the schedule replayed so far
-        self.seconds = 0.0
+        self.schedule = schedule
+        self.kv = kv
+        self.written: Dict[str, int] = {}  # tokens each request has drawn
+        self.fetched = None  # (replay version, triples) of the last update_and_fetch
+        self.sources = []  # (member, caches, digest before) of this event's merges/extends
+        self.replay = None
 
-    def advance(self, schedule) -> List[Divergence]:
-        """Apply the events of ``schedule`` not applied yet; return what they broke."""
-        start = time.perf_counter()
-        result = self.result
-        self.replay.schedule = self.oracle.schedule = schedule
-        result.events, result.path = len(schedule.events), schedule.path
-        for rid in schedule.requests:
-            result.row(rid)
-        missing = [c for c in schedule.needs if not self.implementation.supports(c)]
-        if missing and not self.stopped:
-            self.not_supported(f"needs {', '.join(missing)}")
-        found = []
-        for event in schedule.events[self.applied :]:
-            if self.stopped:
-                break
-            found += self.apply(event)
-            self.applied += 1
-        self.seconds += time.perf_counter() - start
-        return found
+    def draw(self, rid: str, n: int):
+        return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
-    def not_supported(self, reason):
-        self.result.verdict, self.result.reason = NOT_SUPPORTED, reason
-        for row in self.result.rows:
-            row.verdict = NOT_SUPPORTED
-        self.stopped = True
+    def begin(self, event):
+        self.fetched, self.sources = None, []
 
-    def apply(self, event) -> List[Divergence]:
-        result, replay = self.result, self.replay
-        try:
-            replay.apply(event)
-        except NotImplementedError as error:
-            self.not_supported(f"event {event.describe()}: {error}")
-            return []
-        except Exception as error:  # the implementation under test broke
-            result.reason = f"event {event.describe()} raised {type(error).__name__}: {error}"
-            found = [
-                Divergence("raised", event.describe(), rid, detail=result.reason)
-                for rid in replay.rows or list(replay.schedule.requests)
-            ]
-            self.record(found, replay.rows)
-            self.stopped = True
-            return found
-        self.oracle.apply(event.index)
-        found = check_event(replay, self.oracle, event.describe())
-        self.record(found, replay.rows)
-        for rid in replay.running():
-            result.row(rid).checks += 1
-        return found
+    def watch(self, member, caches):
+        arrays = [x for c in caches for x in owned_arrays(c)]
+        self.sources.append((member, caches, digest(arrays)))
 
-    def record(self, found, rows):
-        for divergence in found:
-            if divergence.request is not None:
-                self.result.row(divergence.request).divergences.append(divergence)
-            else:  # a batch-wide divergence belongs to every row in it
-                for rid in rows:
-                    self.result.row(rid).divergences.append(divergence)
+    def prefill(self, rid, j):
+        return SoloCache.prefilled(self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
+                                   lambda n: self.draw(rid, n))
 
-    def finish(self) -> ScheduleResult:
-        result = self.result
-        result.seconds = self.seconds
-        if result.verdict == NOT_SUPPORTED:
-            return result
-        for row in result.rows:
-            if row.divergences:
-                row.verdict = FAIL
-            row.tier = row_tier(row)
-        if result.divergences or result.reason:
-            result.verdict = FAIL
-        return result
+    def resume(self, rid, caches):
+        start = self.schedule.requests[rid].quantized_kv_start
+        return SoloCache(self.schedule.bits, self.schedule.group_size, start, caches[0])
+
+    def forward(self, layers, rows, n, calls):
+        keys, values = zip(*(self.draw(rid, n) for rid in rows))
+        fetched = layers[0].update_and_fetch(mx.concatenate(keys), mx.concatenate(values))
+        self.fetched = (self.replay.version, fetched)
+
+    def append_alone(self, rid, solo, n, j):
+        solo.append(*self.draw(rid, n))
+
+    def batched_prefill(self, rids):
+        """Several prompts in one right-padded call: prepare/finalize."""
+        requests = [self.schedule.requests[rid] for rid in rids]
+        width = max(r.prompt_len for r in requests)
+        empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
+        batch = self.implementation.merge(empty)
+        batch.prepare(right_padding=[width - r.prompt_len for r in requests])
+        keys, values = [], []
+        for r in requests:
+            k, v = self.draw(r.id, r.prompt_len)
+            pad_k, pad_v = self.kv.padding(width - r.prompt_len)
+            keys.append(mx.concatenate([k, pad_k], axis=2))
+            values.append(mx.concatenate([v, pad_v], axis=2))
+        batch.update_and_fetch(mx.concatenate(keys), mx.concatenate(values))
+        batch.finalize()
+        return [batch]
 
 
-class Oracle:
-    """Every request alone, in mlx-lm's caches, fed the same synthetic tokens."""
+class SoloCaches:
+    """Every request alone, in mlx-lm's caches, fed the same synthetic tokens
+    and the same calls the replay recorded."""
 
     def __init__(self, schedule, kv: SyntheticKV):
         self.schedule = schedule
@@ -151,8 +114,8 @@ class Oracle:
     def draw(self, rid, n):
         return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
-    def apply(self, event_index: int):
-        for rid, calls in self.schedule.calls_at(event_index).items():
+    def apply(self, calls_at: Dict[str, list]):
+        for rid, calls in calls_at.items():
             request = self.schedule.requests[rid]
             for call in calls:
                 if call.op == "prefill":
@@ -166,125 +129,188 @@ class Oracle:
                     self.solo[rid].trim(call.n)
 
 
-def check_event(replay: CacheReplay, oracle: Oracle, event: str) -> List[Divergence]:
-    found = check_sources(replay, event)
-    for prefix, alone in (("extracted.", replay.preempted), ("waiting.", replay.waiting)):
-        for rid, solo in alone.items():
-            expected = oracle.solo[rid].cache
-            if solo.cache.offset != expected.offset:
-                found.append(Divergence("offset", event, rid, expected=expected.offset, actual=solo.cache.offset))
-            found += compare_named(layer_bytes(expected), layer_bytes(solo.cache), prefix, event=event, request=rid)
-    batch = replay.batch
+class L1Run:
+    """One schedule in progress: the replay, the solo caches and the evidence.
+
+    ``advance`` takes more events of the same schedule, so a generator can
+    grow a schedule one event at a time and see each event checked.
+    """
+
+    def __init__(self, schedule, implementation: Implementation):
+        self.implementation = implementation
+        self.kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
+        self.backend = SyntheticBackend(implementation, schedule, self.kv)
+        self.replay = Replay(schedule, self.backend)
+        self.backend.replay = self.replay
+        self.solo = SoloCaches(schedule, self.kv)
+        self.result = ScheduleResult(schedule.name, "L1", implementation.name, path=schedule.path)
+        for rid in schedule.requests:
+            self.result.row(rid)
+        self.running = True
+        self.seconds = 0.0
+        self.calls_before = dict(implementation.calls)
+
+    def advance(self, events) -> bool:
+        """Apply and check ``events``; False once the run has stopped."""
+        start = time.perf_counter()
+        self.result.event_kinds += [e.kind for e in events]
+        if self.running:
+            self.running = drive(self.result, self.replay, events, self.check)
+        self.seconds += time.perf_counter() - start
+        return self.running
+
+    def check(self, event):
+        self.solo.apply(self.replay.calls_at(event.index))
+        check_event(self.replay, self.backend, self.solo, self.result, event)
+
+    def finish(self) -> ScheduleResult:
+        result = self.result
+        result.seconds = self.seconds
+        result.members = {m: n - self.calls_before.get(m, 0) for m, n in self.implementation.calls.items()
+                          if n > self.calls_before.get(m, 0)}
+        return result
+
+
+def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
+    run = L1Run(schedule, implementation)
+    missing = [c for c in schedule.needs if not implementation.supports(c)]
+    if missing:
+        run.result.event_kinds = [e.kind for e in schedule.events]
+        run.result.stop("not supported", f"needs {', '.join(missing)}")
+        return run.finish()
+    run.advance(schedule.events)
+    return run.finish()
+
+
+def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, result: ScheduleResult, event):
+    """Every check after one event, each noting the comparisons it made."""
+    label, at = event.describe(), event.index
+    note = result.note
+    check_sources(replay, backend, result, event)
+    for rid, alone in replay.preempted.items():
+        expected = solo.solo[rid].cache
+        # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
+        made = 1 if rid in replay.extracted else 0
+        found = []
+        if alone.cache.offset != expected.offset:
+            found.append(Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset))
+        note(at, "offset", [rid], made, found)
+        note(at, "bytes", [rid], made,
+             compare_named(layer_bytes(expected), layer_bytes(alone.cache), "extracted.", event=label, request=rid))
+    batch = replay.layers[0] if replay.layers else None
     if batch is None:
-        return found
+        return
     before = digest(owned_arrays(batch))
     size = batch.size()
     offsets = _ints(batch.offset)
     pads = _ints(batch.left_padding)
-    keys, values = batch.state[0], batch.state[1]
-    if pads and min(pads) > 0:
-        found.append(
-            Divergence("shared_padding", event, detail=f"every row has >= {min(pads)} pad columns")
-        )
-    for i, rid in enumerate(replay.rows):
-        solo = oracle.solo[rid].cache
-        where = dict(event=event, request=rid)
-        if not hasattr(solo, "bits"):
-            found.append(Divergence("unquantized_row", **where))
+    state = batch.state
+    rows = replay.rows
+    if len(offsets) != len(rows) or len(pads) != len(rows):
+        note(at, "layout", rows, 1, [Divergence("layout", label, detail=f"offset has {len(offsets)} and "
+                                                 f"left_padding {len(pads)} entries for {len(rows)} rows")])
+        return
+    triples = _state_triples(state)
+    if triples is None:
+        note(at, "layout", rows, 1, [Divergence("layout", label, tensor="state", actual=_kind(state),
+                                                 detail="state must begin with the key and value triples")])
+        return
+    note(at, "shared_padding", rows, 1,
+         [Divergence("shared_padding", label, detail=f"every row has >= {min(pads)} pad columns")]
+         if min(pads) > 0 else [])
+    fetched = None
+    if backend.fetched is not None and backend.fetched[0] == replay.version:
+        fetched = _state_triples(backend.fetched[1])
+    for i, rid in enumerate(rows):
+        expected_cache = solo.solo[rid].cache
+        where = dict(event=label, request=rid)
+        if not hasattr(expected_cache, "bits"):
+            note(at, "layout", [rid], 1, [Divergence("layout", detail="an unquantized row is in the batch", **where)])
             continue
-        n = solo.offset
-        if offsets[i] != n:
-            found.append(Divergence("offset", expected=n, actual=offsets[i], **where))
+        n = expected_cache.offset
+        note(at, "offset", [rid], 1,
+             [Divergence("offset", expected=n, actual=offsets[i], **where)] if offsets[i] != n else [])
         if size - pads[i] != n:
-            found.append(
-                Divergence(
-                    "left_padding",
-                    expected=size - n,
-                    actual=pads[i],
-                    detail=f"size() is {size}",
-                    **where,
-                )
-            )
+            note(at, "left_padding", [rid], 1, [Divergence("left_padding", expected=size - n, actual=pads[i],
+                                                           detail=f"size() is {size}", **where)])
             continue  # the row's columns are unknown: bytes would only echo this
+        note(at, "left_padding", [rid], 1)
         lp = pads[i]
-        expected = {name: _solo_tokens(solo, name) for name in ("keys", "values")}
-        state = {"keys": keys, "values": values}
-        found += compare_batch_row(state, i, lp, size, expected, "batch.", **where)
-        for name, got in state.items():
-            found += _check_zero_pad(got, i, lp, name, where)
-        if replay.last_fetch is not None:
-            fetched = dict(zip(("keys", "values"), replay.last_fetch))
-            found += compare_batch_row(fetched, i, lp, size, expected, "fetched.", **where)
-        found += check_extract(batch, i, solo, where)
+        expected = {name: _solo_tokens(expected_cache, name) for name in ("keys", "values")}
+        for name, triple in triples.items():
+            note(at, "bytes", [rid], 1, compare_triples(expected[name], batch_row(triple, i, lp, size),
+                                                         f"batch.{name}", **where))
+            note(at, "pad", [rid], 1, _nonzero_pad(triple, i, lp, name, where))
+            if fetched is not None:
+                note(at, "bytes", [rid], 1, compare_triples(expected[name], batch_row(fetched[name], i, lp, size),
+                                                             f"fetched.{name}", **where))
+        check_extract(batch, i, expected_cache, result, at, where)
     if digest(owned_arrays(batch)) != before:
-        found.append(Divergence("extract_modified_batch", event))
-    found += check_mask(batch, replay.rows, size, pads, event)
-    return found
+        note(at, "extract", rows, 0, [Divergence("extract", label, detail="extract changed the batch")])
+    check_mask(batch, rows, size, pads, result, event)
 
 
-def check_extract(batch, i, solo, where) -> List[Divergence]:
+def check_extract(batch, i, solo, result, at, where):
     extracted = batch.extract(i)
+    rid = where["request"]
+    offset = getattr(extracted, "offset", None)
+    if offset != solo.offset:
+        result.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
+                                                          detail="offset of the extracted cache", **where)])
+        return
     found = []
-    if getattr(extracted, "offset", None) != solo.offset:
-        found.append(
-            Divergence("extract", expected=solo.offset, actual=getattr(extracted, "offset", None),
-                       detail="offset of the extracted cache", **where)
-        )
-        return found
-    if (extracted.bits, extracted.group_size) != (solo.bits, solo.group_size):
-        found.append(
-            Divergence("extract", expected=(solo.bits, solo.group_size),
-                       actual=(extracted.bits, extracted.group_size), detail="bits, group_size", **where)
-        )
+    if (getattr(extracted, "bits", None), getattr(extracted, "group_size", None)) != (solo.bits, solo.group_size):
+        found.append(Divergence("extract", expected=(solo.bits, solo.group_size),
+                                actual=(getattr(extracted, "bits", None), getattr(extracted, "group_size", None)),
+                                detail="bits, group_size", **where))
+    result.note(at, "extract", [rid], 1, found)
     for name in ("keys", "values"):
-        found += compare_triples(
-            _solo_tokens(solo, name), _solo_tokens(extracted, name), f"extracted.{name}", **where
-        )
-    shared = any_shared(owned_arrays(extracted), owned_arrays(batch))
-    if shared:
-        found.append(Divergence("alias", detail=f"extract: {shared}", **where))
-    return found
+        result.note(at, "bytes", [rid], 1, compare_triples(_solo_tokens(solo, name), _solo_tokens(extracted, name),
+                                                            f"extracted.{name}", **where))
+    shared = shared_memory(owned_arrays(extracted), owned_arrays(batch))
+    result.note(at, "alias", [rid], 1, [] if shared is None else [
+        Divergence("alias", tensor="extract", actual=shared[2],
+                   detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of batch buffer alive", **where)])
 
 
-def check_sources(replay: CacheReplay, event: str) -> List[Divergence]:
-    found = []
-    batch_arrays = owned_arrays(replay.batch) if replay.batch is not None else []
-    for what, caches, before in replay.sources:
+def check_sources(replay: Replay, backend: SyntheticBackend, result: ScheduleResult, event):
+    """merge/extend left their sources' bytes unchanged (parity); merge keeps
+    none of their buffers (hygiene)."""
+    label, at = event.describe(), event.index
+    batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
+    rows = replay.rows or list(replay.running())
+    for member, caches, before in backend.sources:
         arrays = [x for c in caches for x in owned_arrays(c)]
-        if digest(arrays) != before:
-            found.append(Divergence("source", event, detail=f"{what} modified its source"))
-        shared = any_shared(batch_arrays, arrays)
-        if shared and what == "merge":
-            found.append(Divergence("alias", event, detail=f"{what}: {shared}"))
-    return found
+        changed = digest(arrays) != before
+        result.note(at, "source", rows, 1,
+                    [Divergence("source", label, detail=f"{member} modified its source")] if changed else [])
+        if member == "merge":
+            shared = shared_memory(batch_arrays, arrays)
+            result.note(at, "alias", rows, 1, [] if shared is None else [
+                Divergence("alias", label, tensor="merge", actual=shared[2],
+                           detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of source buffer alive")])
 
 
-def check_mask(batch, rows, size, pads, event) -> List[Divergence]:
-    found = []
+def check_mask(batch, rows, size, pads, result, event):
+    label = event.describe()
     for N in MASK_WIDTHS:
         mask = _boolean_mask(batch.make_mask(N, return_array=True), len(rows), N, size + N)
         columns = np.arange(size + N)[None, :]
         queries = np.arange(N)[:, None]
         for i, rid in enumerate(rows):
             expected = (columns >= pads[i]) & (columns <= size + queries)
+            found = []
             if mask is None or not np.array_equal(mask[i], expected):
                 got = None if mask is None else mask[i]
                 index = None
                 if got is not None and got.shape == expected.shape:
                     index = int(np.flatnonzero(got != expected)[0])
-                found.append(
-                    Divergence(
-                        "mask",
-                        event,
-                        rid,
-                        tensor=f"make_mask({N})",
-                        index=index,
-                        expected=None if index is None else bool(expected.reshape(-1)[index]),
-                        actual=None if index is None else bool(got.reshape(-1)[index]),
-                        detail=f"row has {pads[i]} pad columns of {size}",
-                    )
-                )
-    return found
+                found.append(Divergence(
+                    "mask", label, rid, tensor=f"make_mask({N})", index=index,
+                    expected=None if index is None else bool(expected.reshape(-1)[index]),
+                    actual=None if index is None else bool(got.reshape(-1)[index]),
+                    detail=f"row has {pads[i]} pad columns of {size}"))
+            result.note(event.index, "mask", [rid], 1, found)
 
 
 def _boolean_mask(mask, B, N, S):
@@ -297,6 +323,8 @@ def _boolean_mask(mask, B, N, S):
             return None
         columns, queries = np.arange(S)[None, :], np.arange(N)[:, None]
         return np.broadcast_to(columns <= S - N + queries, (B, N, S))
+    if not isinstance(mask, mx.array):
+        return None
     if mask.dtype == mx.bool_:
         mask = raw(mask).astype(bool)
     else:
@@ -309,7 +337,7 @@ def _boolean_mask(mask, B, N, S):
         return None
 
 
-def _check_zero_pad(triple, i, lp, name, where) -> List[Divergence]:
+def _nonzero_pad(triple, i, lp, name, where) -> List[Divergence]:
     found = []
     if lp == 0:
         return found
@@ -317,16 +345,31 @@ def _check_zero_pad(triple, i, lp, name, where) -> List[Divergence]:
         pad = raw(x[i : i + 1, :, :lp])
         nonzero = np.flatnonzero(pad)
         if nonzero.size:
-            found.append(
-                Divergence("pad", tensor=f"batch.{name}.{part}", index=int(nonzero[0]),
-                           expected=0, actual=int(pad.reshape(-1)[nonzero[0]]),
-                           detail=f"pad columns [0, {lp})", **where)
-            )
+            found.append(Divergence("pad", tensor=f"batch.{name}.{part}", index=int(nonzero[0]), expected=0,
+                                    actual=int(pad.reshape(-1)[nonzero[0]]), detail=f"pad columns [0, {lp})",
+                                    **where))
     return found
 
 
+def _state_triples(state):
+    """{"keys": triple, "values": triple} from a state or a fetch result, or None."""
+    try:
+        keys, values = state[0], state[1]
+    except (TypeError, IndexError, KeyError):
+        return None
+    for triple in (keys, values):
+        if not isinstance(triple, (tuple, list)) or len(triple) != 3 or not all(
+                isinstance(x, mx.array) and x.ndim == 4 for x in triple):
+            return None
+    return {"keys": tuple(keys), "values": tuple(values)}
+
+
+def _kind(value):
+    return type(value).__name__
+
+
 def _solo_tokens(cache, name):
-    triple = getattr(cache, name)
+    triple = getattr(cache, name, None)
     if triple is None:
         return None
     return tuple(x[..., : cache.offset, :] for x in triple)

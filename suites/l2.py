@@ -1,23 +1,34 @@
-"""L2, the model per row: the engine replays a schedule on a model while the
-oracle replays each request alone; per row and call, logits must be
-bit-identical, greedy tokens identical, and per layer the cache bytes
-bit-identical at every event boundary.
+"""L2, the model per row: the model replays a schedule through the
+implementation's batch while the oracle replays each request alone; per row
+and call, logits must be bit-identical (greedy tokens are reported
+separately), and per layer the cache bytes bit-identical at every event
+boundary.
+
+Joiners prefill alone through the oracle's own path (mlx-lm's prompt cache
+and conversion rule), then enter the batch through ``merge`` and ``extend``,
+one batch cache per layer. Decode steps and verify windows run every row of
+the batch in one batched forward. Inputs are teacher-forced from the solo
+traces so one flipped argmax cannot derail the comparison.
+
+Only what came out of the implementation is evidence: a batched forward, a
+row's bytes in the batch, and a row extracted from it. A request decoding
+alone because mlx-lm has not converted it yet compares mlx-lm with itself.
 """
 
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from kvparity.impl.adapter import Implementation
-from kvparity.impl.engine import Engine
 from kvparity.oracle.models import load_model
-from kvparity.oracle.parity import compare_named, first_difference
-from kvparity.oracle.solo import Call, SoloTrace, greedy, run_solo
+from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo
-from kvparity.reports.metrics import LogitStats
-from kvparity.reports.policy import Policy, load_policy, row_tier
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, SKIPPED, Divergence, ScheduleResult
+from kvparity.suites.adapter import Implementation
+from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference
+from kvparity.suites.evidence import OracleFailed, ScheduleResult, drive
+from kvparity.suites.metrics import LogitStats
+from kvparity.suites.replay import Replay
 from kvparity.suites.schedule import parse
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
@@ -34,12 +45,11 @@ def model_for(schedule, forced=None) -> str:
 
 
 def fit_to_model(schedule, model):
-    """Tokenize text prompts and check the kv settings fit the model;
-    returns (schedule, reason it cannot run on this model or None)."""
+    """Tokenize text prompts and check the kv settings fit the model; returns
+    (schedule, why it cannot run on this model or None)."""
     if model.head_dim % schedule.group_size:
-        return schedule, (
-            f"kv.group_size={schedule.group_size} does not divide head_dim={model.head_dim} of {model.name}"
-        )
+        return schedule, (f"kv.group_size={schedule.group_size} does not divide "
+                          f"head_dim={model.head_dim} of {model.name}")
     if any(r.text is not None for r in schedule.requests.values()):
         if model.tokenizer is None:
             return schedule, f"text prompts need a tokenizer; {model.name} has none"
@@ -52,162 +62,236 @@ def fit_to_model(schedule, model):
     return schedule, None
 
 
-def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=True,
-           policy: Policy = None, capture: Optional[dict] = None) -> ScheduleResult:
-    """Replay ``schedule`` on the model; ``capture``, when given, receives the
-    engine's own trace per request (same format as the oracle's)."""
-    policy = policy or load_policy()
-    model = load_model(model_for(schedule, model_name))
-    result = ScheduleResult(schedule.name, "L2", implementation.name, len(schedule.events), path=schedule.path)
-    for rid in schedule.requests:
-        result.row(rid)
-    schedule, unfit = fit_to_model(schedule, model)
-    missing = [c for c in schedule.needs if not implementation.supports(c)]
-    if unfit or missing:
-        result.verdict = SKIPPED if unfit else NOT_SUPPORTED
-        result.reason = unfit or f"needs {', '.join(missing)}"
-        for row in result.rows:
-            row.verdict = result.verdict
-        return result
+@dataclass
+class Output:
+    """Logits the model produced for one call of one request."""
 
-    start = time.perf_counter()
+    request: str
+    step: int  # index of the call in the request's trace
+    logits: mx.array  # [positions, vocab]
+    from_implementation: bool  # through the batch, or from a cache extracted from it
+
+
+class ModelBackend:
+    """Tokens are the oracle's, fed to a model: teacher forcing."""
+
+    def __init__(self, model, implementation: Implementation, schedule, traces: Dict[str, SoloTrace]):
+        self.model = model  # a LoadedModel
+        self.implementation = implementation
+        self.schedule = schedule
+        self.traces = traces
+        self.outputs: List[Output] = []
+
+    def alone(self, rid, cache=None) -> SoloRequest:
+        m = self.model
+        return SoloRequest(m.model, self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
+                           m.vocab_size, m.tokenizer, cache)
+
+    def inputs(self, rid, j):
+        return self.traces[rid].calls[j].inputs
+
+    def begin(self, event):
+        self.outputs = []
+
+    def watch(self, member, caches):
+        pass  # sources are L1's business: L2 reads the same protocol
+
+    def prefill(self, rid, j):
+        solo = self.alone(rid)
+        self.outputs.append(Output(rid, j, solo.prefill(), False))
+        return solo
+
+    def resume(self, rid, caches):
+        return self.alone(rid, caches)
+
+    def forward(self, layers, rows, n, calls):
+        inputs = mx.array([self.inputs(rid, calls[rid]) for rid in rows])
+        logits = self.model.model(inputs, cache=layers)
+        self.outputs += [Output(rid, calls[rid], logits[i], True) for i, rid in enumerate(rows)]
+
+    def append_alone(self, rid, solo, n, j):
+        self.outputs.append(Output(rid, j, solo.append(self.inputs(rid, j)), self.replay_extracted(rid)))
+
+    def batched_prefill(self, rids):
+        raise AssertionError("the dry run refuses batched_join at L2")
+
+    replay_extracted = staticmethod(lambda rid: False)  # set by the run: is rid's cache from the batch?
+
+
+def solo_traces(schedule, model, use_cache=True) -> Dict[str, SoloTrace]:
     traces = {}
     for rid in schedule.requests:
         run = lambda rid=rid: run_solo(model.model, schedule, rid, model.vocab_size, model.tokenizer)
-        traces[rid] = cached_solo(run, schedule, rid, model) if use_cache else run()
-    if capture is not None:
-        capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls]) for rid, t in traces.items()})
-    engine = Engine(model.model, implementation, schedule, traces, model.vocab_size, model.tokenizer)
-    stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
-    for event in schedule.events:
-        label = event.describe()
         try:
-            outputs = engine.apply(event)
-        except NotImplementedError as error:
-            result.verdict, result.reason = NOT_SUPPORTED, f"event {label}: {error}"
-            break
-        except Exception as error:  # the implementation under test broke
-            result.reason = f"event {label} raised {type(error).__name__}: {error}"
-            for rid in engine.rows or list(schedule.requests):
-                result.row(rid).divergences.append(Divergence("raised", label, rid, detail=result.reason))
-            break
-        found = []
-        for out in outputs:
+            traces[rid] = cached_solo(run, schedule, rid, model) if use_cache else run()
+        except Exception as error:  # mlx-lm's own path, not ours: say so, never blame the cache
+            raise OracleFailed(f"mlx-lm's solo path for {rid!r} raised {type(error).__name__}: {error}") from error
+    return traces
+
+
+def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=True,
+           capture: Optional[dict] = None, model=None) -> ScheduleResult:
+    """Replay ``schedule`` on the model. ``capture``, when given, receives the
+    run's own trace per request (the oracle's format). ``model`` overrides
+    the loaded model for the batched side only (tests perturb it)."""
+    loaded = load_model(model_for(schedule, model_name))
+    schedule, unfit = fit_to_model(schedule, loaded)
+    if unfit:
+        raise ValueError(f"{schedule.path}: {unfit}")
+    result = ScheduleResult(schedule.name, "L2", implementation.name, [e.kind for e in schedule.events],
+                            path=schedule.path, model=loaded.name, model_sha256=loaded.sha256)
+    for rid in schedule.requests:
+        result.row(rid)
+    missing = [c for c in schedule.needs if not implementation.supports(c)]
+    if missing:
+        result.stop("not supported", f"needs {', '.join(missing)}")
+        return result
+    start = time.perf_counter()
+    calls_before = dict(implementation.calls)
+    try:
+        traces = solo_traces(schedule, loaded, use_cache)
+    except OracleFailed as error:
+        result.stop("oracle cannot run", str(error))
+        return result
+    if capture is not None:
+        capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls])
+                        for rid, t in traces.items()})
+    backend = ModelBackend(model or loaded, implementation, schedule, traces)
+    replay = Replay(schedule, backend)
+    backend.replay_extracted = lambda rid: rid in replay.extracted
+    stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
+
+    def check(event):
+        label, at = event.describe(), event.index
+        for out in backend.outputs:
             expected = traces[out.request].calls[out.step].logits
-            stats[out.request].add(expected, out.logits, out.step)
-            found += compare_logits(expected, out.logits, label, out.request, out.step)
+            if out.from_implementation:
+                stats[out.request].add(expected, out.logits, out.step)
+                result.note(at, "logits", [out.request], 1,
+                            compare_logits(expected, out.logits, label, out.request, out.step))
             if capture is not None:
                 capture[out.request].calls[out.step].logits = out.logits
-        found += compare_caches(engine, traces, label, event.index)
+        compare_caches(replay, traces, result, event)
         if capture is not None:
-            for rid in engine.running() + list(engine.preempted):
-                capture[rid].snapshots[event.index], capture[rid].offsets[event.index] = engine.row_bytes(rid)
-        for divergence in found:
-            result.row(divergence.request).divergences.append(divergence)
-        for rid in engine.running():
-            result.row(rid).checks += 1
-    finish(result, stats, policy)
+            for rid in replay.running() + list(replay.preempted):
+                capture[rid].snapshots[at], capture[rid].offsets[at] = row_bytes(replay, rid)
+
+    drive(result, replay, schedule.events, check)
+    for row in result.rows:
+        row.metrics = stats[row.request].as_dict()
+        row.series = stats[row.request].series if row.metrics["positions"] else {}
+    result.members = {m: n - calls_before.get(m, 0) for m, n in implementation.calls.items()
+                      if n > calls_before.get(m, 0)}
     result.seconds = time.perf_counter() - start
     return result
 
 
-def finish(result: ScheduleResult, stats: Dict[str, LogitStats], policy: Policy):
-    """Row and schedule verdicts: a divergence fails a row only if the
-    policy says it gates."""
-    for row in result.rows:
-        row.metrics = stats[row.request].as_dict()
-        row.series = stats[row.request].series if row.metrics["positions"] else {}
-        row.required = policy.required()
-        if result.verdict == NOT_SUPPORTED:
-            row.verdict = NOT_SUPPORTED
-        elif any(policy.gates(d, row.metrics) for d in row.divergences):
-            row.verdict = FAIL
-        row.tier = row_tier(row)
-    if result.verdict != NOT_SUPPORTED and (result.reason or any(r.verdict == FAIL for r in result.rows)):
-        result.verdict = FAIL
+def row_bytes(replay: Replay, rid: str):
+    """Per layer, the request's cache bytes as the run holds them, named
+    like the oracle's snapshots, and its RoPE offset."""
+    alone = replay.waiting.get(rid) or replay.preempted.get(rid)
+    if alone is not None:
+        return [layer_bytes(c) for c in alone.cache], alone.offset
+    i = replay.rows.index(rid)
+    layers = []
+    for batch in replay.layers:
+        start, stop = int(batch.left_padding[i].item()), batch.size()
+        named = {}
+        for name, triple in zip(("keys", "values"), batch.state[:2]):
+            for part, x in zip(TRIPLE, triple):
+                named[f"{name}.{part}"] = x[i : i + 1, :, start:stop]
+        layers.append(named)
+    return layers, int(replay.layers[0].offset[i].item())
 
 
-def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str, SoloTrace],
-                   source: str, policy: Policy = None) -> ScheduleResult:
-    """The L2 comparison between two recorded trace sets: logits per call,
-    cache bytes per layer at every recorded event boundary."""
-    policy = policy or load_policy()
-    events = max((c.event for t in golden.values() for c in t.calls), default=-1) + 1
-    result = ScheduleResult(name, "L2", source, events)
-    stats = {rid: LogitStats() for rid in golden}
-    for rid, expected in golden.items():
-        row = result.row(rid)
-        got = candidate.get(rid)
-        if got is None or len(got.calls) != len(expected.calls):
-            row.divergences.append(Divergence("layout", "trace", rid, detail="the candidate's calls differ in number"))
-            continue
-        for step, (e, a) in enumerate(zip(expected.calls, got.calls)):
-            if e.logits is None:
+def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
+    """Every layer of every row, batched or alone, against its solo bytes;
+    only rows whose bytes came from the implementation count as evidence."""
+    label, at = event.describe(), event.index
+    for rid in replay.running() + list(replay.preempted):
+        from_implementation = rid in replay.rows or rid in replay.extracted
+        made = 1 if from_implementation else 0
+        expected, offset = traces[rid].snapshot_at(at)
+        where = dict(event=label, request=rid, step=len(replay.calls[rid]) - 1)
+        if rid in replay.rows:
+            i = replay.rows.index(rid)
+            batch = replay.layers[0]
+            pad, size = int(batch.left_padding[i].item()), batch.size()
+            if size - pad != offset:
+                result.note(at, "left_padding", [rid], 1, [Divergence(
+                    "left_padding", expected=size - offset, actual=pad, detail=f"size() is {size}", **where)])
                 continue
-            if a.logits is None:
-                row.divergences.append(Divergence("layout", f"#{e.event}", rid, tensor="logits", step=step,
-                                                  detail="missing in the candidate"))
-                continue
-            stats[rid].add(e.logits, a.logits, step)
-            row.divergences += compare_logits(e.logits, a.logits, f"#{e.event}", rid, step)
-        for event, layers in sorted(expected.snapshots.items()):
-            actual, _ = got.snapshot_at(event)
-            if actual is None:
-                continue
-            if got.offsets.get(event, expected.offsets[event]) != expected.offsets[event]:
-                row.divergences.append(Divergence("offset", f"#{event}", rid, expected=expected.offsets[event],
-                                                  actual=got.offsets[event]))
-            for layer, (e, a) in enumerate(zip(layers, actual)):
-                row.divergences += compare_named(e, a, event=f"#{event}", request=rid, layer=layer)
-        row.checks = len(expected.snapshots)
-    finish(result, stats, policy)
-    return result
+            result.note(at, "left_padding", [rid], 1)
+        actual, actual_offset = row_bytes(replay, rid)
+        prefix = "extracted." if rid in replay.preempted else "waiting." if rid in replay.waiting else ""
+        result.note(at, "offset", [rid], made, [] if actual_offset == offset else [
+            Divergence("offset", expected=offset, actual=actual_offset, detail="RoPE offset", **where)])
+        if len(actual) != len(expected):
+            result.note(at, "layout", [rid], made, [Divergence(
+                "layout", expected=len(expected), actual=len(actual), detail="layers", **where)])
+        for layer, (e, a) in enumerate(zip(expected, actual)):
+            result.note(at, "bytes", [rid], made, compare_named(e, a, prefix, layer=layer, **where))
 
 
 def compare_logits(expected: mx.array, actual: mx.array, event: str, rid: str, step: int) -> List[Divergence]:
     diff = first_difference(expected, actual)
-    found = []
-    if diff is not None:
-        index, want, got = diff
-        e32, a32 = expected.astype(mx.float32), actual.astype(mx.float32)
-        max_abs = mx.abs(e32 - a32).max().item() if expected.shape == actual.shape else None
-        positions = expected.shape[0]
-        agree = sum(greedy(expected[p]) == greedy(actual[p]) for p in range(positions)) \
-            if expected.shape == actual.shape else 0
-        found.append(
-            Divergence(
-                "logits" if index is not None else "layout",
-                event,
-                rid,
-                tensor="logits",
-                step=step,
-                index=index,
-                expected=want,
-                actual=got,
-                detail=f"max abs diff {max_abs}, top-1 agree {agree}/{positions}",
-            )
-        )
-    if expected.shape == actual.shape:
-        for p in range(expected.shape[0]):
-            if greedy(expected[p]) != greedy(actual[p]):
-                found.append(
-                    Divergence("tokens", event, rid, tensor="argmax", step=step, index=p,
-                               expected=greedy(expected[p]), actual=greedy(actual[p]))
-                )
-                break
+    if diff is None:
+        return []
+    index, want, got = diff
+    if index is None:  # dtype or shape differ: not comparable
+        return [Divergence("layout", event, rid, tensor="logits", step=step, expected=want, actual=got)]
+    e32, a32 = expected.astype(mx.float32), actual.astype(mx.float32)
+    max_abs = mx.abs(e32 - a32).max().item()
+    positions = expected.shape[0]
+    flipped = [p for p in range(positions) if greedy(expected[p]) != greedy(actual[p])]
+    found = [Divergence("logits", event, rid, tensor="logits", step=step, index=index, expected=want, actual=got,
+                        detail=f"max abs diff {max_abs}, top-1 agree {positions - len(flipped)}/{positions}")]
+    if flipped:
+        p = flipped[0]
+        found.append(Divergence("tokens", event, rid, tensor="argmax", step=step, index=p,
+                                expected=greedy(expected[p]), actual=greedy(actual[p])))
     return found
 
 
-def compare_caches(engine: Engine, traces, event: str, event_index: int) -> List[Divergence]:
-    """Every layer of every row, batched or preempted, against its solo bytes."""
-    found = []
-    for rid in engine.running() + list(engine.preempted):
-        expected, offset = traces[rid].snapshot_at(event_index)
-        actual, actual_offset = engine.row_bytes(rid)
-        prefix = "extracted." if rid in engine.preempted else "waiting." if rid in engine.waiting else ""
-        where = dict(event=event, request=rid, step=engine.consumed[rid] - 1)
-        if actual_offset != offset:
-            found.append(Divergence("offset", expected=offset, actual=actual_offset, detail="RoPE offset", **where))
-        for layer, (e, a) in enumerate(zip(expected, actual)):
-            found += compare_named(e, a, prefix, layer=layer, **where)
-    return found
+def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str, SoloTrace],
+                   source: str) -> ScheduleResult:
+    """The L2 comparison between two recorded trace sets: logits per call and
+    cache bytes per layer at every recorded event boundary. Whatever the
+    golden holds and the candidate lacks is a ``layout`` divergence."""
+    events = max((c.event for t in golden.values() for c in t.calls), default=-1) + 1
+    result = ScheduleResult(name, "L2", source, ["trace"] * events)
+    stats = {rid: LogitStats() for rid in golden}
+    for rid, expected in golden.items():
+        result.row(rid)
+        got = candidate.get(rid)
+        if got is None or len(got.calls) != len(expected.calls):
+            result.note(0, "layout", [rid], 1, [Divergence(
+                "layout", "#0 trace", rid, expected=len(expected.calls),
+                actual=None if got is None else len(got.calls), detail="calls in the candidate's trace")])
+            continue
+        for step, (e, a) in enumerate(zip(expected.calls, got.calls)):
+            if e.logits is None:
+                continue
+            label = f"#{e.event} trace"
+            if a.logits is None:
+                result.note(e.event, "layout", [rid], 1, [Divergence(
+                    "layout", label, rid, tensor="logits", step=step, detail="missing in the candidate")])
+                continue
+            stats[rid].add(e.logits, a.logits, step)
+            result.note(e.event, "logits", [rid], 1, compare_logits(e.logits, a.logits, label, rid, step))
+        for event, layers in sorted(expected.snapshots.items()):
+            label = f"#{event} trace"
+            actual, actual_offset = got.snapshots.get(event), got.offsets.get(event)
+            if actual is None or len(actual) != len(layers):
+                result.note(event, "layout", [rid], 1, [Divergence(
+                    "layout", label, rid, expected=len(layers), actual=None if actual is None else len(actual),
+                    detail="cache snapshot layers in the candidate")])
+                continue
+            result.note(event, "offset", [rid], 1, [] if actual_offset == expected.offsets[event] else [
+                Divergence("offset", label, rid, expected=expected.offsets[event], actual=actual_offset)])
+            for layer, (e, a) in enumerate(zip(layers, actual)):
+                result.note(event, "bytes", [rid], 1, compare_named(e, a, event=label, request=rid, layer=layer))
+    for row in result.rows:
+        row.metrics = stats[row.request].as_dict()
+        row.series = stats[row.request].series if row.metrics["positions"] else {}
+    return result

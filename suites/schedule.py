@@ -13,28 +13,33 @@ suites/catalog/README.md)::
       "events": [{"join": ["a"]}, {"step": 2}, {"join": ["b"]}, {"step": 3}]
     }
 
-``load`` validates a file completely before anything runs: a bad file gets a
-``ScheduleError`` naming the file, the event and the reason.
+``load`` validates a file completely before anything runs: every event is
+parsed into a typed object, then the replay core walks the schedule once
+without any cache (its dry run), which refuses what cannot happen and
+records the calls each request sees and the optional capabilities it needs.
+A bad file gets a ``ScheduleError`` naming the file, the event and the reason.
 """
 
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
-from kvparity.impl.batch_quantized import check_quantization
+from kvparity.suites.replay import Call, ScheduleError, dry_run
 
 LEVELS = ("L1", "L2")
 DTYPES = ("bfloat16", "float16", "float32")
+BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+GROUP_SIZES = (32, 64, 128)
 DEFAULT_PREFILL_STEP = 2048
 
 CATALOG = Path(__file__).parent / "catalog"
 REAL_CATALOG = CATALOG / "real"  # schedules for the real model (SmolLM2)
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot run; the message names file, event and reason."""
+def _fail(source, where, reason):
+    raise ScheduleError(f"{source}: {where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -58,23 +63,201 @@ class Request:
         return chunks + [1]
 
 
-@dataclass(frozen=True)
-class Call:
-    """One thing a request sees, alone or in the batch: the oracle replays these."""
+# -- events: one small class per kind -------------------------------------------
 
-    event: int  # index of the event that makes the call
-    op: str  # "prefill" (n prompt tokens, in chunks), "append" (n tokens in one call), "trim"
-    n: int
+
+def _count(where, value, minimum=1, what="a count"):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ScheduleError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _ids(where, args):
+    if not isinstance(args, list) or not args or not all(isinstance(r, str) for r in args):
+        raise ScheduleError(f"{where}: expected a non-empty list of request ids")
+    if len(set(args)) != len(args):
+        raise ScheduleError(f"{where}: a request is named twice")
+    return tuple(args)
+
+
+def _id(where, args):
+    if not isinstance(args, str):
+        raise ScheduleError(f"{where}: expected one request id, got {args!r}")
+    return args
+
+
+def _amounts(where, args, minimum, what):
+    if not isinstance(args, dict):
+        raise ScheduleError(f"{where}: expected an object of request id -> {what}")
+    return {rid: _count(where, n, minimum, f"{what} for {rid!r}") for rid, n in args.items()}
 
 
 @dataclass(frozen=True)
 class Event:
     index: int
-    kind: str
-    args: object
+    kind: ClassVar[str] = ""
+
+    @property
+    def args(self):
+        raise NotImplementedError
+
+    def to_json(self) -> dict:
+        return {self.kind: self.args}
 
     def describe(self) -> str:
         return f"#{self.index} {self.kind} {json.dumps(self.args, separators=(',', ':'))}"
+
+
+@dataclass(frozen=True)
+class Join(Event):
+    """Each request prefills alone through mlx-lm, then merge + extend."""
+
+    requests: Tuple[str, ...] = ()
+    kind: ClassVar[str] = "join"
+
+    @property
+    def args(self):
+        return list(self.requests)
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, _ids(where, args))
+
+
+@dataclass(frozen=True)
+class BatchedJoin(Join):
+    """The prompts prefill in one right-padded call (prepare/finalize)."""
+
+    kind: ClassVar[str] = "batched_join"
+
+
+@dataclass(frozen=True)
+class Step(Event):
+    """n decode steps: one token for every running row per step."""
+
+    n: int = 1
+    kind: ClassVar[str] = "step"
+
+    @property
+    def args(self):
+        return self.n
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, _count(where, args, what="step"))
+
+
+@dataclass(frozen=True)
+class Trim(Step):
+    """Drop the last n tokens of every running row."""
+
+    kind: ClassVar[str] = "trim"
+
+
+@dataclass(frozen=True)
+class Leave(Join):
+    """The rows finish: filter keeps the others."""
+
+    kind: ClassVar[str] = "leave"
+
+
+@dataclass(frozen=True)
+class SpecRound(Event):
+    """A verify window of k+1 tokens for every row in one call; each row keeps
+    its accepted drafts plus one and rolls back the rest."""
+
+    k: int = 1
+    accepted: Mapping[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "spec_round"
+
+    @property
+    def args(self):
+        return {"k": self.k, "accepted": dict(self.accepted)}
+
+    @classmethod
+    def parse(cls, index, where, args):
+        if not isinstance(args, dict) or set(args) - {"k", "accepted"} or "k" not in args:
+            raise ScheduleError(f'{where}: expected {{"k": drafts, "accepted": {{request: count}}}}')
+        k = _count(where, args["k"], what="k")
+        accepted = _amounts(where, args.get("accepted", {}), 0, "count")
+        for rid, a in accepted.items():
+            if a > k:
+                raise ScheduleError(f"{where}: {rid!r} accepts {a} of only k={k} drafts")
+        return cls(index, k, accepted)
+
+
+@dataclass(frozen=True)
+class Rollback(Event):
+    """Drop the last n tokens of the named rows (others 0)."""
+
+    amounts: Mapping[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "rollback"
+
+    @property
+    def args(self):
+        return dict(self.amounts)
+
+    @classmethod
+    def parse(cls, index, where, args):
+        amounts = _amounts(where, args, 0, "count")
+        if not amounts:
+            raise ScheduleError(f"{where}: rollback names no request")
+        return cls(index, amounts)
+
+
+@dataclass(frozen=True)
+class SoloStep(Rollback):
+    """Extracted requests decode alone, each its own number of steps."""
+
+    kind: ClassVar[str] = "solo_step"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        steps = _amounts(where, args, 1, "steps")
+        if not steps:
+            raise ScheduleError(f"{where}: expected an object of extracted request id -> steps")
+        return cls(index, steps)
+
+
+@dataclass(frozen=True)
+class Extract(Event):
+    """Preempt: the row leaves the batch as a solo cache."""
+
+    request: str = ""
+    kind: ClassVar[str] = "extract"
+
+    @property
+    def args(self):
+        return self.request
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, _id(where, args))
+
+
+@dataclass(frozen=True)
+class Reinsert(Extract):
+    """The extracted request comes back (merge + extend)."""
+
+    kind: ClassVar[str] = "reinsert"
+
+
+EVENTS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,
+                                    Extract, SoloStep, Reinsert)}
+EVENT_KINDS = tuple(EVENTS)
+
+
+def parse_event(source, index, doc) -> Event:
+    where = f"{source}: event #{index}"
+    if not isinstance(doc, dict) or len(doc) != 1:
+        raise ScheduleError(f"{where}: an event is an object with exactly one key, its kind")
+    (kind, args), = doc.items()
+    if kind not in EVENTS:
+        raise ScheduleError(f"{where}: unknown event {kind!r} (known: {', '.join(EVENT_KINDS)})")
+    return EVENTS[kind].parse(index, f"{where} {kind} {json.dumps(args, separators=(',', ':'))}", args)
+
+
+# -- schedules ----------------------------------------------------------------------
 
 
 @dataclass
@@ -91,25 +274,19 @@ class Schedule:
     dtype: str = "bfloat16"
     model: Optional[str] = None
     path: Optional[str] = None
-    needs: Tuple[str, ...] = field(default_factory=tuple)  # optional capabilities
+    needs: Tuple[str, ...] = ()  # optional capabilities, from the dry run
     calls: Dict[str, List[Call]] = field(default_factory=dict)  # per request, in order
-
-    def calls_at(self, event: int) -> Dict[str, List[Call]]:
-        return {
-            rid: [c for c in calls if c.event == event]
-            for rid, calls in self.calls.items()
-            if any(c.event == event for c in calls)
-        }
 
     def to_json(self) -> dict:
         requests = {}
+        defaults = Request(id="", prompt_len=1)
         for r in self.requests.values():
-            entry = {"prompt_len": r.prompt_len}
-            if r.prompt is not None:
-                entry = {"prompt": list(r.prompt)}
             if r.text is not None:
                 entry = {"text": r.text}
-            defaults = Request(id=r.id, prompt_len=1)
+            elif r.prompt is not None:
+                entry = {"prompt": list(r.prompt)}
+            else:
+                entry = {"prompt_len": r.prompt_len}
             for key in ("quantized_kv_start", "prefill_step_size", "seed"):
                 if getattr(r, key) != getattr(defaults, key):
                     entry[key] = getattr(r, key)
@@ -119,13 +296,9 @@ class Schedule:
             "description": self.description,
             "levels": list(self.levels),
             "kv": {"bits": self.bits, "group_size": self.group_size},
-            "synthetic": {
-                "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim,
-                "dtype": self.dtype,
-            },
+            "synthetic": {"kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype},
             "requests": requests,
-            "events": [{e.kind: e.args} for e in self.events],
+            "events": [e.to_json() for e in self.events],
         }
         if self.model:
             doc["model"] = self.model
@@ -160,13 +333,6 @@ def catalog_paths(level: Optional[str] = None, folder: Path = CATALOG) -> List[P
     return [p for p in paths if level in load(p).levels]
 
 
-# -- validation ------------------------------------------------------------------
-
-
-def _fail(source, where, reason):
-    raise ScheduleError(f"{source}: {where}: {reason}")
-
-
 def _int(source, where, value, minimum=0):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(source, where, f"expected an integer >= {minimum}, got {value!r}")
@@ -184,19 +350,25 @@ def _keys(source, where, doc, allowed, required=()):
             _fail(source, where, f"missing field {key!r}")
 
 
+def check_kv(source, bits, group_size, head_dim=None):
+    if bits not in BITS:
+        _fail(source, "kv.bits", f"bits={bits} is not supported (choose from {BITS})")
+    if group_size not in GROUP_SIZES:
+        _fail(source, "kv.group_size", f"group_size={group_size} is not supported (choose from {GROUP_SIZES})")
+    if head_dim is not None and head_dim % group_size:
+        _fail(source, "kv.group_size", f"group_size={group_size} does not divide head_dim={head_dim}")
+
+
 def parse(doc, source="<schedule>") -> Schedule:
-    _keys(
-        source,
-        "schedule",
-        doc,
-        ("name", "description", "levels", "kv", "synthetic", "model", "requests", "events"),
-        ("name", "requests", "events"),
-    )
-    levels = tuple(doc.get("levels", LEVELS))
+    _keys(source, "schedule", doc,
+          ("name", "description", "levels", "kv", "synthetic", "model", "requests", "events"),
+          ("name", "requests", "events"))
+    levels = doc.get("levels", list(LEVELS))
+    if not isinstance(levels, list) or not levels:
+        _fail(source, "levels", f"expected a non-empty list of levels ({', '.join(LEVELS)})")
     for level in levels:
         if level not in LEVELS:
             _fail(source, "levels", f"unknown level {level!r} (known: {', '.join(LEVELS)})")
-
     kv = doc.get("kv", {})
     _keys(source, "kv", kv, ("bits", "group_size"))
     bits = _int(source, "kv.bits", kv.get("bits", 4), 1)
@@ -208,48 +380,33 @@ def parse(doc, source="<schedule>") -> Schedule:
     dtype = synthetic.get("dtype", "bfloat16")
     if dtype not in DTYPES:
         _fail(source, "synthetic.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
-    try:
-        check_quantization(bits, group_size, head_dim if "L1" in levels else None)
-    except ValueError as error:
-        _fail(source, "kv", str(error))
+    check_kv(source, bits, group_size, head_dim if "L1" in levels else None)
+    model = doc.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        _fail(source, "model", f"expected a model name, got {model!r}")
 
-    requests = {}
     if not isinstance(doc["requests"], dict) or not doc["requests"]:
         _fail(source, "requests", "expected a non-empty object of request id -> request")
-    for rid, spec in doc["requests"].items():
-        requests[rid] = _request(source, rid, spec, levels)
-
+    requests = {rid: parse_request(source, rid, spec, levels) for rid, spec in doc["requests"].items()}
     if not isinstance(doc["events"], list) or not doc["events"]:
         _fail(source, "events", "expected a non-empty list of events")
-    events = [_event(source, i, e) for i, e in enumerate(doc["events"])]
+    events = [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
     schedule = Schedule(
-        name=str(doc["name"]),
-        description=str(doc.get("description", "")),
-        levels=levels,
-        bits=bits,
-        group_size=group_size,
-        requests=requests,
-        events=events,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-        model=doc.get("model"),
-        path=source,
+        name=str(doc["name"]), description=str(doc.get("description", "")), levels=tuple(levels),
+        bits=bits, group_size=group_size, requests=requests, events=events, kv_heads=kv_heads,
+        head_dim=head_dim, dtype=dtype, model=model, path=source,
     )
-    simulation = Simulation(schedule)
-    schedule.needs = simulation.run()
-    schedule.calls = simulation.calls
+    schedule.needs, schedule.calls = dry_run(schedule)
+    silent = [rid for rid, calls in schedule.calls.items() if not calls]
+    if silent:
+        _fail(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
     return schedule
 
 
-def _request(source, rid, spec, levels) -> Request:
+def parse_request(source, rid, spec, levels) -> Request:
     where = f"request {rid!r}"
-    _keys(
-        source,
-        where,
-        spec,
-        ("prompt_len", "prompt", "text", "quantized_kv_start", "prefill_step_size", "seed"),
-    )
+    _keys(source, where, spec,
+          ("prompt_len", "prompt", "text", "quantized_kv_start", "prefill_step_size", "seed"))
     given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
     if len(given) != 1:
         _fail(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
@@ -275,205 +432,7 @@ def _request(source, rid, spec, levels) -> Request:
         prompt=prompt,
         text=text,
         quantized_kv_start=_int(source, f"{where} quantized_kv_start", spec.get("quantized_kv_start", 0)),
-        prefill_step_size=_int(
-            source, f"{where} prefill_step_size", spec.get("prefill_step_size", DEFAULT_PREFILL_STEP), 1
-        ),
+        prefill_step_size=_int(source, f"{where} prefill_step_size",
+                               spec.get("prefill_step_size", DEFAULT_PREFILL_STEP), 1),
         seed=_int(source, f"{where} seed", spec.get("seed", 0)),
     )
-
-
-EVENT_KINDS = (
-    "join",
-    "batched_join",
-    "step",
-    "leave",
-    "spec_round",
-    "rollback",
-    "extract",
-    "solo_step",
-    "reinsert",
-    "trim",
-)
-
-
-def _event(source, index, doc) -> Event:
-    where = f"event #{index}"
-    if not isinstance(doc, dict) or len(doc) != 1:
-        _fail(source, where, "an event is an object with exactly one key, its kind")
-    (kind, args), = doc.items()
-    if kind not in EVENT_KINDS:
-        _fail(source, where, f"unknown event {kind!r} (known: {', '.join(EVENT_KINDS)})")
-    return Event(index, kind, args)
-
-
-class Simulation:
-    """Walks the events over batch membership, refusing what cannot happen.
-
-    Returns the optional capabilities the schedule needs.
-    """
-
-    def __init__(self, schedule: Schedule):
-        self.s = schedule
-        self.batch: List[str] = []  # row order
-        self.preempted: List[str] = []
-        self.gone: List[str] = []
-        self.length: Dict[str, int] = {}
-        self.generated: Dict[str, int] = {}
-        self.needs = set()
-        self.calls: Dict[str, List[Call]] = {rid: [] for rid in schedule.requests}
-        self.event = None
-
-    def fail(self, event, reason):
-        _fail(self.s.path, f"event {event.describe()}", reason)
-
-    def request(self, event, rid):
-        if not isinstance(rid, str) or rid not in self.s.requests:
-            self.fail(event, f"unknown request {rid!r}")
-        return self.s.requests[rid]
-
-    def in_batch(self, event, rid):
-        self.request(event, rid)
-        if rid not in self.batch:
-            state = "was extracted" if rid in self.preempted else (
-                "has left" if rid in self.gone else "has not joined"
-            )
-            self.fail(event, f"request {rid!r} is not in the batch (it {state})")
-
-    def id_list(self, event, args):
-        if not isinstance(args, list) or not args:
-            self.fail(event, "expected a non-empty list of request ids")
-        if len(set(args)) != len(args):
-            self.fail(event, "a request is named twice")
-        return args
-
-    def amounts(self, event, args):
-        if not isinstance(args, dict):
-            self.fail(event, "expected an object of request id -> count")
-        for rid, n in args.items():
-            self.in_batch(event, rid)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                self.fail(event, f"count for {rid!r} must be an integer >= 0, got {n!r}")
-        return args
-
-    def roll_back(self, event, rid, n):
-        if n > self.generated[rid]:
-            self.fail(
-                event,
-                f"rollback of {n} for {rid!r} is past what it generated ({self.generated[rid]})",
-            )
-        if n:
-            self.length[rid] -= n
-            self.generated[rid] -= n
-            self.calls[rid].append(Call(event.index, "trim", n))
-
-    def append(self, rids, n, times=1):
-        """`times` separate calls of n tokens each, for every request in rids."""
-        for _ in range(times):
-            for rid in rids:
-                self.length[rid] += n
-                self.generated[rid] += n
-                self.calls[rid].append(Call(self.event.index, "append", n))
-
-    def run(self) -> Tuple[str, ...]:
-        for event in self.s.events:
-            self.event = event
-            getattr(self, f"on_{event.kind}")(event, event.args)
-        return tuple(sorted(self.needs))
-
-    def on_join(self, event, args):
-        for rid in self.id_list(event, args):
-            request = self.request(event, rid)
-            if rid in self.batch or rid in self.preempted or rid in self.gone:
-                self.fail(event, f"request {rid!r} already joined")
-            self.batch.append(rid)
-            self.length[rid] = request.prompt_len
-            self.generated[rid] = 0
-            self.calls[rid].append(Call(event.index, "prefill", request.prompt_len))
-
-    def on_batched_join(self, event, args):
-        if "L2" in self.s.levels:
-            self.fail(event, "batched_join (padded batched prefill) is an L1 event")
-        self.on_join(event, args)
-        for rid in args:
-            request = self.s.requests[rid]
-            if request.quantized_kv_start > request.prompt_len:
-                self.fail(event, f"{rid!r} would join unquantized: batched_join prefills straight into "
-                          "the quantized batch, so quantized_kv_start must be <= prompt_len")
-
-    def on_step(self, event, n):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            self.fail(event, f"step takes a count >= 1, got {n!r}")
-        if not self.batch:
-            self.fail(event, "step on an empty batch")
-        self.append(self.batch, 1, times=n)
-
-    def on_leave(self, event, args):
-        for rid in self.id_list(event, args):
-            self.in_batch(event, rid)
-            self.batch.remove(rid)
-            self.gone.append(rid)
-
-    def on_spec_round(self, event, args):
-        if not isinstance(args, dict) or set(args) - {"k", "accepted"} or "k" not in args:
-            self.fail(event, 'expected {"k": drafts, "accepted": {request: count}}')
-        k = args["k"]
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            self.fail(event, f"k must be an integer >= 1, got {k!r}")
-        if not self.batch:
-            self.fail(event, "spec_round on an empty batch")
-        accepted = self.amounts(event, args.get("accepted", {}))
-        for rid, a in accepted.items():
-            if a > k:
-                self.fail(event, f"{rid!r} accepts {a} of only k={k} drafts")
-        self.append(self.batch, k + 1)
-        dropped = {rid: k - accepted.get(rid, k) for rid in self.batch}
-        if len(set(dropped.values())) > 1:
-            self.needs.add("per_row_rollback")
-        for rid, n in dropped.items():
-            self.roll_back(event, rid, n)
-
-    def on_rollback(self, event, args):
-        amounts = self.amounts(event, args)
-        if not amounts:
-            self.fail(event, "rollback names no request")
-        dropped = [amounts.get(rid, 0) for rid in self.batch]
-        if len(set(dropped)) > 1:
-            self.needs.add("per_row_rollback")
-        for rid, n in amounts.items():
-            self.roll_back(event, rid, n)
-
-    def on_trim(self, event, n):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            self.fail(event, f"trim takes a count >= 1, got {n!r}")
-        if not self.batch:
-            self.fail(event, "trim on an empty batch")
-        for rid in self.batch:
-            self.roll_back(event, rid, n)
-
-    def on_extract(self, event, rid):
-        self.in_batch(event, rid)
-        self.batch.remove(rid)
-        self.preempted.append(rid)
-
-    def on_solo_step(self, event, args):
-        amounts = self.amounts_preempted(event, args)
-        for rid, n in amounts.items():
-            self.append([rid], 1, times=n)
-
-    def amounts_preempted(self, event, args):
-        if not isinstance(args, dict) or not args:
-            self.fail(event, "expected an object of extracted request id -> steps")
-        for rid, n in args.items():
-            self.request(event, rid)
-            if rid not in self.preempted:
-                self.fail(event, f"request {rid!r} is not extracted")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                self.fail(event, f"steps for {rid!r} must be an integer >= 1, got {n!r}")
-        return args
-
-    def on_reinsert(self, event, rid):
-        self.request(event, rid)
-        if rid not in self.preempted:
-            self.fail(event, f"request {rid!r} is not extracted")
-        self.preempted.remove(rid)
-        self.batch.append(rid)

@@ -1,20 +1,23 @@
 """L2 over the schedule catalog on the random models, and proof that broken
-caches fail it with a first divergence at the right row and step."""
+caches fail it with a first divergence at the right row and step. The gate
+is the CPU policy (bit-exact) unless --policy says otherwise: never the
+policy of whatever device the suite happens to run on."""
 
 import pytest
 
-from kvparity.impl.adapter import load_implementation
-from kvparity.reports.results import FAIL
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import judge
+from kvparity.suites.adapter import load_implementation
+from kvparity.suites.evidence import FAIL
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import CATALOG, catalog_paths, load
-from kvparity.suites.verdicts import assert_parity
 
 PATHS = catalog_paths("L2")
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
-def test_catalog_schedule(path, implementation):
-    assert_parity(run_l2(load(path), implementation))
+def test_catalog_schedule(path, implementation, gate):
+    gate(run_l2(load(path), implementation))
 
 
 def test_l2_catalog_covers_models_and_settings():
@@ -24,10 +27,6 @@ def test_l2_catalog_covers_models_and_settings():
     assert {s.bits for s in schedules} == {2, 3, 4, 5, 6, 8}
     assert {s.group_size for s in schedules} >= {32, 64, 128}
     assert {s.head_dim for s in schedules} == {64, 128}
-
-
-def _event_index(divergence):
-    return int(divergence.event.split()[0][1:])
 
 
 @pytest.mark.parametrize(
@@ -43,12 +42,12 @@ def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_che
     """join-longer-joiner: rows a (6 tokens) and b (4 tokens, 2 pad columns)
     merge, then decode. Only b is padded, so b diverges first, and its first
     wrong logits come from its first batched call (step 1, event #1)."""
-    broken = load_implementation(f"kvparity.suites.negative_controls:{variant}")
-    result = run_l2(load(CATALOG / "join-longer-joiner.json"), broken)
+    broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
+    result = judge(run_l2(load(CATALOG / "join-longer-joiner.json"), broken), load_policy("cpu"))
     assert result.verdict == FAIL
-    first = min(result.divergences, key=lambda d: (_event_index(d), d.step or 0))
-    assert (first.request, _event_index(first), first.check) == ("b", first_event, first_check), first.message()
+    first = result.first
+    assert (first.request, first.event_index, first.check) == ("b", first_event, first_check), first.message()
     logits = [d for d in result.row("b").divergences if d.check == "logits"]
-    assert (_event_index(logits[0]), logits[0].step) == (1, 1), logits[0].message()
+    assert (logits[0].event_index, logits[0].step) == (1, 1), logits[0].message()
     assert "max abs diff" in logits[0].detail and "top-1 agree" in logits[0].detail
-    assert all(_event_index(d) > 1 for d in result.row("a").divergences)
+    assert all(d.event_index > 1 for d in result.row("a").divergences)

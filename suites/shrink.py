@@ -11,24 +11,19 @@ check; last, forget requests no event names.
 import json
 from typing import Callable, Optional
 
-from kvparity.reports.results import FAIL, ScheduleResult
+from kvparity.suites.evidence import FAIL, ScheduleResult
 from kvparity.suites.schedule import ScheduleError, parse
 
 
-def event_index(divergence) -> int:
-    return int(divergence.event.split()[0].lstrip("#"))
-
-
 def first_failure(result: ScheduleResult):
-    """The earliest divergence that failed a row, or None."""
-    failed = {row.request for row in result.rows if row.verdict == FAIL}
-    found = [d for d in result.divergences if d.request in failed or d.request is None]
-    return min(found, key=lambda d: (event_index(d), d.step or 0), default=None)
+    """The earliest divergence of a failed row, or None."""
+    found = [d for row in result.rows if row.verdict == FAIL for d in row.divergences]
+    return min(found, key=lambda d: d.order, default=None)
 
 
 class Shrinker:
     def __init__(self, run: Callable, schedule):
-        self.run = run  # schedule -> ScheduleResult
+        self.run = run  # schedule -> judged ScheduleResult
         self.source = schedule.path
         self.original = run(schedule)
         self.first = first_failure(self.original)
@@ -37,7 +32,7 @@ class Shrinker:
     def still_fails(self, doc) -> bool:
         self.tries += 1
         try:
-            schedule = parse(json.loads(json.dumps(doc)), source=self.source)
+            schedule = parse(_named_only(json.loads(json.dumps(doc))), source=self.source)
         except ScheduleError:
             return False
         result = self.run(schedule)
@@ -48,7 +43,7 @@ class Shrinker:
         if self.first is None:
             return None
         doc = schedule.to_json()
-        doc["events"] = doc["events"][: event_index(self.first) + 1]
+        doc["events"] = doc["events"][: self.first.event_index + 1]
         doc["name"] = f"{schedule.name}-min"
         changed = True
         while changed:
@@ -57,8 +52,7 @@ class Shrinker:
                 if self.still_fails(candidate):
                     doc, changed = candidate, True
                     break
-        used = {rid for event in doc["events"] for rid in _requests_named(event)}
-        doc["requests"] = {rid: r for rid, r in doc["requests"].items() if rid in used}
+        doc = _named_only(doc)
         doc["description"] = f"shrunk from {schedule.name}: fails with {self.first.check}"
         return doc
 
@@ -103,6 +97,12 @@ def _without_request(doc, rid):
         events.append({kind: args})
     requests = {r: x for r, x in doc["requests"].items() if r != rid}
     return {**doc, "requests": requests, "events": events}
+
+
+def _named_only(doc):
+    """The document without requests that no event names."""
+    used = {rid for event in doc["events"] for rid in _requests_named(event)}
+    return {**doc, "requests": {rid: r for rid, r in doc["requests"].items() if rid in used}}
 
 
 def _requests_named(event):

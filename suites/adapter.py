@@ -1,0 +1,184 @@
+"""How an implementation under test is plugged in, and watched.
+
+An implementation is named ``package.module:attribute``. The attribute is
+either a batch cache class or a zero-argument factory returning one. The class
+follows mlx-lm's batch cache protocol over quantized triples:
+
+* ``merge(rows)`` classmethod: solo ``QuantizedKVCache`` rows -> batch
+* ``extend(other)``, ``filter(indices)``, ``extract(i)``, ``trim(n)``
+* ``update_and_fetch(keys, values)``, ``make_mask(N, ...)``
+* ``prepare(...)``/``finalize()``, ``size()``, ``offset``, ``left_padding``
+* ``state`` whose first two items are the key and value triples
+* ``bits``, ``group_size``, ``nbytes``
+
+Optional capabilities are detected on the class, never assumed. The harness
+runs a subclass that counts every call of a protocol member (the evidence
+that the member was exercised) and tags what a member raises with its name:
+``NotImplementedError`` from an optional member means "not supported"; from a
+required member it is a refusal, a failure.
+"""
+
+import functools
+import importlib
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Dict
+
+REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
+
+REQUIRED_MEMBERS = (
+    "merge",
+    "extend",
+    "filter",
+    "extract",
+    "trim",
+    "update_and_fetch",
+    "make_mask",
+    "prepare",
+    "finalize",
+    "size",
+    "state",
+    "nbytes",
+)
+
+# capability -> (what it means, the optional member that provides it)
+CAPABILITIES: Dict[str, tuple] = {
+    "per_row_rollback": (
+        "rows keep different counts after a speculative round "
+        "(rollback(amounts), re-aligning the rows)",
+        "rollback",
+    ),
+}
+OPTIONAL_MEMBERS = {member: capability for capability, (_, member) in CAPABILITIES.items()}
+
+
+class ImplementationError(Exception):
+    """The --impl argument is wrong: a usage error."""
+
+
+class ImplementationUnavailable(ImplementationError):
+    """The implementation's module cannot be imported here: this commit or
+    machine cannot be judged."""
+
+
+class MemberRaised(Exception):
+    """A protocol member of the implementation under test raised."""
+
+    def __init__(self, member: str, error: BaseException):
+        super().__init__(f"{member} raised {type(error).__name__}: {error}")
+        self.member = member
+        self.error = error
+
+    @property
+    def capability(self):
+        """The optional capability that is not supported, or None."""
+        if isinstance(self.error, NotImplementedError):
+            return OPTIONAL_MEMBERS.get(self.member)
+        return None
+
+    @property
+    def refused(self) -> bool:
+        """A required member declined with NotImplementedError."""
+        return isinstance(self.error, NotImplementedError) and self.member not in OPTIONAL_MEMBERS
+
+
+def _watched(name: str, fn: Callable, calls: Counter) -> Callable:
+    @functools.wraps(fn)
+    def member(*args, **kwargs):
+        calls[name] += 1
+        try:
+            return fn(*args, **kwargs)
+        except MemberRaised:
+            raise
+        except Exception as error:
+            raise MemberRaised(name, error) from error
+
+    return member
+
+
+def _watch(batch_class: type, calls: Counter) -> type:
+    """A subclass whose protocol members count their calls and name
+    themselves in what they raise; behaviour is otherwise the class's own."""
+    namespace = {}
+    for name in REQUIRED_MEMBERS + tuple(OPTIONAL_MEMBERS):
+        try:
+            attr = inspect.getattr_static(batch_class, name)
+        except AttributeError:
+            continue
+        if isinstance(attr, classmethod):
+            namespace[name] = classmethod(_watched(name, attr.__func__, calls))
+        elif isinstance(attr, staticmethod):
+            namespace[name] = staticmethod(_watched(name, attr.__func__, calls))
+        elif isinstance(attr, property):
+            namespace[name] = property(
+                _watched(name, attr.fget, calls) if attr.fget else None,
+                _watched(name, attr.fset, calls) if attr.fset else None,
+                attr.fdel,
+            )
+        elif inspect.isfunction(attr):
+            namespace[name] = _watched(name, attr, calls)
+    namespace["__module__"] = batch_class.__module__
+    namespace["__qualname__"] = batch_class.__qualname__
+    return type(batch_class.__name__, (batch_class,), namespace)
+
+
+@dataclass
+class Implementation:
+    spec: str
+    batch_class: type
+    capabilities: Dict[str, bool] = field(default_factory=dict)
+    calls: Counter = field(default_factory=Counter)  # protocol member -> calls
+    watched: type = None
+
+    def __post_init__(self):
+        self.watched = _watch(self.batch_class, self.calls)
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    def supports(self, capability: str) -> bool:
+        return self.capabilities.get(capability, False)
+
+    def merge(self, rows):
+        batch = self.watched.merge(rows)
+        if type(batch) is self.batch_class:  # built by name rather than by cls
+            batch.__class__ = self.watched
+        return batch
+
+
+def detect_capabilities(batch_class: type) -> Dict[str, bool]:
+    return {name: callable(getattr(batch_class, member, None)) for name, (_, member) in CAPABILITIES.items()}
+
+
+def load_implementation(spec: str = None) -> Implementation:
+    spec = spec or REFERENCE
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ImplementationError(f"--impl {spec!r}: expected 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImplementationUnavailable(f"--impl {spec!r}: cannot import {module_name}: {error}")
+    target = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ImplementationError(f"--impl {spec!r}: {module_name} has no {attribute}")
+        target = getattr(target, part)
+    batch_class = target if inspect.isclass(target) else _call_factory(spec, target)
+    missing = [m for m in REQUIRED_MEMBERS if not hasattr(batch_class, m)]
+    if missing:
+        raise ImplementationError(f"--impl {spec!r}: {batch_class.__name__} lacks {', '.join(missing)}")
+    return Implementation(spec, batch_class, detect_capabilities(batch_class))
+
+
+def _call_factory(spec: str, factory: Callable) -> type:
+    if not callable(factory):
+        raise ImplementationError(f"--impl {spec!r}: not a class or a factory")
+    batch_class = factory()
+    if not inspect.isclass(batch_class):
+        raise ImplementationError(
+            f"--impl {spec!r}: the factory returned {type(batch_class).__name__}, not a batch cache class"
+        )
+    return batch_class

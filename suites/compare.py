@@ -1,0 +1,127 @@
+"""The comparator: whether two arrays are equal, and where they first differ.
+
+Equal means same dtype, same shape and same bits (``oracle/arrays.py``).
+Every comparison made here is one piece of evidence; every difference is a
+``Divergence`` that names where it was seen.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from kvparity.oracle.arrays import raw_many
+
+TRIPLE = ("packed", "scales", "biases")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    check: str  # which property broke: "bytes", "offset", "mask", "alias", ...
+    event: str  # the event after which it was seen: "#3 step 2"
+    request: Optional[str] = None  # None: the batch as a whole
+    tensor: str = ""  # e.g. "keys.scales", "logits"
+    layer: Optional[int] = None
+    step: Optional[int] = None  # the request's call (L2) or token (L3)
+    index: Optional[int] = None  # flat index of the first differing element
+    expected: object = None
+    actual: object = None
+    detail: str = ""
+
+    @property
+    def event_index(self) -> int:
+        """The event's position in the schedule (-1 for traces without one)."""
+        head = self.event.split()[0].lstrip("#") if self.event else ""
+        return int(head) if head.isdigit() else -1
+
+    @property
+    def order(self):
+        """Sort key: earliest by event, then by step."""
+        return (self.event_index, -1 if self.step is None else self.step)
+
+    def message(self) -> str:
+        where = [f"after event {self.event}"]
+        if self.request is not None:
+            where.append(f"row {self.request!r}")
+        if self.step is not None:
+            where.append(f"step {self.step}")
+        if self.layer is not None:
+            where.append(f"layer {self.layer}")
+        if self.tensor:
+            where.append(self.tensor)
+        if self.index is not None:
+            where.append(f"flat index {self.index}")
+        text = f"{self.check}: " + ", ".join(where)
+        if self.expected is not None or self.actual is not None:
+            text += f": expected {self.expected!r}, got {self.actual!r}"
+        if self.detail:
+            text += f" ({self.detail})"
+        return text
+
+
+def first_difference(expected: mx.array, actual: mx.array, bits=None):
+    """None when equal; else (flat index or None, expected, actual) describing it.
+    The index is None when dtype or shape differ (not comparable).
+    ``bits`` may carry both arrays' raw views when the caller already has them."""
+    if expected.dtype != actual.dtype:
+        return None, str(expected.dtype), str(actual.dtype)
+    if tuple(expected.shape) != tuple(actual.shape):
+        return None, tuple(expected.shape), tuple(actual.shape)
+    e, a = bits if bits is not None else raw_many([expected, actual])
+    differ = np.flatnonzero(e != a)
+    if differ.size == 0:
+        return None
+    i = int(differ[0])
+    return i, _value(expected, i), _value(actual, i)
+
+
+def _value(x: mx.array, flat_index: int):
+    return x.reshape(-1)[flat_index].item()
+
+
+def compare_named(expected: dict, actual: dict, prefix: str = "", **where) -> List[Divergence]:
+    """Compare two {name: array} maps name by name, all evaluated together.
+    A missing or extra name, or a dtype or shape that differs, is ``layout``."""
+    found = []
+    present = [name for name in expected if actual.get(name) is not None]
+    bits = raw_many([expected[n] for n in present] + [actual[n] for n in present])
+    pairs = dict(zip(present, zip(bits[: len(present)], bits[len(present) :])))
+    for name, e in expected.items():
+        a = actual.get(name)
+        if a is None:
+            found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None,
+                                    detail="missing", **where))
+            continue
+        diff = first_difference(e, a, pairs[name])
+        if diff is not None:
+            index, want, got = diff
+            found.append(
+                Divergence("bytes" if index is not None else "layout", tensor=prefix + name,
+                           index=index, expected=want, actual=got, **where)
+            )
+    for name in actual:
+        if name not in expected:
+            found.append(Divergence("layout", tensor=prefix + name, expected=None,
+                                    actual=tuple(actual[name].shape), detail="not expected", **where))
+    return found
+
+
+def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
+    """Compare two (packed, scales, biases) triples array by array."""
+    if expected is None or actual is None or len(actual) != 3:
+        if expected is None and actual is None:
+            return []
+        return [Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)]
+    return compare_named(dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", **where)
+
+
+def batch_row(triple, i: int, start: int, stop: int):
+    """Row ``i`` of a batch triple on token columns [start, stop)."""
+    return tuple(x[i : i + 1, :, start:stop] for x in triple)
+
+
+def _shapes(triple):
+    if triple is None:
+        return None
+    return [tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__ for x in triple]

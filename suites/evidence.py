@@ -1,0 +1,146 @@
+"""What a run finds: per schedule and row, the comparisons actually made
+and every divergence, plus why a run stopped early.
+
+This is evidence, not a verdict: ``reports/verdicts.py`` turns it into
+outcomes under a policy. A row's evidence is a count per event and check of
+comparisons made on what the implementation under test produced; a row with
+nothing compared has no evidence, whatever else happened.
+"""
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.compare import Divergence
+from kvparity.suites.replay import NotSupported
+
+# Outcomes, shared by rows and schedules.
+PASS = "pass"
+FAIL = "FAIL"  # a gating divergence
+REFUSED = "refused"  # a required member raised NotImplementedError: a failure
+NO_EVIDENCE = "no evidence"  # nothing the policy requires was compared
+NOT_SUPPORTED = "not supported"  # an optional capability is missing
+ORACLE_CANNOT_RUN = "oracle cannot run"  # mlx-lm's own solo path fails on this backend
+OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN)
+FAILURES = (FAIL, REFUSED)
+
+
+@dataclass
+class RowResult:
+    request: str
+    divergences: List[Divergence] = field(default_factory=list)
+    # event index -> check -> comparisons made
+    counts: Dict[int, Counter] = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # L2: logit statistics
+    series: dict = field(default_factory=dict)  # L2: per-step logit series (index = step)
+    # Filled in by the verdict:
+    verdict: str = ""
+    tier: Optional[str] = None  # the strongest tier the row reached
+    required: str = ""  # the tier the policy asked for
+    reason: str = ""
+
+    def compared(self, check: str = None) -> int:
+        return sum(n for per_event in self.counts.values() for c, n in per_event.items()
+                   if check is None or c == check)
+
+    @property
+    def checks(self) -> int:
+        return self.compared()
+
+    @property
+    def first(self) -> Optional[Divergence]:
+        return min(self.divergences, key=lambda d: d.order, default=None)
+
+
+@dataclass
+class ScheduleResult:
+    schedule: str
+    level: str
+    implementation: str
+    event_kinds: List[str] = field(default_factory=list)  # kind of each event, in order
+    rows: List[RowResult] = field(default_factory=list)
+    stopped: str = ""  # NOT_SUPPORTED, REFUSED or ORACLE_CANNOT_RUN when the run ended early
+    reason: str = ""  # why it stopped, or what raised
+    path: Optional[str] = None
+    model: Optional[str] = None
+    model_sha256: Optional[str] = None
+    members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls made
+    seconds: float = 0.0
+    verdict: str = ""  # filled in by the verdict
+
+    @property
+    def events(self) -> int:
+        return len(self.event_kinds)
+
+    @property
+    def divergences(self) -> List[Divergence]:
+        return [d for row in self.rows for d in row.divergences]
+
+    @property
+    def first(self) -> Optional[Divergence]:
+        return min(self.divergences, key=lambda d: d.order, default=None)
+
+    def row(self, request: str) -> RowResult:
+        for row in self.rows:
+            if row.request == request:
+                return row
+        self.rows.append(RowResult(request))
+        return self.rows[-1]
+
+    def note(self, event_index: int, check: str, requests, made: int = 1, found=()):
+        """``made`` comparisons of ``check`` for each of ``requests`` after an
+        event; divergences for the batch as a whole go to every row named."""
+        for rid in requests:
+            row = self.row(rid)
+            row.counts.setdefault(event_index, Counter())[check] += made
+        for divergence in found:
+            targets = [divergence.request] if divergence.request is not None else requests
+            for rid in targets:
+                self.row(rid).divergences.append(divergence)
+
+    def stop(self, outcome: str, reason: str):
+        """The run ends early; what was recorded stays recorded."""
+        self.stopped, self.reason = outcome, reason
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["events"] = self.events
+        for row, row_doc in zip(self.rows, doc["rows"]):
+            row_doc["counts"] = {str(e): dict(c) for e, c in row.counts.items()}
+            row_doc["checks"] = row.checks
+        return doc
+
+
+class OracleFailed(Exception):
+    """mlx-lm's own solo path raised on this backend."""
+
+
+def drive(result: ScheduleResult, replay, events, check) -> bool:
+    """Apply ``events`` through ``replay``, calling ``check(event)`` after
+    each; stop at what the implementation refuses or cannot do. Returns
+    False once the run stopped. Anything else that raises is the harness's
+    own failure and propagates."""
+    for event in events:
+        label = event.describe()
+        try:
+            replay.apply(event)
+            check(event)
+        except NotSupported as error:
+            result.stop(NOT_SUPPORTED, f"event {label}: {error}")
+            return False
+        except MemberRaised as raised:
+            if raised.capability:
+                result.stop(NOT_SUPPORTED, f"event {label}: {raised.member} is not implemented "
+                                           f"({raised.capability})")
+            elif raised.refused:
+                result.stop(REFUSED, f"event {label}: required member {raised.member} refused: {raised.error}")
+            else:
+                result.stop(FAIL, f"event {label}: {raised}")
+                result.note(event.index, "raised", replay.running() or list(replay.schedule.requests), made=0,
+                            found=[Divergence("raised", label, detail=str(raised))])
+            return False
+        except OracleFailed as error:
+            result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")
+            return False
+    return True

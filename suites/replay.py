@@ -1,0 +1,335 @@
+"""The one replay core: a schedule's events driven through a batch cache.
+
+``Replay`` owns the bookkeeping every level shares: which requests are rows
+of the batch (in row order), which joined but wait outside it until mlx-lm
+converts them to the quantized cache, which were extracted, how many tokens
+each generated, and the calls each request sees. It makes every protocol
+call on the implementation's batch, one batch per layer. What a token *is*
+comes from a backend:
+
+* the dry run (here): no cache at all; it refuses what cannot happen and
+  records the calls and the optional capabilities a schedule needs;
+* synthetic keys and values (L1, ``suites/l1.py``);
+* a model (L2, ``suites/l2.py``).
+
+A request that joins before its ``quantized_kv_start`` waits: a forward runs
+every row of the batch through one attention path, so the row decodes alone
+through mlx-lm and enters the batch through ``merge``/``extend`` at the call
+after which mlx-lm converts it.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message names file, event and reason."""
+
+
+class NotSupported(Exception):
+    """The schedule needs an optional capability the implementation lacks."""
+
+    def __init__(self, capability: str):
+        super().__init__(f"needs {capability}, which the implementation does not have")
+        self.capability = capability
+
+
+@dataclass(frozen=True)
+class Call:
+    """One thing a request sees, alone or in the batch: the oracle replays these."""
+
+    event: int  # index of the event that makes the call
+    op: str  # "prefill" (n prompt tokens, in chunks), "append" (n tokens in one call), "trim"
+    n: int
+
+
+class Replay:
+    def __init__(self, schedule, backend):
+        self.schedule = schedule
+        self.backend = backend
+        self.rows: List[str] = []  # request id of each batch row, in order
+        self.layers: Optional[list] = None  # the implementation's batch, one per layer; None when empty
+        self.waiting: Dict[str, object] = {}  # joined, not yet converted: decoding alone
+        self.preempted: Dict[str, object] = {}  # extracted, decoding alone
+        self.extracted: set = set()  # preempted rows whose cache came out of the batch
+        self.gone: set = set()
+        self.generated: Dict[str, int] = {}
+        self.calls: Dict[str, List[Call]] = {rid: [] for rid in schedule.requests}
+        self.needs: set = set()
+        self.version = 0  # bumped by every protocol call that changes the batch
+        self.event = None
+
+    # -- driving -------------------------------------------------------------------
+
+    def apply(self, event):
+        self.event = event
+        self.backend.begin(event)
+        getattr(self, f"_{event.kind}")(event)
+
+    def run(self):
+        for event in self.schedule.events:
+            self.apply(event)
+
+    def running(self) -> List[str]:
+        return self.rows + list(self.waiting)
+
+    def calls_at(self, event_index: int) -> Dict[str, List[Call]]:
+        return {rid: [c for c in calls if c.event == event_index]
+                for rid, calls in self.calls.items() if calls and calls[-1].event == event_index}
+
+    # -- validation ------------------------------------------------------------------
+
+    def fail(self, reason):
+        raise ScheduleError(f"{self.schedule.path}: event {self.event.describe()}: {reason}")
+
+    def known(self, rid):
+        if rid not in self.schedule.requests:
+            self.fail(f"unknown request {rid!r}")
+
+    def require_running(self, rid):
+        self.known(rid)
+        if rid not in self.rows and rid not in self.waiting:
+            state = ("was extracted" if rid in self.preempted else
+                     "has left" if rid in self.gone else "has not joined")
+            self.fail(f"request {rid!r} is not in the batch (it {state})")
+
+    def require_preempted(self, rid):
+        self.known(rid)
+        if rid not in self.preempted:
+            self.fail(f"request {rid!r} is not extracted")
+
+    def require_some_running(self):
+        if not self.running():
+            self.fail(f"{self.event.kind} on an empty batch")
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    def call(self, rid, op, n) -> int:
+        """Record a call of ``rid``; returns its index among the request's calls."""
+        self.calls[rid].append(Call(self.event.index, op, n))
+        if op == "append":
+            self.generated[rid] += n
+        elif op == "trim":
+            self.generated[rid] -= n
+        return len(self.calls[rid]) - 1
+
+    def admit(self, rids):
+        for rid in rids:
+            self.known(rid)
+            if rid in self.rows or rid in self.waiting or rid in self.preempted or rid in self.gone:
+                self.fail(f"request {rid!r} already joined")
+            self.generated[rid] = 0
+            self.calls.setdefault(rid, [])  # a generated schedule grows its requests as it goes
+
+    def enter(self, solos: Dict[str, object]):
+        """Converted rows join the batch together; the others wait."""
+        ready = [rid for rid, solo in solos.items() if solo.quantized]
+        if ready:
+            layers = list(zip(*(solos[rid].layers for rid in ready)))
+            self.backend.watch("merge", [c for rows in layers for c in rows])
+            merge = self.backend.implementation.merge
+            self.add_rows([merge(list(rows)) for rows in layers], ready)
+        self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
+
+    def add_rows(self, layers, rids):
+        if self.layers is None:
+            self.layers = layers
+        else:
+            self.backend.watch("extend", layers)
+            for batch, new in zip(self.layers, layers):
+                batch.extend(new)
+        self.rows = self.rows + list(rids)
+        self.version += 1
+
+    def keep_rows(self, keep: List[str]):
+        if keep == self.rows:
+            return
+        if not keep:
+            self.layers, self.rows = None, []  # as mlx-lm does: no rows, no batch
+        else:
+            indices = [self.rows.index(rid) for rid in keep]
+            for batch in self.layers:
+                batch.filter(indices)
+            self.rows = keep
+        self.version += 1
+
+    def forward(self, n: int):
+        """One call of n tokens for every running row: one batched call for
+        the batch, one alone for each waiting row; rows mlx-lm just
+        converted enter the batch."""
+        calls = {rid: self.call(rid, "append", n) for rid in self.running()}
+        if self.rows:
+            self.backend.forward(self.layers, self.rows, n, calls)
+        waiting, self.waiting = self.waiting, {}
+        for rid, solo in waiting.items():
+            self.backend.append_alone(rid, solo, n, calls[rid])
+        self.enter(waiting)
+
+    def drop(self, amounts: Dict[str, int]):
+        """Roll back each named running row by its count."""
+        for rid, n in amounts.items():
+            if n > self.generated[rid]:
+                self.fail(f"rollback of {n} for {rid!r} is past what it generated ({self.generated[rid]})")
+        batched = [amounts.get(rid, 0) for rid in self.rows]
+        if any(batched):
+            if len(set(batched)) == 1:
+                for batch in self.layers:
+                    batch.trim(batched[0])
+            else:
+                self.needs.add("per_row_rollback")
+                if not self.backend.implementation.supports("per_row_rollback"):
+                    raise NotSupported("per_row_rollback")
+                for batch in self.layers:
+                    batch.rollback(batched)
+            self.version += 1
+        for rid, solo in self.waiting.items():
+            if amounts.get(rid):
+                solo.trim(amounts[rid])
+        for rid, n in amounts.items():
+            if n:
+                self.call(rid, "trim", n)
+
+    # -- events ------------------------------------------------------------------------
+
+    def _join(self, event):
+        self.admit(event.requests)
+        solos = {}
+        for rid in event.requests:
+            j = self.call(rid, "prefill", self.schedule.requests[rid].prompt_len)
+            solos[rid] = self.backend.prefill(rid, j)
+        self.enter(solos)
+
+    def _batched_join(self, event):
+        if "L2" in self.schedule.levels:
+            self.fail("batched_join (padded batched prefill) is an L1 event")
+        self.admit(event.requests)
+        for rid in event.requests:
+            request = self.schedule.requests[rid]
+            if request.quantized_kv_start > request.prompt_len:
+                self.fail(f"{rid!r} would join unquantized: batched_join prefills straight into "
+                          "the quantized batch, so quantized_kv_start must be <= prompt_len")
+            self.call(rid, "prefill", request.prompt_len)
+        self.add_rows(self.backend.batched_prefill(list(event.requests)), event.requests)
+
+    def _step(self, event):
+        self.require_some_running()
+        for _ in range(event.n):
+            self.forward(1)
+
+    def _leave(self, event):
+        for rid in event.requests:
+            self.require_running(rid)
+        for rid in event.requests:
+            self.waiting.pop(rid, None)
+            self.gone.add(rid)
+        self.keep_rows([rid for rid in self.rows if rid not in event.requests])
+
+    def _spec_round(self, event):
+        self.require_some_running()
+        for rid in event.accepted:
+            self.require_running(rid)
+        self.forward(event.k + 1)
+        self.drop({rid: event.k - event.accepted.get(rid, event.k) for rid in self.running()})
+
+    def _rollback(self, event):
+        for rid in event.amounts:
+            self.require_running(rid)
+        self.drop(dict(event.amounts))
+
+    def _trim(self, event):
+        self.require_some_running()
+        self.drop({rid: event.n for rid in self.running()})
+
+    def _extract(self, event):
+        rid = event.request
+        self.require_running(rid)
+        if rid in self.waiting:
+            self.preempted[rid] = self.waiting.pop(rid)
+            return
+        i = self.rows.index(rid)
+        self.extracted.add(rid)
+        self.preempted[rid] = self.backend.resume(rid, [batch.extract(i) for batch in self.layers])
+        self.keep_rows([r for r in self.rows if r != rid])
+
+    def _solo_step(self, event):
+        for rid in event.amounts:
+            self.require_preempted(rid)
+        for rid, n in event.amounts.items():
+            for _ in range(n):
+                self.backend.append_alone(rid, self.preempted[rid], 1, self.call(rid, "append", 1))
+
+    def _reinsert(self, event):
+        self.require_preempted(event.request)
+        self.extracted.discard(event.request)
+        self.enter({event.request: self.preempted.pop(event.request)})
+
+
+# -- the dry run: no cache, only the bookkeeping ----------------------------------------
+
+
+class _Counted:
+    """A solo row in the dry run: only its length, converted by mlx-lm's
+    rule (``offset >= quantized_kv_start`` after every call)."""
+
+    def __init__(self, start: int, length: int = 0, quantized: bool = False):
+        self.start, self.offset, self.quantized = start, 0, quantized
+        self.layers = [None]
+        self.append(length)
+
+    def append(self, n: int):
+        self.offset += n
+        self.quantized = self.quantized or self.offset >= self.start
+
+    def trim(self, n: int):
+        self.offset -= n
+
+
+class _NoBatch:
+    """Stands in for the implementation's batch: every protocol call is a no-op."""
+
+    def __getattr__(self, member):
+        return lambda *args, **kwargs: None
+
+
+class _DryRun:
+    class implementation:  # every capability, so the replay records what is needed
+        merge = staticmethod(lambda rows: _NoBatch())
+        supports = staticmethod(lambda capability: True)
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+
+    def begin(self, event):
+        pass
+
+    def watch(self, member, caches):
+        pass
+
+    def prefill(self, rid, j):
+        request = self.schedule.requests[rid]
+        return _Counted(request.quantized_kv_start, request.prompt_len)
+
+    def batched_prefill(self, rids):
+        return [_NoBatch()]
+
+    def resume(self, rid, caches):
+        return _Counted(0, quantized=True)
+
+    def forward(self, layers, rows, n, calls):
+        pass
+
+    def append_alone(self, rid, solo, n, j):
+        solo.append(n)
+
+
+def dry_backend(schedule):
+    """A backend with no cache: the replay does its bookkeeping only."""
+    return _DryRun(schedule)
+
+
+def dry_run(schedule):
+    """Walk the schedule without a cache: (capabilities needed, calls per request).
+    Raises ScheduleError for anything that cannot happen."""
+    replay = Replay(schedule, dry_backend(schedule))
+    replay.run()
+    return tuple(sorted(replay.needs)), replay.calls
