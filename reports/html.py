@@ -2,7 +2,9 @@
 network) with the environment, the tables, and per schedule the divergences
 over steps and a layer x step heatmap of where each row first diverged.
 
-Rendered from the report.json record. SVG elements carry ids and data-*
+Rendered from the report.json record. Each outcome has its own colour and
+label, so "refused", "no evidence", "not supported" and "oracle cannot run"
+never read as one another or as a pass. SVG elements carry ids and data-*
 attributes (row, step, layer, count) so tests can read the plots back out of
 a browser's DOM.
 """
@@ -12,11 +14,21 @@ import re
 from collections import Counter
 from html import escape
 
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED
-from kvparity.reports.writer import flatten
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
+from kvparity.reports.writer import STATUS, flatten
+from kvparity.suites.evidence import FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
-VERDICT_CLASS = {PASS: "pass", FAIL: "fail", NOT_SUPPORTED: "muted", SKIPPED: "muted"}
+# outcome -> (css class, what it means, shown on hover)
+OUTCOME = {
+    PASS: ("pass", "every required check compared something and nothing gating diverged"),
+    FAIL: ("fail", "a gating divergence: parity broken"),
+    REFUSED: ("refused", "a required member raised NotImplementedError: a failure"),
+    NO_EVIDENCE: ("noevidence", "nothing the policy requires was compared: not a pass"),
+    NOT_SUPPORTED: ("muted", "needs an optional capability the implementation lacks"),
+    ORACLE_CANNOT_RUN: ("oracle", "mlx-lm's own solo path cannot run on this backend"),
+}
+STATUS_CLASS = {EXIT_OK: "pass", EXIT_BROKEN: "fail"}  # anything else: cannot judge
 TIER_CLASS = (("bit-exact", "pass"), ("ulp", "warn"), ("kl", "warn"), ("diverged", "fail"))
 SHOWN = 25  # divergences listed per row; report.json has them all
 
@@ -31,6 +43,8 @@ main{padding:8px 24px 40px}
 h2{margin:28px 0 8px;font-size:18px}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;margin-right:6px;font-weight:600;background:#445}
 .badge.pass{background:#2e7d32}.badge.fail{background:#c62828}.badge.muted{background:#666}
+.badge.refused{background:#6a1b9a}.badge.noevidence{background:#b26a00}.badge.oracle{background:#37618a}
+.status{font-weight:600}.status.pass{color:#8fd694}.status.fail{color:#ff8a80}.status.cannot{color:#ffcc80}
 .scroll{overflow-x:auto}
 table{border-collapse:collapse;font-size:12px;background:#fff}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;white-space:nowrap}
@@ -38,6 +52,8 @@ td:last-child{white-space:normal;min-width:320px}
 th{background:#eef0f3;position:sticky;top:0}
 td.pass{color:#2e7d32;font-weight:600}td.fail{color:#c62828;font-weight:600}
 td.warn{color:#b26a00;font-weight:600}td.muted{color:#777}
+td.refused{color:#6a1b9a;font-weight:600}td.noevidence{color:#b26a00;font-weight:600}td.oracle{color:#37618a}
+li.hygiene{color:#777}
 details.schedule{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 0;padding:6px 12px}
 details.schedule>summary{cursor:pointer;font-weight:600}
 details.row>summary{cursor:pointer;font-size:13px}
@@ -51,30 +67,42 @@ ol.divergences{font:11px/1.35 ui-monospace,Menlo,Consolas,monospace;margin:4px 0
 
 
 def render(record: dict, tables) -> str:
-    """The page; ``tables`` are report.md's (title, headers, rows)."""
+    """The page; ``tables`` are report.md's (title, headers, rows), Summary first."""
     env = record["environment"]
     counts = record["summary"]["schedules"]
     badges = "".join(
-        f'<span class="badge {VERDICT_CLASS[v]}">{counts[v]} {escape(v)}</span>' for v in counts if counts[v]
+        f'<span class="badge {OUTCOME[v][0]}" title="{escape(OUTCOME[v][1])}">{counts[v]} {escape(v)}</span>'
+        for v in counts if counts[v]
     )
     items = "".join(
         f"<div><dt>{escape(k)}</dt><dd>{escape(_str(v)) or '—'}</dd></div>" for k, v in flatten(env).items()
     )
+    status = record["exit_status"]
     title = f"kvparity report: {env.get('implementation') or ''}"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>",
         f'<header><h1>kvparity report</h1><p class="meta">written {escape(record["created"])} · '
-        f'{escape(record["schema"])} · {"parity holds" if record["passed"] else "parity broken"}</p>',
+        f'{escape(record["schema"])} · <span id="status" class="status {STATUS_CLASS.get(status, "cannot")}" '
+        f'data-exit="{status}">{escape(STATUS.get(status, ""))} (exit {status})</span> · '
+        f'{escape(record["headline"])}</p>',
         f'<div id="verdicts">{badges}</div><dl class="env" id="environment">{items}</dl></header><main>',
     ]
     (summary, *rest) = tables
     parts.append(_table_section(summary, "summary"))
     parts.append(_schedules_section(record["results"]))
-    parts += [_table_section(t, f"table-{i}") for i, t in enumerate(rest)]
+    parts += [_table_section(t, _anchor(t[0], i)) for i, t in enumerate(rest)]
     parts.append("</main></body></html>\n")
     return "\n".join(parts)
+
+
+def _anchor(title, index) -> str:
+    """Stable ids for the sections tests and readers link to."""
+    for name in ("Coverage gaps", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits"):
+        if title.startswith(name):
+            return _slug(name.lower()).replace("_", "-")
+    return f"table-{index}"
 
 
 # --- tables ----------------------------------------------------------------
@@ -89,15 +117,15 @@ def _table_section(table, anchor) -> str:
 
 
 def _cell(header, value) -> str:
-    """A cell, coloured in the columns that judge: verdict, tier, bytes."""
+    """A cell, coloured in the columns that judge: verdict, tier, calls."""
     text = _str(value)
     css = ""
     if header == "verdict":
-        css = VERDICT_CLASS.get(text, "")
+        css = OUTCOME.get(text, ("",))[0]
     elif header == "tier":
         css = next((c for prefix, c in TIER_CLASS if text.startswith(prefix)), "")
-    elif header == "bytes":
-        css = {"ok": "pass", "differ": "fail"}.get(text, "")
+    elif header == "calls" and text == "0":
+        css = "warn"  # a protocol member the run never exercised
     return f'<td class="{css}">{escape(text)}</td>' if css else f"<td>{escape(text)}</td>"
 
 
@@ -122,32 +150,34 @@ def _schedules_section(results) -> str:
 
 
 def _schedule_card(index, result) -> str:
+    """Plots and divergence lists of a schedule with divergences; its
+    per-step series only there (elsewhere they are flat at zero)."""
     rows = result["rows"]
     diverged = [row for row in rows if row["divergences"]]
-    series = sorted({name for row in rows for name in (row.get("series") or {})})
-    if not diverged and not series:
+    if not diverged:
         return ""
+    series = sorted({name for row in rows for name in (row.get("series") or {})})
     key = f"{result['level']}-{_slug(result['schedule'])}-{index}"
-    figures = []
     colors = {row["request"]: PALETTE[i % len(PALETTE)] for i, row in enumerate(rows)}
-    if diverged:
-        figures.append(_steps_chart(key, result, diverged, colors))
-    for name in series:
-        figures.append(_series_chart(key, name, rows, colors))
+    figures = [_steps_chart(key, result, diverged, colors)]
+    figures += [_series_chart(key, name, rows, colors) for name in series]
     if result["level"] == "L2":
         figures += [_heatmap(key, result, row) for row in diverged]
     lists = "".join(_divergence_list(row) for row in diverged)
+    parity = sum(any(d["kind"] == "parity" for d in row["divergences"]) for row in rows)
+    hygiene = sum(d["kind"] == "hygiene" for row in rows for d in row["divergences"])
+    found = f"{parity} of {len(rows)} rows diverged" + (f", {hygiene} hygiene finding(s)" if hygiene else "")
     opened = " open" if result["verdict"] == FAIL else ""
     return (f'<details class="schedule" id="schedule-{key}"{opened}><summary>{escape(result["level"])} '
-            f'{escape(result["schedule"])}: {escape(result["verdict"])} '
-            f'({len(diverged)} of {len(rows)} rows diverged)</summary>'
+            f'{escape(result["schedule"])}: {escape(result["verdict"])} ({found})</summary>'
             f'<div class="plots">{"".join(f for f in figures if f)}</div>{lists}</details>')
 
 
 def _divergence_list(row) -> str:
     shown = row["divergences"][:SHOWN]
     more = len(row["divergences"]) - len(shown)
-    items = "".join(f"<li>{escape(d['message'])}</li>" for d in shown)
+    items = "".join(f'<li class="{d["kind"]}">{"(hygiene) " if d["kind"] == "hygiene" else ""}'
+                    f"{escape(d['message'])}</li>" for d in shown)
     tail = f'<p class="note">… {more} more in report.json</p>' if more > 0 else ""
     return (f"<details class=\"row\"><summary>row <b>{escape(row['request'])}</b>: "
             f"{len(row['divergences'])} divergence(s), tier {escape(str(row.get('tier')))}</summary>"
@@ -159,8 +189,7 @@ def _x(divergence):
     none (L1), the index of the event after which it was seen."""
     if divergence.get("step") is not None:
         return divergence["step"]
-    found = re.match(r"#(\d+)", divergence.get("event") or "")
-    return int(found.group(1)) if found else None
+    return divergence["event_index"] if divergence["event_index"] >= 0 else None
 
 
 # Plot geometry (px): the drawing area sits inside these margins.
@@ -271,7 +300,7 @@ def _heatmap(key, result, row) -> str:
         return 0 if d.get("layer") is None else d["layer"] + 1
 
     counts = Counter((track(d), d["step"]) for d in placed)
-    first = next(iter(placed))
+    first = min(placed, key=lambda d: (d["event_index"], d["step"]))  # earliest, as in the tables
     peak = max(counts.values())
     cell = CELL if hi - lo < 40 else max(6, 640 // (hi - lo + 1))
     width, height = max(GUTTER + cell * (hi - lo + 1) + 4, 240), 22 + cell * len(tracks) + 18

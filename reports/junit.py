@@ -1,20 +1,25 @@
 """junit.xml for CI: one testcase per schedule run and row.
 
 Rendered from the report.json record, so a stored record can be turned into
-JUnit again. classname is ``kvparity.<level>.<schedule>`` and name the row id;
-a failed row carries every divergence, a row that was not supported or
-skipped is <skipped>, never a pass.
+JUnit again. classname is ``kvparity.<level>.<schedule>`` and name the row id.
+What a CI dashboard shows must match the gate: a failed or refused row and a
+row with no evidence are <failure> (none of them passes the gate); a row whose
+capability is not supported, or whose oracle cannot run on this backend, is
+<skipped>, never a pass.
 """
 
 import re
 import xml.etree.ElementTree as ET
 
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, SKIPPED
+from kvparity.suites.evidence import FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 
+FAILED = (FAIL, REFUSED, NO_EVIDENCE)
+SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN)
 # Characters XML 1.0 cannot hold at all, even escaped.
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
-# Environment keys worth repeating as <properties> on every suite.
-PROPERTIES = ("implementation", "backend", "device", "mlx", "mlx_lm", "model", "git_commit")
+# Environment keys worth repeating as <properties> on every suite; the model
+# is each schedule's own.
+PROPERTIES = ("implementation", "backend", "device", "mlx", "mlx_lm", "git_commit")
 
 
 def _text(value) -> str:
@@ -31,9 +36,8 @@ def render(record: dict) -> bytes:
     root = ET.Element("testsuites", name="kvparity")
     totals = dict(tests=0, failures=0, skipped=0)
     seconds = 0.0
-    environment = record.get("environment", {})
     for result in record["results"]:
-        suite = _suite(root, result, environment)
+        suite = _suite(root, result, record)
         for key in totals:
             totals[key] += int(suite.get(key))
         seconds += result.get("seconds") or 0.0
@@ -42,37 +46,52 @@ def render(record: dict) -> bytes:
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
 
 
-def _suite(root, result, environment):
+def _suite(root, result, record):
     classname = f"kvparity.{result['level']}.{result['schedule']}"
     suite = ET.SubElement(root, "testsuite")
     properties = ET.SubElement(suite, "properties")
-    for key in PROPERTIES:
-        if environment.get(key) is not None:
-            _set(ET.SubElement(properties, "property"), name=key, value=environment[key])
-    if result.get("path"):
-        _set(ET.SubElement(properties, "property"), name="schedule_file", value=result["path"])
-    failures = skipped = 0
+    environment = record.get("environment", {})
+    named = {key: environment.get(key) for key in PROPERTIES}
+    named.update(model=result.get("model"), model_sha256=result.get("model_sha256"),
+                 policy=(record.get("policy") or {}).get("name"), schedule_file=result.get("path"))
+    for key, value in named.items():
+        if value is not None:
+            _set(ET.SubElement(properties, "property"), name=key, value=value)
     cases = [(row["request"], row) for row in result["rows"]]
-    if result["verdict"] == FAIL and not any(row["verdict"] == FAIL for row in result["rows"]):
-        # A schedule can fail without a failing row (it raised before any
-        # row existed): a testcase of its own keeps the failure visible.
-        cases.append(("(schedule)", {"verdict": FAIL, "divergences": [], "tier": None}))
+    if result["verdict"] != PASS and not any(row["verdict"] == result["verdict"] for row in result["rows"]):
+        # The schedule's outcome shows in no row (it has none, or it stopped
+        # before any row existed): a testcase of its own keeps it visible.
+        cases.append(("(schedule)", {"verdict": result["verdict"], "reason": result["reason"], "divergences": [],
+                                     "tier": None, "required": ""}))
+    failures = skipped = 0
     for name, row in cases:
         case = _set(ET.SubElement(suite, "testcase"), classname=classname, name=name)
-        if row["verdict"] == FAIL:
+        verdict = row["verdict"]
+        if verdict in FAILED:
             failures += 1
-            divergences = row["divergences"]
-            first = divergences[0] if divergences else None
-            failure = _set(ET.SubElement(case, "failure"),
-                           message=first["message"] if first else result["reason"] or "parity broken",
-                           type=first["check"] if first else "error")
-            lines = [f"tier reached: {row.get('tier')}, required: {row.get('required') or 'bit-exact'}"]
-            if result["reason"]:
-                lines.append(result["reason"])
-            lines += [d["message"] for d in divergences]
-            failure.text = _text("\n".join(lines))
-        elif row["verdict"] in (NOT_SUPPORTED, SKIPPED):
+            failure = _set(ET.SubElement(case, "failure"), message=_message(row, result), type=verdict)
+            failure.text = _text("\n".join(_details(row, result)))
+        elif verdict in SKIPPED:
             skipped += 1
-            _set(ET.SubElement(case, "skipped"), message=f"{row['verdict']}: {result['reason']}")
+            _set(ET.SubElement(case, "skipped"), message=_message(row, result))
     return _set(suite, name=classname, tests=len(cases), failures=failures, errors=0, skipped=skipped,
                 time=f"{result.get('seconds') or 0.0:.3f}")
+
+
+def _message(row, result) -> str:
+    """One line: a failure's reason as the verdict gave it; any other outcome
+    prefixed with its name ("no evidence: ...", "not supported: ...")."""
+    reason = row.get("reason") or result["reason"]
+    if row["verdict"] == FAIL:
+        return reason or "parity broken"
+    return f"{row['verdict']}: {reason}" if reason else row["verdict"]
+
+
+def _details(row, result):
+    lines = []
+    if row.get("tier") or row.get("required"):
+        lines.append(f"tier reached: {row.get('tier')}, required: {row.get('required') or 'bit-exact'}")
+    if result["reason"]:
+        lines.append(result["reason"])
+    lines += [("(hygiene) " if d["kind"] == "hygiene" else "") + d["message"] for d in row["divergences"]]
+    return lines

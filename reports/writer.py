@@ -13,19 +13,24 @@ import dataclasses
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional
 
 from tabulate import tabulate
 
-from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.policy import TIER_FAMILIES, bytes_ok, row_tier, tier_family
-from kvparity.reports.results import FAIL, NOT_SUPPORTED, PASS, SKIPPED, ScheduleResult
+from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.reports.policy import HYGIENE_CHECKS, TIER_FAMILIES, Policy, tier_family
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, RunVerdict
+from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
+from kvparity.suites.compare import Divergence
+from kvparity.suites.evidence import OUTCOMES, RowResult, ScheduleResult
 
-SCHEMA = "kvparity.report/1"
+SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(__file__).parent / "schema" / "report.schema.json"
-VERDICTS = (PASS, FAIL, NOT_SUPPORTED, SKIPPED)
-
+# The run's environment names the model the L0 probes were shaped after;
+# each schedule names its own, so the header does not name one for all.
+MODEL_KEYS = ("model", "model_sha256")
 
 
 class ReportDirectory(AtomicDirectory):
@@ -39,43 +44,130 @@ class ReportDirectory(AtomicDirectory):
         yield from (f"{stamp}-{n}" for n in range(1, 1000))
 
 
+# --- what the tables and the record share -----------------------------------
+
+
+def counts_against(divergence: Divergence, policy: Policy) -> bool:
+    """Whether a divergence is named as a row's or schedule's first: parity
+    always; hygiene only where the policy gates it (else its own table shows it)."""
+    return divergence.check not in HYGIENE_CHECKS or policy.hygiene == "gate"
+
+
+def earliest(divergences, policy: Policy) -> Optional[Divergence]:
+    """The earliest divergence by event, then step, among those that count."""
+    return min((d for d in divergences if counts_against(d, policy)), key=lambda d: d.order, default=None)
+
+
+def why(result: ScheduleResult) -> str:
+    """Why a schedule without a divergence to name did not pass."""
+    return result.reason or next((f"row {row.request!r}: {row.reason}" for row in result.rows if row.reason), "")
+
+
+def hygiene_findings(results: List[ScheduleResult]) -> List[dict]:
+    """Per schedule, row and hygiene check with findings: how many, of how
+    many comparisons, the first, and for sharing the most batch or source
+    buffer bytes one finding kept alive (a Divergence's ``actual``)."""
+    found = []
+    for result in results:
+        for row in result.rows:
+            for check in HYGIENE_CHECKS:
+                hits = [d for d in row.divergences if d.check == check]
+                if not hits:
+                    continue
+                retained = [d.actual for d in hits if isinstance(d.actual, int)]
+                found.append({
+                    "schedule": result.schedule, "level": result.level, "request": row.request, "check": check,
+                    "findings": len(hits), "compared": row.compared(check),
+                    "bytes_retained": max(retained) if check == "alias" and retained else None,
+                    "first": min(hits, key=lambda d: d.order).message(),
+                })
+    return found
+
+
+def models(results: List[ScheduleResult]) -> List[dict]:
+    """Each model the schedules ran, with its hash and how many schedule runs used it."""
+    runs = Counter((r.model, r.model_sha256) for r in results if r.model)
+    return [{"model": m, "model_sha256": sha, "schedules": n} for (m, sha), n in runs.items()]
+
+
+def member_calls(run_verdict: RunVerdict) -> dict:
+    """Calls per protocol member, every member listed (0: never exercised)."""
+    names = REQUIRED_MEMBERS + tuple(OPTIONAL_MEMBERS)
+    return {**{m: 0 for m in names}, **dict(run_verdict.members)}
+
+
+def split_environment(environment: dict):
+    """(the environment without a model, the probes' model or None)."""
+    env = {k: v for k, v in environment.items() if k not in MODEL_KEYS}
+    probe_model = {k: environment[k] for k in MODEL_KEYS if environment.get(k) is not None} or None
+    return env, probe_model
+
+
+# What each exit status of a run means, as the report header says it.
+STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
+          EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}
+
+
 # --- the machine record ----------------------------------------------------
 
 
-def build_record(results: List[ScheduleResult], environment: dict, policy=None, probes=None,
-                 capabilities=None, sections=()) -> dict:
+def build_record(results: List[ScheduleResult], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
+                 probes=None, capabilities=None, sections=()) -> dict:
     """report.json's content, as described by schema/report.schema.json."""
+    unjudged = [r.schedule for r in results if r.verdict not in OUTCOMES]
+    if unjudged:  # a wiring bug: writers report verdicts, they do not make them
+        raise ValueError(f"results not judged: {', '.join(unjudged)}")
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    schedules = []
-    for result in results:
-        doc = result.to_json()
-        for row, row_doc in zip(result.rows, doc["rows"]):
-            row_doc["tier"] = row_tier(row)
-            row_doc["required"] = getattr(row, "required", None)
-            row_doc["bytes_ok"] = bytes_ok(row)
-            row_doc["series"] = getattr(row, "series", None) or {}
-            for d, d_doc in zip(row.divergences, row_doc["divergences"]):
-                d_doc["message"] = d.message()
-        schedules.append(doc)
-    rows = [row for r in schedules for row in r["rows"]]
+    env, probe_model = split_environment(environment)
+    schedules = [_schedule_doc(r, policy) for r in results]
+    rows = [row for s in schedules for row in s["rows"]]
+    findings = hygiene_findings(results)
     record = {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "passed": all(r.verdict != FAIL for r in results),
+        "passed": run_verdict.exit_status == EXIT_OK,
+        "exit_status": run_verdict.exit_status,
+        "headline": run_verdict.headline,
         "summary": {
-            "schedules": {v: sum(r.verdict == v for r in results) for v in VERDICTS},
-            "rows": {v: sum(row["verdict"] == v for row in rows) for v in VERDICTS},
+            "schedules": {v: run_verdict.counts.get(v, 0) for v in OUTCOMES},
+            "rows": {v: sum(row["verdict"] == v for row in rows) for v in OUTCOMES},
             "tiers": {f: sum(tier_family(row["tier"]) == f for row in rows) for f in TIER_FAMILIES},
         },
-        "environment": environment,
-        "policy": _as_dict(policy),
+        "environment": env,
+        "models": models(results),
+        "probe_model": probe_model,
+        "policy": {**dataclasses.asdict(policy), "name": policy.name},
         "capabilities": dict(capabilities),
         "probes": [_as_dict(p) for p in probes or ()],
+        "coverage": {kind: dict(checks) for kind, checks in run_verdict.coverage.items()},
+        "members": member_calls(run_verdict),
+        "gaps": list(run_verdict.gaps),
+        "hygiene": {
+            "gates": policy.hygiene == "gate",
+            "totals": {c: sum(f["findings"] for f in findings if f["check"] == c) for c in HYGIENE_CHECKS},
+            "findings": findings,
+        },
         "sections": [{"title": t, "headers": list(h), "rows": [list(r) for r in rows_]} for t, h, rows_ in sections],
         "results": schedules,
     }
     return _json_safe(record)
+
+
+def _schedule_doc(result: ScheduleResult, policy: Policy) -> dict:
+    doc = result.to_json()
+    for row, row_doc in zip(result.rows, doc["rows"]):
+        row_doc["divergences"] = [_divergence_doc(d) for d in row.divergences]
+        row_doc["first"] = _divergence_doc(earliest(row.divergences, policy))
+    doc["first"] = _divergence_doc(earliest(result.divergences, policy))
+    return doc
+
+
+def _divergence_doc(d: Optional[Divergence]) -> Optional[dict]:
+    if d is None:
+        return None
+    kind = "hygiene" if d.check in HYGIENE_CHECKS else "parity"
+    return {**dataclasses.asdict(d), "event_index": d.event_index, "kind": kind, "message": d.message()}
 
 
 def _as_dict(value):
@@ -110,50 +202,86 @@ def _json_safe(value):
 # --- tables (report.md and report.html share them) -------------------------
 
 
-def summary_rows(results: List[ScheduleResult]):
-    headers = ["schedule", "level", "rows", "events", "verdict", "logits bit-exact", "top-1", "first divergence"]
+def summary_rows(results: List[ScheduleResult], policy: Policy):
+    headers = ["schedule", "level", "model", "rows", "events", "verdict", "logits bit-exact", "top-1",
+               "first divergence"]
     rows = []
     for r in results:
-        first = next((d for d in r.divergences), None)
-        note = first.message() if first else r.reason
+        first = earliest(r.divergences, policy)
         positions = sum(row.metrics.get("positions", 0) for row in r.rows)
         exact = sum(row.metrics.get("bit_exact", 0) for row in r.rows)
         top1 = sum(row.metrics.get("top1_agree", 0) for row in r.rows)
         logit_cols = [f"{exact}/{positions}", f"{top1}/{positions}"] if positions else ["", ""]
-        rows.append([r.schedule, r.level, len(r.rows), r.events, r.verdict, *logit_cols, _short(note)])
+        rows.append([r.schedule, r.level, r.model or "", len(r.rows), r.events, r.verdict, *logit_cols,
+                     _short(first.message() if first else why(r))])
     return headers, rows
 
 
-def row_rows(results: List[ScheduleResult]):
-    headers = ["schedule", "level", "row", "verdict", "tier", "required", "bytes", "checks", "divergences",
+def row_rows(results: List[ScheduleResult], policy: Policy):
+    headers = ["schedule", "level", "row", "verdict", "tier", "required", "comparisons", "divergences",
                "first divergence"]
     rows = []
     for r in results:
         for row in r.rows:
-            first = row.first.message() if row.first else (r.reason if row.verdict != PASS else "")
-            tier = row_tier(row)
-            compared = tier is not None
-            rows.append([r.schedule, r.level, row.request, row.verdict, tier or "",
-                         getattr(row, "required", "") if compared else "",
-                         ("ok" if bytes_ok(row) else "differ") if compared else "",
-                         row.checks, len(row.divergences), first])
+            counted = sum(counts_against(d, policy) for d in row.divergences)
+            first = earliest(row.divergences, policy)
+            rows.append([r.schedule, r.level, row.request, row.verdict, row.tier or "", _required(r, row),
+                         row.checks, counted, first.message() if first else row.reason])
     return headers, rows
+
+
+def _required(result: ScheduleResult, row: RowResult) -> str:
+    # L1 bytes are data movement: bit-exact under every policy.
+    if result.level == "L1" and row.tier is not None:
+        return row.required or "bit-exact"
+    return row.required
 
 
 def logit_rows(results: List[ScheduleResult]):
     """L2 rows: how far batched logits are from solo, llama.cpp-style."""
-    headers = ["schedule", "row", "tier", "positions", "bit-exact", "top-1", "max abs diff", "max ULP",
-               "KL mean", "KL max", "KL median", "KL p95", "KL p99"]
+    headers = ["schedule", "row", "tier", "positions", "comparable", "bit-exact", "top-1", "max abs diff",
+               "max ULP", "KL mean", "KL max", "KL median", "KL p95", "KL p99"]
     rows = []
     for r in results:
         for row in r.rows:
             m = row.metrics
             if not m.get("positions"):
                 continue
-            rows.append([r.schedule, row.request, row_tier(row), m["positions"], m["bit_exact"],
-                         f"{m['top1_agree']}/{m['positions']}", _g(m["max_abs_diff"]), m["max_ulp"],
-                         *(_g(m[k]) for k in ("kl_mean", "kl_max", "kl_median", "kl_p95", "kl_p99"))])
+            # No ULP distance means no position was comparable: then no distance is a measurement.
+            measured = m.get("max_ulp") is not None
+            distances = [m[k] for k in ("max_abs_diff", "max_ulp", "kl_mean", "kl_max", "kl_median", "kl_p95",
+                                        "kl_p99")]
+            rows.append([r.schedule, row.request, row.tier or "", m["positions"],
+                         "yes" if m.get("comparable", True) else "no (dtype or shape differ)", m["bit_exact"],
+                         f"{m['top1_agree']}/{m['positions']}",
+                         *(_g(x) if measured else "n/a" for x in distances)])
     return headers, rows
+
+
+def model_rows(results: List[ScheduleResult]):
+    return ["model", "sha256", "schedule runs"], [[m["model"], m["model_sha256"] or "", m["schedules"]]
+                                                  for m in models(results)]
+
+
+def coverage_rows(run_verdict: RunVerdict):
+    """Comparisons made per event kind (rows) and check (columns)."""
+    checks = sorted({c for per_kind in run_verdict.coverage.values() for c in per_kind})
+    rows = [[kind, *(per_kind.get(c, 0) for c in checks), sum(per_kind.values())]
+            for kind, per_kind in run_verdict.coverage.items()]
+    return ["event kind", *checks, "total"], rows
+
+
+def member_rows(run_verdict: RunVerdict):
+    return ["member", "kind", "calls"], [[m, "required" if m in REQUIRED_MEMBERS else "optional", n]
+                                         for m, n in member_calls(run_verdict).items()]
+
+
+def hygiene_rows(results: List[ScheduleResult]):
+    headers = ["schedule", "level", "row", "check", "findings", "comparisons", "max bytes retained",
+               "first occurrence"]
+    return headers, [[f["schedule"], f["level"], f["request"], f["check"], f["findings"], f["compared"],
+                      "" if f["bytes_retained"] is None else f["bytes_retained"], f["first"]]
+                     for f in hygiene_findings(results)]
 
 
 def capability_rows(capabilities: Mapping[str, bool], implementation: str = ""):
@@ -168,21 +296,31 @@ def probe_rows(probes):
     return headers, [[record.get(h) for h in headers] for record in records]
 
 
-def tables(results, environment, policy=None, probes=None, capabilities=None, sections=()):
+def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
+           sections=()):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(results)), ("Rows", *row_rows(results))]
+    out = [("Summary", *summary_rows(results, policy)), ("Rows", *row_rows(results, policy))]
     logits = logit_rows(results)
     if logits[1]:
         out.append(("Logits (L2): KL(solo || batched) in nats", *logits))
-    if policy is not None:
-        policy = _as_dict(policy)
-        out.append(("Policy", ["key", "value"], [[k, v] for k, v in policy.items()]))
+    used = model_rows(results)
+    if used[1]:
+        out.append(("Models (each L2 schedule ran its own)", *used))
+    out.append(("Coverage: comparisons per event kind and check", *coverage_rows(run_verdict)))
+    out.append(("Protocol members called", *member_rows(run_verdict)))
+    if run_verdict.gaps:
+        out.append(("Coverage gaps", ["gap"], [[gap] for gap in run_verdict.gaps]))
+    gating = "gating" if policy.hygiene == "gate" else "reported, not gating"
+    out.append((f"Hygiene ({gating} under policy {policy.name})", *hygiene_rows(results)))
+    out.append(("Policy", ["key", "value"], [[k, v] for k, v in dataclasses.asdict(policy).items()]))
     if capabilities:
         out.append(("Capabilities", *capability_rows(capabilities, environment.get("implementation", ""))))
     if probes:
-        out.append(("L0 backend probes", *probe_rows(probes)))
+        _, probe_model = split_environment(environment)
+        shaped = f" (shapes of {probe_model['model']})" if probe_model and "model" in probe_model else ""
+        out.append((f"L0 backend probes{shaped}", *probe_rows(probes)))
     return out + [(title, list(headers), list(rows)) for title, headers, rows in sections]
 
 
@@ -206,27 +344,36 @@ def flatten(d, prefix=""):
 
 
 def render_markdown(record: dict, report_tables) -> str:
-    lines = ["# kvparity report", "", f"Written {record['created']} ({SCHEMA}).", "", "## Environment", ""]
-    lines.append(tabulate(flatten(record["environment"]).items(), headers=["key", "value"], tablefmt="github"))
+    status = record["exit_status"]
+    lines = ["# kvparity report", "", f"Written {record['created']} ({SCHEMA}).", "",
+             f"**{record['headline']}**: exit status {status}, {STATUS.get(status, '')}.", ""]
+    lines += ["## Environment", "",
+              tabulate(flatten(record["environment"]).items(), headers=["key", "value"], tablefmt="github")]
     for title, headers, rows in report_tables:
-        lines += ["", f"## {title}", "", tabulate(rows, headers, tablefmt="github")]
+        table = tabulate(rows, headers, tablefmt="github") if rows else "(none)"
+        lines += ["", f"## {title}", "", table]
     return "\n".join(lines) + "\n"
 
 
-def write_report(results: List[ScheduleResult], environment: dict, root, sections=(), *, policy=None,
-                 probes=None, capabilities=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+def write_report(results: List[ScheduleResult], environment: dict, root, *, policy: Policy,
+                 run_verdict: RunVerdict, probes=None, capabilities=None, sections=(),
+                 extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
-    ``sections`` are extra (title, headers, rows) tables; ``policy`` the
-    per-backend policy (dataclass or dict), ``probes`` L0 probe records,
-    ``capabilities`` {name: supported} (default: the environment's);
-    ``extra(directory)`` adds files (benchmarks) before the directory appears.
+    ``results`` are judged (``verdicts.judge``) and ``run_verdict`` is
+    ``verdicts.verdict_of_run`` over them; ``policy`` is the one they were
+    judged under. ``probes`` are L0 probe records, ``capabilities``
+    {name: supported} (default: the environment's), ``sections`` extra
+    (title, headers, rows) tables, and ``extra(directory)`` adds files
+    (benchmarks) before the directory appears.
     """
     from kvparity.reports import html, junit
 
-    record = build_record(results, environment, policy, probes, capabilities, sections)
-    report_tables = tables(results, environment, policy, probes, capabilities, sections)
+    options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
+                   sections=sections)
+    record = build_record(results, environment, **options)
+    report_tables = tables(results, environment, **options)
     report = ReportDirectory(root)
     with report as directory:
         text = json.dumps(record, indent=2, allow_nan=False) + "\n"

@@ -83,28 +83,43 @@ def _value(x: mx.array, flat_index: int):
 def compare_named(expected: dict, actual: dict, prefix: str = "", **where) -> List[Divergence]:
     """Compare two {name: array} maps name by name, all evaluated together.
     A missing or extra name, or a dtype or shape that differs, is ``layout``."""
-    found = []
-    present = [name for name in expected if actual.get(name) is not None]
-    bits = raw_many([expected[n] for n in present] + [actual[n] for n in present])
-    pairs = dict(zip(present, zip(bits[: len(present)], bits[len(present) :])))
-    for name, e in expected.items():
-        a = actual.get(name)
-        if a is None:
-            found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None,
-                                    detail="missing", **where))
-            continue
-        diff = first_difference(e, a, pairs[name])
-        if diff is not None:
-            index, want, got = diff
-            found.append(
-                Divergence("bytes" if index is not None else "layout", tensor=prefix + name,
-                           index=index, expected=want, actual=got, **where)
-            )
-    for name in actual:
-        if name not in expected:
-            found.append(Divergence("layout", tensor=prefix + name, expected=None,
-                                    actual=tuple(actual[name].shape), detail="not expected", **where))
-    return found
+    return compare_all([(expected, actual, prefix, where)])[0]
+
+
+def compare_all(jobs) -> List[List[Divergence]]:
+    """Many ``(expected, actual, prefix, where)`` comparisons with one
+    evaluation of every array involved: MLX work is batched, not per array."""
+    pairs = [(e[name], a[name]) for e, a, _, _ in jobs for name in e if a.get(name) is not None]
+    bits = raw_many([x for pair in pairs for x in pair])
+    bits = iter(zip(bits[0::2], bits[1::2]))
+    results = []
+    for expected, actual, prefix, where in jobs:
+        found = []
+        for name, e in expected.items():
+            a = actual.get(name)
+            if a is None:
+                found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None,
+                                        detail="missing", **where))
+                continue
+            diff = first_difference(e, a, next(bits))
+            if diff is not None:
+                index, want, got = diff
+                found.append(Divergence("bytes" if index is not None else "layout", tensor=prefix + name,
+                                        index=index, expected=want, actual=got, **where))
+        for name in actual:
+            if name not in expected:
+                found.append(Divergence("layout", tensor=prefix + name, expected=None,
+                                        actual=tuple(actual[name].shape), detail="not expected", **where))
+        results.append(found)
+    return results
+
+
+def triple_job(expected, actual, name: str, **where):
+    """A comparison of two (packed, scales, biases) triples for ``compare_all``;
+    None for a triple that is missing or malformed (see ``compare_triples``)."""
+    if expected is None or actual is None or len(actual) != 3:
+        return None
+    return dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", where
 
 
 def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:

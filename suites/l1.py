@@ -31,12 +31,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.oracle.arrays import describe_shared, digest, owned_arrays, raw, shared_memory
+from kvparity.oracle.arrays import describe_shared, owned_arrays, raw, raw_many, shared_memory
 from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
-from kvparity.suites.compare import Divergence, batch_row, compare_named, compare_triples
+from kvparity.suites.compare import Divergence, batch_row, compare_all, triple_job
 from kvparity.suites.evidence import ScheduleResult, drive
 from kvparity.suites.replay import Replay
 
@@ -54,7 +54,7 @@ class SyntheticBackend:
         self.kv = kv
         self.written: Dict[str, int] = {}  # tokens each request has drawn
         self.fetched = None  # (replay version, triples) of the last update_and_fetch
-        self.sources = []  # (member, caches, digest before) of this event's merges/extends
+        self.sources = []  # (member, caches, their arrays before) of this event's merges/extends
         self.replay = None
 
     def draw(self, rid: str, n: int):
@@ -64,8 +64,8 @@ class SyntheticBackend:
         self.fetched, self.sources = None, []
 
     def watch(self, member, caches):
-        arrays = [x for c in caches for x in owned_arrays(c)]
-        self.sources.append((member, caches, digest(arrays)))
+        # MLX arrays are immutable: holding them is holding the bytes as they were.
+        self.sources.append((member, caches, [x for c in caches for x in owned_arrays(c)]))
 
     def prefill(self, rid, j):
         return SoloCache.prefilled(self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
@@ -182,37 +182,63 @@ def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
     return run.finish()
 
 
+class ByteChecks:
+    """The byte comparisons of one event, evaluated together in one go."""
+
+    def __init__(self, result: ScheduleResult, at: int):
+        self.result, self.at = result, at
+        self.jobs = []  # (check, request, (expected, actual, prefix, where))
+
+    def triples(self, rid, expected, actual, name, where, check="bytes"):
+        job = triple_job(expected, actual, name, **where)
+        if job is None:
+            shapes = lambda t: None if t is None else [getattr(x, "shape", type(x).__name__) for x in t]
+            self.result.note(self.at, "layout", [rid], 1, [Divergence(
+                "layout", tensor=name, expected=shapes(expected), actual=shapes(actual), **where)])
+        else:
+            self.jobs.append((check, rid, job))
+
+    def named(self, rid, expected, actual, prefix, where, made=1):
+        self.jobs.append(("bytes", rid, (expected, actual, prefix, where), made))
+
+    def flush(self):
+        found = compare_all([job[2] for job in self.jobs])
+        for job, divergences in zip(self.jobs, found):
+            made = job[3] if len(job) > 3 else 1
+            self.result.note(self.at, job[0], [job[1]], made, divergences)
+        self.jobs = []
+
+
 def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, result: ScheduleResult, event):
     """Every check after one event, each noting the comparisons it made."""
     label, at = event.describe(), event.index
     note = result.note
     check_sources(replay, backend, result, event)
+    checks = ByteChecks(result, at)
     for rid, alone in replay.preempted.items():
         expected = solo.solo[rid].cache
         # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
         made = 1 if rid in replay.extracted else 0
-        found = []
-        if alone.cache.offset != expected.offset:
-            found.append(Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset))
-        note(at, "offset", [rid], made, found)
-        note(at, "bytes", [rid], made,
-             compare_named(layer_bytes(expected), layer_bytes(alone.cache), "extracted.", event=label, request=rid))
+        note(at, "offset", [rid], made, [] if alone.cache.offset == expected.offset else [
+            Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset)])
+        checks.named(rid, layer_bytes(expected), layer_bytes(alone.cache), "extracted.",
+                     dict(event=label, request=rid), made)
     batch = replay.layers[0] if replay.layers else None
     if batch is None:
+        checks.flush()
         return
-    before = digest(owned_arrays(batch))
+    before = owned_arrays(batch)
     size = batch.size()
     offsets = _ints(batch.offset)
     pads = _ints(batch.left_padding)
-    state = batch.state
     rows = replay.rows
     if len(offsets) != len(rows) or len(pads) != len(rows):
         note(at, "layout", rows, 1, [Divergence("layout", label, detail=f"offset has {len(offsets)} and "
                                                  f"left_padding {len(pads)} entries for {len(rows)} rows")])
         return
-    triples = _state_triples(state)
+    triples = _state_triples(batch.state)
     if triples is None:
-        note(at, "layout", rows, 1, [Divergence("layout", label, tensor="state", actual=_kind(state),
+        note(at, "layout", rows, 1, [Divergence("layout", label, tensor="state", actual=_kind(batch.state),
                                                  detail="state must begin with the key and value triples")])
         return
     note(at, "shared_padding", rows, 1,
@@ -221,6 +247,7 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
     fetched = None
     if backend.fetched is not None and backend.fetched[0] == replay.version:
         fetched = _state_triples(backend.fetched[1])
+    pad_slices = []
     for i, rid in enumerate(rows):
         expected_cache = solo.solo[rid].cache
         where = dict(event=label, request=rid)
@@ -238,21 +265,41 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
         lp = pads[i]
         expected = {name: _solo_tokens(expected_cache, name) for name in ("keys", "values")}
         for name, triple in triples.items():
-            note(at, "bytes", [rid], 1, compare_triples(expected[name], batch_row(triple, i, lp, size),
-                                                         f"batch.{name}", **where))
-            note(at, "pad", [rid], 1, _nonzero_pad(triple, i, lp, name, where))
+            checks.triples(rid, expected[name], batch_row(triple, i, lp, size), f"batch.{name}", where)
+            pad_slices += [(rid, where, f"batch.{name}.{part}", lp, x[i : i + 1, :, :lp])
+                           for part, x in zip(("packed", "scales", "biases"), triple)]
             if fetched is not None:
-                note(at, "bytes", [rid], 1, compare_triples(expected[name], batch_row(fetched[name], i, lp, size),
-                                                             f"fetched.{name}", **where))
-        check_extract(batch, i, expected_cache, result, at, where)
-    if digest(owned_arrays(batch)) != before:
+                checks.triples(rid, expected[name], batch_row(fetched[name], i, lp, size), f"fetched.{name}", where)
+        check_extract(batch, i, expected_cache, result, checks, where)
+    checks.flush()
+    check_pad(pad_slices, result, at)
+    if any(x is not y for x, y in zip(before, owned_arrays(batch))):
         note(at, "extract", rows, 0, [Divergence("extract", label, detail="extract changed the batch")])
+    check_nbytes(batch, triples, result, at, rows, label)
     check_mask(batch, rows, size, pads, result, event)
 
 
-def check_extract(batch, i, solo, result, at, where):
+def check_pad(pad_slices, result, at):
+    """Hygiene: pad columns hold zeros (one evaluation for all rows)."""
+    for (rid, where, tensor, lp, _), bits in zip(pad_slices, raw_many([p[-1] for p in pad_slices])):
+        nonzero = np.flatnonzero(bits)
+        result.note(at, "pad", [rid], 1, [] if not nonzero.size else [Divergence(
+            "pad", tensor=tensor, index=int(nonzero[0]), expected=0, actual=int(bits.reshape(-1)[nonzero[0]]),
+            detail=f"pad columns [0, {lp})", **where)])
+
+
+def check_nbytes(batch, triples, result, at, rows, label):
+    """``nbytes`` counts at least the bytes the rows' own columns occupy."""
+    live = sum(x.nbytes for triple in triples.values() for x in triple)
+    held = batch.nbytes
+    ok = isinstance(held, int) and not isinstance(held, bool) and held >= live
+    result.note(at, "nbytes", rows, 1, [] if ok else [Divergence(
+        "nbytes", label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
+
+
+def check_extract(batch, i, solo, result, checks: ByteChecks, where):
     extracted = batch.extract(i)
-    rid = where["request"]
+    rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
         result.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
@@ -265,8 +312,7 @@ def check_extract(batch, i, solo, result, at, where):
                                 detail="bits, group_size", **where))
     result.note(at, "extract", [rid], 1, found)
     for name in ("keys", "values"):
-        result.note(at, "bytes", [rid], 1, compare_triples(_solo_tokens(solo, name), _solo_tokens(extracted, name),
-                                                            f"extracted.{name}", **where))
+        checks.triples(rid, _solo_tokens(solo, name), _solo_tokens(extracted, name), f"extracted.{name}", where)
     shared = shared_memory(owned_arrays(extracted), owned_arrays(batch))
     result.note(at, "alias", [rid], 1, [] if shared is None else [
         Divergence("alias", tensor="extract", actual=shared[2],
@@ -280,12 +326,15 @@ def check_sources(replay: Replay, backend: SyntheticBackend, result: ScheduleRes
     batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
     rows = replay.rows or list(replay.running())
     for member, caches, before in backend.sources:
-        arrays = [x for c in caches for x in owned_arrays(c)]
-        changed = digest(arrays) != before
+        after = [x for c in caches for x in owned_arrays(c)]
+        same = len(after) == len(before) and all(x is y for x, y in zip(before, after))
+        if not same:  # the source holds other arrays now: are their bytes the same?
+            named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
+            same = not compare_all([(named(before), named(after), "", {"event": label})])[0]
         result.note(at, "source", rows, 1,
-                    [Divergence("source", label, detail=f"{member} modified its source")] if changed else [])
+                    [] if same else [Divergence("source", label, detail=f"{member} modified its source")])
         if member == "merge":
-            shared = shared_memory(batch_arrays, arrays)
+            shared = shared_memory(batch_arrays, after)
             result.note(at, "alias", rows, 1, [] if shared is None else [
                 Divergence("alias", label, tensor="merge", actual=shared[2],
                            detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of source buffer alive")])
@@ -335,20 +384,6 @@ def _boolean_mask(mask, B, N, S):
         return np.broadcast_to(mask, (B, N, S))
     except ValueError:
         return None
-
-
-def _nonzero_pad(triple, i, lp, name, where) -> List[Divergence]:
-    found = []
-    if lp == 0:
-        return found
-    for part, x in zip(("packed", "scales", "biases"), triple):
-        pad = raw(x[i : i + 1, :, :lp])
-        nonzero = np.flatnonzero(pad)
-        if nonzero.size:
-            found.append(Divergence("pad", tensor=f"batch.{name}.{part}", index=int(nonzero[0]), expected=0,
-                                    actual=int(pad.reshape(-1)[nonzero[0]]), detail=f"pad columns [0, {lp})",
-                                    **where))
-    return found
 
 
 def _state_triples(state):

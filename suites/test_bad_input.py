@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.oracle.parity import digest, owned_arrays
+from kvparity.oracle.arrays import digest, owned_arrays
 from kvparity.suites.schedule import ScheduleError, load
 
 

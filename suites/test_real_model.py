@@ -6,7 +6,6 @@ import pytest
 from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import REAL_CATALOG, catalog_paths, load
-from kvparity.suites.verdicts import assert_parity
 
 PATHS = catalog_paths("L2", REAL_CATALOG)
 pytestmark = pytest.mark.real_model
@@ -21,11 +20,11 @@ def smollm2():
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
-def test_real_model_schedule(path, implementation):
+def test_real_model_schedule(path, implementation, gate):
     schedule = load(path)
     assert len(schedule.requests) >= 3
-    assert sum(e.args for e in schedule.events if e.kind == "step") >= 16
-    assert_parity(run_l2(schedule, implementation))
+    assert sum(e.n for e in schedule.events if e.kind == "step") >= 16
+    gate(run_l2(schedule, implementation))
 
 
 def test_real_model_catalog_exists():

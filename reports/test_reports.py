@@ -1,0 +1,519 @@
+"""Report formats tell the truth: report.json against its schema, junit.xml
+parsed back outcome by outcome, report.md tables, and report.html rendered
+in a headless browser. Results come from real L1 runs of catalog schedules
+where one shows the outcome, and are built by hand where none can (L2 logit
+statistics, an oracle that cannot run)."""
+
+import json
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+
+import jsonschema
+import pytest
+
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.reports import html as html_report
+from kvparity.reports import junit
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
+from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report
+from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
+from kvparity.suites.compare import Divergence
+from kvparity.suites.evidence import (
+    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, OUTCOMES, PASS, REFUSED, ScheduleResult,
+)
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import CATALOG, load
+
+CPU, STRICT = load_policy("cpu"), load_policy("strict")
+ENV = {
+    "kvparity": "0.1.0", "mlx": "0.32.4", "mlx_lm": "0.32.2", "python": "3.11.7", "platform": "Linux",
+    "backend": "cpu", "device": "cpu (test)", "knobs": {"MLX_ENABLE_TF32": None}, "git_commit": None,
+    "implementation": "pkg.mod:Cache", "capabilities": {"per_row_rollback": False},
+    # the probes' model, which no schedule below ran
+    "model": "probe-model", "model_sha256": "f" * 64,
+}
+EXACT = {"positions": 4, "bit_exact": 4, "top1_agree": 4, "max_abs_diff": 0.0, "max_ulp": 0, "comparable": True,
+         "kl_mean": 0.0, "kl_max": 0.0, "kl_p99": 0.0, "kl_p95": 0.0, "kl_median": 0.0}
+FLIPPED = dict(EXACT, bit_exact=1, top1_agree=3, max_abs_diff=float("nan"), max_ulp=900, kl_mean=1e-3,
+               kl_max=float("inf"))
+# dtype or shape differed: no distance exists
+NOT_COMPARABLE = dict(EXACT, positions=2, bit_exact=0, top1_agree=0, max_ulp=None, comparable=False)
+
+
+class NoRollback(BatchQuantizedKVCache):
+    """The reference without the optional per-row rollback."""
+
+    rollback = None
+
+
+class RefusesUpdate(BatchQuantizedKVCache):
+    def update_and_fetch(self, keys, values):
+        raise NotImplementedError("not today")
+
+
+def by_hand(cls) -> Implementation:
+    return Implementation(f"{__name__}:{cls.__name__}", cls, detect_capabilities(cls))
+
+
+def l1(schedule, implementation):
+    return run_l1(load(CATALOG / f"{schedule}.json"), implementation)
+
+
+def logits(rid, event, step):
+    return Divergence("logits", f"#{event} step 1", rid, tensor="logits", step=step, index=0,
+                      expected=-1.25, actual=-1.5, detail="max abs diff 0.25")
+
+
+def cache(rid, event, step, layer, part="packed"):
+    return Divergence("bytes", f"#{event} step 1", rid, tensor=f"keys.{part}", layer=layer, step=step,
+                      index=7, expected=3, actual=5)
+
+
+def mask(rid, event):
+    return Divergence("mask", f"#{event} step 1", rid, tensor="make_mask(1)", index=0, expected=False,
+                      actual=True)
+
+
+def l2_by_hand():
+    """Row a fails (logits at step 1, layer 1 cache bytes at steps 2 and 3),
+    row b is bit-exact, row c's logits had another dtype."""
+    result = ScheduleResult("rollback-uneven", "L2", "Cache", ["join", "step", "step", "step"],
+                            model="tiny-llama", model_sha256="a" * 64, seconds=1.25)
+    for event in range(4):
+        result.note(event, "logits", ["a", "b", "c"])
+        result.note(event, "bytes", ["a", "b", "c"])
+        result.note(event, "offset", ["a", "b", "c"])
+    for d in (logits("a", 1, 1), cache("a", 2, 2, 1), cache("a", 2, 2, 1, "scales"), cache("a", 3, 3, 1),
+              logits("a", 3, 3), Divergence("layout", "#1 step 1", "c", tensor="logits", expected="float32",
+                                            actual="float16")):
+        result.row(d.request).divergences.append(d)
+    result.row("a").metrics = dict(FLIPPED)
+    result.row("a").series = {"kl_max": [0.0, 0.01, 0.02, float("nan")]}
+    result.row("b").metrics = dict(EXACT)
+    result.row("c").metrics = dict(NOT_COMPARABLE)
+    return result
+
+
+def earliest_across_rows():
+    """Row 'a' (listed first) diverges after event #2, row 'b' after event #0."""
+    result = ScheduleResult("earliest", "L1", "Cache", ["join", "step", "step"])
+    for event in range(3):
+        for check in ("bytes", "offset", "left_padding", "mask"):
+            result.note(event, check, ["a", "b"])
+    result.note(2, "mask", [], found=[mask("a", 2)])
+    result.note(0, "mask", [], found=[mask("b", 0)])
+    return result
+
+
+def unjudged():
+    """One schedule run per outcome, and more where the format has more to show."""
+    reference = load_implementation()
+    never_ran = l1("join-longer-joiner", reference)
+    never_ran.row("d")  # a request the schedule names that never joined
+    oracle = ScheduleResult("oracle-down", "L2", "Cache", ["join", "step"], model="other-model",
+                            model_sha256="b" * 64)
+    oracle.row("a")
+    oracle.stop(ORACLE_CANNOT_RUN, "event #0 join [\"a\"]: quantized_matmul has no kernel here")
+    return [
+        l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:MaskIgnoresLeftPadding")),
+        l1("join-longer-joiner", reference),
+        l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsViews")),
+        l1("rollback-uneven", by_hand(NoRollback)),
+        l1("join-longer-joiner", by_hand(RefusesUpdate)),
+        never_ran,
+        earliest_across_rows(),
+        l2_by_hand(),
+        oracle,
+    ]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return [judge(r, CPU) for r in unjudged()]
+
+
+@pytest.fixture(scope="module")
+def run_verdict(results):
+    return verdict_of_run(results)
+
+
+def options(results, policy=CPU):
+    return dict(policy=policy, run_verdict=verdict_of_run(results))
+
+
+@pytest.fixture(scope="module")
+def report(results, run_verdict, tmp_path_factory):
+    probes = [{"op": "matmul", "batch_size": 8, "invariant": True, "max_abs_diff": 0.0, "first_row": None,
+               "error": None}]
+    return write_report(results, ENV, tmp_path_factory.mktemp("reports"), policy=CPU, run_verdict=run_verdict,
+                        probes=probes, sections=[("Extra", ["k", "v"], [["x", 1]])])
+
+
+@pytest.fixture(scope="module")
+def record(report):
+    return json.loads((report / "report.json").read_text())
+
+
+def validator():
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_each_outcome_is_shown_by_the_sample(results):
+    assert [r.verdict for r in results] == [FAIL, PASS, PASS, NOT_SUPPORTED, REFUSED, NO_EVIDENCE, FAIL, FAIL,
+                                            ORACLE_CANNOT_RUN]
+    assert {row.verdict for r in results for row in r.rows} == set(OUTCOMES)
+
+
+# --- report.json ---------------------------------------------------------------
+
+
+def test_a_report_directory_holds_four_files_and_the_record_validates(report, record, run_verdict):
+    assert sorted(p.name for p in report.iterdir()) == ["junit.xml", "report.html", "report.json", "report.md"]
+    validator().validate(record)
+    assert record["schema"] == SCHEMA == "kvparity.report/2"
+    assert record["exit_status"] == EXIT_BROKEN and record["passed"] is False
+    assert record["headline"] == run_verdict.headline
+    assert record["summary"]["schedules"] == {PASS: 2, FAIL: 3, REFUSED: 1, NO_EVIDENCE: 1, NOT_SUPPORTED: 1,
+                                              ORACLE_CANNOT_RUN: 1}
+    assert record["summary"]["rows"][NO_EVIDENCE] == 1 and record["summary"]["rows"][REFUSED] == 3
+    l2 = record["results"][7]
+    row = l2["rows"][0]
+    assert row["metrics"]["kl_max"] == "Infinity" and row["metrics"]["max_abs_diff"] == "NaN"
+    assert row["series"]["kl_max"][-1] == "NaN" and row["tier"] == "diverged" and row["required"] == "bit-exact"
+    assert row["counts"]["0"] == {"logits": 1, "bytes": 1, "offset": 1} and row["checks"] == 12
+    assert row["first"]["message"].startswith("logits: after event #1 step 1, row 'a', step 1")
+    assert l2["rows"][2]["metrics"]["max_ulp"] is None and l2["rows"][2]["verdict"] == FAIL
+    assert record["probes"][0]["op"] == "matmul" and record["capabilities"] == {"per_row_rollback": False}
+
+
+def test_each_schedule_names_its_own_model_and_the_header_none(record):
+    assert "model" not in record["environment"] and "model_sha256" not in record["environment"]
+    assert record["probe_model"] == {"model": "probe-model", "model_sha256": "f" * 64}
+    assert [(r["model"], r["model_sha256"]) for r in record["results"][-2:]] == [
+        ("tiny-llama", "a" * 64), ("other-model", "b" * 64)]
+    assert record["models"] == [{"model": "tiny-llama", "model_sha256": "a" * 64, "schedules": 1},
+                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 1}]
+
+
+def test_coverage_members_and_gaps_come_from_the_run(record, run_verdict):
+    assert record["coverage"] == {kind: dict(c) for kind, c in run_verdict.coverage.items()}
+    assert record["coverage"]["join"]["bytes"] > 0
+    assert set(REQUIRED_MEMBERS) <= set(record["members"])
+    assert record["members"]["merge"] == run_verdict.members["merge"] > 0
+    assert record["members"]["rollback"] == 0  # optional, and never called here
+    assert record["gaps"] == run_verdict.gaps
+
+
+def test_hygiene_is_counted_with_the_bytes_retained(results, record):
+    views = results[2]
+    assert views.verdict == PASS  # reported, not gating under cpu
+    alias = [d for row in views.rows for d in row.divergences if d.check == "alias"]
+    assert alias and all(isinstance(d.actual, int) and d.actual > 0 for d in alias)
+    hygiene = record["hygiene"]
+    assert hygiene["gates"] is False and hygiene["totals"]["alias"] == len(alias)
+    found = {f["request"]: f for f in hygiene["findings"] if f["schedule"] == views.schedule}
+    for row in views.rows:
+        mine = [d for d in row.divergences if d.check == "alias"]
+        assert found[row.request]["findings"] == len(mine)
+        assert found[row.request]["bytes_retained"] == max(d.actual for d in mine)
+        assert found[row.request]["compared"] == row.compared("alias")
+        assert found[row.request]["first"] == min(mine, key=lambda d: d.order).message()
+    assert all(d["kind"] == "hygiene" for r in record["results"][2]["rows"] for d in r["divergences"])
+    assert record["results"][2]["first"] is None  # hygiene is not a parity divergence under cpu
+
+
+def test_hygiene_gates_under_strict(tmp_path):
+    views = l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsViews"))
+    judge(views, STRICT)
+    assert views.verdict == FAIL
+    path = write_report([views], ENV, tmp_path, **options([views], STRICT))
+    record = json.loads((path / "report.json").read_text())
+    assert record["hygiene"]["gates"] is True and record["results"][0]["first"]["check"] == "alias"
+    assert "## Hygiene (gating under policy strict)" in (path / "report.md").read_text()
+
+
+def test_every_schema_property_is_documented():
+    schema = json.loads(SCHEMA_PATH.read_text())
+    missing = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            for name, sub in node.get("properties", {}).items():
+                if "description" not in sub:
+                    missing.append(f"{where}/{name}")
+            for key, sub in node.items():
+                walk(sub, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{where}/{i}")
+
+    walk(schema, "#")
+    assert not missing
+
+
+TAMPERINGS = {
+    "an outcome of the old format": lambda r: r["results"][0].update(verdict="skipped"),
+    "wrong schema version": lambda r: r.update(schema="kvparity.report/1"),
+    "metrics missing their percentiles": lambda r: r["results"][7]["rows"][1]["metrics"].pop("kl_p99"),
+    "step as a string": lambda r: r["results"][7]["rows"][0]["divergences"][0].update(step="1"),
+    "field the schema does not know": lambda r: r["results"][0]["rows"][0].update(note="x"),
+    "NaN written as a bare string": lambda r: r["results"][7]["rows"][0]["metrics"].update(kl_max="nan"),
+    "tier outside the ladder": lambda r: r["results"][0]["rows"][0].update(tier="close enough"),
+    "summary without tiers": lambda r: r["summary"].pop("tiers"),
+    "an exit status no run has": lambda r: r.update(exit_status=3),
+    "a header naming one model for all": lambda r: r["environment"].update(model="smollm2"),
+    "comparisons that are not counts": lambda r: r["coverage"]["join"].update(bytes=-1),
+    "row counts keyed by something other than an event": lambda r: r["results"][0]["rows"][0]["counts"]
+    .update(join={"bytes": 1}),
+    "a hygiene check that is not one": lambda r: r["hygiene"]["findings"][0].update(check="mask"),
+    "a divergence neither parity nor hygiene": lambda r: r["results"][0]["rows"][0]["divergences"][0]
+    .update(kind="other"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERINGS))
+def test_a_tampered_record_fails_validation(name, results):
+    record = build_record(results, ENV, **options(results))
+    check = validator()
+    check.validate(record)
+    TAMPERINGS[name](record)
+    with pytest.raises(jsonschema.ValidationError):
+        check.validate(record)
+
+
+def test_results_must_be_judged_before_they_are_reported():
+    with pytest.raises(ValueError, match="not judged"):
+        build_record([earliest_across_rows()], ENV, policy=CPU, run_verdict=verdict_of_run([]))
+
+
+def test_record_does_not_mutate_results():
+    results = [judge(r, CPU) for r in (earliest_across_rows(), l2_by_hand())]
+    before = json.dumps([r.to_json() for r in results], default=str)
+    build_record(results, ENV, **options(results))
+    assert json.dumps([r.to_json() for r in results], default=str) == before
+
+
+# --- the first divergence --------------------------------------------------------
+
+
+def test_the_first_divergence_is_the_earliest_across_rows(results, record, report):
+    earliest = results[6]
+    assert [row.request for row in earliest.rows] == ["a", "b"]
+    expected = mask("b", 0).message()
+    assert record["results"][6]["first"]["message"] == expected
+    _, rows = summary_rows(results, CPU)
+    assert rows[6][-1] == expected
+    assert [r["first"]["request"] for r in record["results"][6]["rows"]] == ["a", "b"]
+
+
+def test_without_a_divergence_the_summary_says_why(results):
+    _, rows = summary_rows(results, CPU)
+    by_name = {(row[0], row[5]): row for row in rows}
+    assert "refused" in by_name[("join-longer-joiner", REFUSED)][-1]
+    assert by_name[("rollback-uneven", NOT_SUPPORTED)][-1] == "needs per_row_rollback"
+    assert "row 'd'" in by_name[("join-longer-joiner", NO_EVIDENCE)][-1]
+    assert "no kernel" in by_name[("oracle-down", ORACLE_CANNOT_RUN)][-1]
+    assert by_name[("oracle-down", ORACLE_CANNOT_RUN)][2] == "other-model"
+
+
+# --- junit.xml -----------------------------------------------------------------
+
+
+def junit_cases(report):
+    root = ET.parse(report / "junit.xml").getroot()
+    return root, [(suite, case) for suite in root.findall("testsuite") for case in suite.findall("testcase")]
+
+
+def test_junit_has_a_testcase_per_schedule_and_row(report, results):
+    root, cases = junit_cases(report)
+    suites = root.findall("testsuite")
+    assert [s.get("name") for s in suites] == [f"kvparity.{r.level}.{r.schedule}" for r in results]
+    assert [(s.get("name"), c.get("name")) for s, c in cases] == [
+        (f"kvparity.{r.level}.{r.schedule}", row.request) for r in results for row in r.rows]
+    for suite in suites:
+        assert int(suite.get("tests")) == len(suite.findall("testcase"))
+        assert int(suite.get("failures")) == len(suite.findall("testcase/failure"))
+        assert int(suite.get("skipped")) == len(suite.findall("testcase/skipped"))
+    rows = [row for r in results for row in r.rows]
+    assert root.get("tests") == str(len(rows))
+    assert root.get("failures") == str(sum(row.verdict in (FAIL, REFUSED, NO_EVIDENCE) for row in rows))
+    assert root.get("skipped") == str(sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN) for row in rows))
+
+
+def test_each_outcome_maps_to_its_junit_element(report, results):
+    _, cases = junit_cases(report)
+    rows = [row for r in results for row in r.rows]
+    seen = set()
+    for (suite, case), row in zip(cases, rows):
+        failure, skipped = case.find("failure"), case.find("skipped")
+        seen.add(row.verdict)
+        if row.verdict == PASS:
+            assert failure is None and skipped is None
+        elif row.verdict == FAIL:
+            assert skipped is None and failure.get("type") == FAIL and failure.get("message") == row.reason
+            assert all(d.message() in failure.text for d in row.divergences)
+        elif row.verdict in (REFUSED, NO_EVIDENCE):
+            assert skipped is None and failure.get("type") == row.verdict
+            assert failure.get("message") == f"{row.verdict}: {row.reason}"
+        else:
+            assert failure is None and skipped.get("message") == f"{row.verdict}: {row.reason}"
+    assert seen == set(OUTCOMES)
+    refusals = [c.find("failure") for s, c in cases if c.find(f"failure[@type='{REFUSED}']") is not None]
+    assert refusals and all("update_and_fetch" in f.get("message") for f in refusals)
+    never = next(c for s, c in cases if c.get("name") == "d")
+    assert never.find("failure").get("message").startswith("no evidence: ")
+
+
+def test_each_junit_suite_names_its_own_model(report, results):
+    root, _ = junit_cases(report)
+    for suite, result in zip(root.findall("testsuite"), results):
+        properties = {p.get("name"): p.get("value") for p in suite.iter("property")}
+        assert properties.get("model") == result.model and properties.get("model_sha256") == result.model_sha256
+        assert properties["policy"] == "cpu" and properties["implementation"] == ENV["implementation"]
+
+
+def test_a_schedule_whose_outcome_shows_in_no_row_gets_its_own_testcase():
+    empty = judge(ScheduleResult("nothing", "L1", "Cache", ["join"]), CPU)
+    assert empty.verdict == NO_EVIDENCE
+    root = ET.fromstring(junit.render(build_record([empty], ENV, **options([empty]))))
+    (case,) = root.iter("testcase")
+    assert case.get("name") == "(schedule)" and case.find("failure").get("message").startswith("no evidence")
+    assert root.get("failures") == "1"
+
+
+# --- report.md -----------------------------------------------------------------
+
+
+def test_markdown_tables(report, run_verdict):
+    text = (report / "report.md").read_text()
+    for heading in ("## Environment", "## Summary", "## Rows", "## Logits (L2)", "## Models", "## Coverage:",
+                    "## Protocol members called", "## Hygiene (reported, not gating under policy cpu)",
+                    "## Policy", "## Capabilities", "## L0 backend probes (shapes of probe-model)", "## Extra"):
+        assert heading in text, heading
+    assert f"**{run_verdict.headline}**: exit status 1, parity broken." in text
+    columns = {cell.strip() for line in text.splitlines() if line.startswith("|") for cell in line.split("|")}
+    assert {"model", "tier", "required", "comparisons", "max abs diff", "max ULP", "KL mean", "KL max",
+            "KL median", "KL p95", "KL p99", "top-1", "first divergence", "event kind", "calls",
+            "max bytes retained", "first occurrence"} <= columns
+    assert {REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, "n/a", "no (dtype or shape differ)",
+            "bit-exact", "diverged"} <= columns
+    assert "| per_row_rollback " in text and "no (not supported)" in text
+    _, logit_table = logit_rows([judge(l2_by_hand(), CPU)])
+    assert logit_table[2][7:] == ["n/a"] * 7  # row c: nothing was comparable, so no distance is shown as 0
+    assert "probe-model" not in text.split("## Summary")[0]  # the header names no model
+
+
+# --- report.html ---------------------------------------------------------------
+
+
+class Elements(HTMLParser):
+    """Every element's tag and attributes, in document order; an element
+    inside an svg also gets that svg's id as ``svg``."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.found = []
+        self.svg = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "svg":
+            self.svg = attrs.get("id")
+        self.found.append((tag, {**attrs, "svg": self.svg}))
+
+
+def test_html_is_self_contained_and_tells_outcomes_apart(report):
+    text = (report / "report.html").read_text()
+    assert "http" not in text  # no links, scripts, fonts or namespaces fetched from anywhere
+    for external in ("<script", "<link", "<img", "<iframe", "@import", "url("):
+        assert external not in text
+    found = Elements(text).found
+    badges = {a["class"] for t, a in found if a.get("class", "").startswith("badge")}
+    assert badges == {"badge pass", "badge fail", "badge refused", "badge noevidence", "badge muted",
+                      "badge oracle"}
+    cells = {a.get("class") for t, a in found if t == "td"}
+    assert {"pass", "fail", "refused", "noevidence", "muted", "oracle"} <= cells
+    ids = {a["id"] for t, a in found if "id" in a}
+    assert {"summary", "rows", "logits", "coverage", "protocol-members", "hygiene", "environment",
+            "status"} <= ids
+    assert "probe-model" not in text.split('id="summary"')[0]
+
+
+def check_plots(found):
+    """The plots, read back from a page's elements."""
+    by_id = {attrs["id"]: tag for tag, attrs in found if "id" in attrs}
+    for svg in ("steps-L1-join-longer-joiner-0", "steps-L1-earliest-6", "steps-L2-rollback-uneven-7",
+                "series-L2-rollback-uneven-7-kl_max", "heat-L2-rollback-uneven-7-a"):
+        assert by_id.get(svg) == "svg", svg
+    bars = {(a["svg"], a["data-row"], a["data-step"]): a["data-count"] for t, a in found if a.get("class") == "bar"}
+    l2 = "steps-L2-rollback-uneven-7"
+    # L2 row a: a logits divergence at steps 1 and 3, two cache tensors at step 2, one at 3.
+    assert bars[(l2, "a", "1")] == "1" and bars[(l2, "a", "2")] == "2" and bars[(l2, "a", "3")] == "2"
+    assert bars[("steps-L1-earliest-6", "b", "0")] == "1" and bars[("steps-L1-earliest-6", "a", "2")] == "1"
+    cells = [a for t, a in found if a.get("class") == "cell"]
+    first = [(c["data-layer"], c["data-step"]) for c in cells if c["data-first"] == "1"]
+    assert first == [("", "1")]  # row a's earliest: the logits track, step 1
+    assert {(c["data-layer"], c["data-step"]): c["data-count"] for c in cells}[("1", "2")] == "2"
+    points = [a for t, a in found if a.get("class") == "point"]
+    assert [p["data-value"] for p in points] == ["0", "0.01", "0.02"]  # the NaN is left out
+    srcs = [a.get(k, "") for t, a in found for k in ("src", "href")]
+    assert not [s for s in srcs if "://" in s]
+
+
+def test_html_plots(report):
+    check_plots(Elements((report / "report.html").read_text()).found)
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def browser():
+    found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if found is None:
+        pytest.skip("no chromium binary found (CI installs Debian's chromium)")
+    return found
+
+
+def headless(binary, profile, *args):
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}"]
+    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_html_renders_its_plots_in_a_browser(report, tmp_path):
+    binary = browser()
+    page = (report / "report.html").as_uri()
+    dom = headless(binary, tmp_path / "profile", "--dump-dom", page)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    check_plots(Elements(dom.stdout).found)
+
+    shot = tmp_path / "report.png"
+    run = headless(binary, tmp_path / "profile", "--hide-scrollbars", "--window-size=1280,1600",
+                   f"--screenshot={shot}", page)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+# --- the directory itself --------------------------------------------------------
+
+
+def test_an_interrupted_report_leaves_nothing_and_earlier_ones_stay(results, tmp_path, monkeypatch):
+    first = write_report(results, ENV, tmp_path, **options(results))
+    second = write_report(results, ENV, tmp_path, **options(results))
+    assert first != second and (first / "report.json").exists()
+
+    def broken(*args):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(html_report, "render", broken)
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(RuntimeError):
+        write_report(results, ENV, tmp_path, **options(results))
+    assert sorted(tmp_path.iterdir()) == before
