@@ -338,3 +338,43 @@ def to_schedule_result(outcome: L3Outcome):
         for row in result.rows:
             row.verdict = result.verdict
     return result
+
+
+# -- which members an engine calls ----------------------------------------------------
+
+PROTOCOL_MEMBERS = ("merge", "extend", "filter", "extract", "trim", "rollback", "update_and_fetch",
+                    "make_mask", "prepare", "finalize")
+
+
+def counting_subclass(batch_class: type):
+    """``(subclass, counts)``: a subclass of ``batch_class`` that counts calls
+    of each protocol member, to tell which ones an engine exercises (a member
+    it never calls cannot be checked through it)."""
+    counts = {name: 0 for name in PROTOCOL_MEMBERS if callable(getattr(batch_class, name, None))}
+
+    def counted(name):
+        original = getattr(batch_class, name)
+        if name == "merge":
+            def merge(cls, rows):
+                counts["merge"] += 1
+                if any(getattr(r, "offset", 0) for r in rows):
+                    counts["merge of rows holding tokens"] = counts.get("merge of rows holding tokens", 0) + 1
+                return original.__func__(cls, rows)
+            return classmethod(merge)
+
+        def member(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+        return member
+
+    subclass = type(f"Counting{batch_class.__name__}", (batch_class,), {n: counted(n) for n in counts})
+    return subclass, counts
+
+
+PREFILL_MODES = {"prefill_batch_size=1": 1, "engine default": None}
+
+
+def prefill_modes(schedule: ArrivalSchedule) -> Dict[str, ArrivalSchedule]:
+    """The schedule with each prompt prefilled alone (then ``extend``), and with
+    the engine's default batched prefill (several right-padded prompts per call)."""
+    return {label: schedule.with_engine(prefill_batch_size=size) for label, size in PREFILL_MODES.items()}
