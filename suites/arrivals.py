@@ -1,0 +1,205 @@
+"""Arrivals schedules (L3): requests that reach an engine over time.
+
+Unlike the event schedules of L1/L2, an arrivals schedule says nothing about
+joins, prefill batches or leaves: the engine decides those. It gives, per
+request, the engine step at which it arrives, its prompt, how many tokens it
+wants and its kv settings; and the engine's own settings. Every key is
+documented in suites/catalog/l3/README.md::
+
+    {
+      "kind": "arrivals",
+      "name": "staggered",
+      "model": "llama-h64-bf16",
+      "kv": {"bits": 4, "group_size": 64},
+      "engine": {"completion_batch_size": 4, "prefill_batch_size": 1},
+      "requests": {
+        "a": {"arrival": 0, "prompt_len": 5, "max_tokens": 6},
+        "b": {"arrival": 2, "prompt": [1, 2, 3], "max_tokens": 4, "kv": {"bits": 8}}
+      }
+    }
+
+``load`` validates a file completely before anything runs; a bad file raises
+``ScheduleError`` naming the file, the field or request, and the reason.
+"""
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from kvparity.impl.batch_quantized import check_quantization
+from kvparity.suites.schedule import CATALOG, DEFAULT_PREFILL_STEP, ScheduleError, _fail, _int, _keys
+
+KIND = "arrivals"
+L3_CATALOG = CATALOG / "l3"
+# Not beside the L2 real-model files: their loader reads every *.json there.
+L3_REAL_CATALOG = CATALOG / "real" / "l3"
+DEFAULT_MODEL = "llama-h64-bf16"
+DEFAULT_KV = {"bits": 4, "group_size": 64}
+
+ENGINE_FIELDS = ("completion_batch_size", "prefill_batch_size", "prefill_step_size")
+KV_FIELDS = ("bits", "group_size", "quantized_kv_start")
+REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size")
+
+
+@dataclass(frozen=True)
+class ArrivalRequest:
+    id: str
+    arrival: int  # engine step before which the request is handed to the engine
+    max_tokens: int
+    bits: int
+    group_size: int
+    # None: the cache is quantized from the request's first token (what an
+    # engine handing quantized caches does). An integer N: mlx-lm's
+    # kv_bits/quantized_kv_start conversion, a dense cache converted after the
+    # call that reaches N tokens.
+    quantized_kv_start: Optional[int]
+    prefill_step_size: int
+    prompt_len: int = 0  # synthetic prompt of this many tokens, drawn from seed
+    prompt: Optional[Tuple[int, ...]] = None
+    text: Optional[str] = None  # tokenized by the model's tokenizer
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSettingsSpec:
+    """The file's engine block; None keeps the engine's own default."""
+
+    completion_batch_size: Optional[int] = None
+    prefill_batch_size: Optional[int] = None
+    prefill_step_size: Optional[int] = None
+
+
+@dataclass
+class ArrivalSchedule:
+    name: str
+    description: str
+    model: str
+    requests: Dict[str, ArrivalRequest]
+    engine: EngineSettingsSpec = field(default_factory=EngineSettingsSpec)
+    path: Optional[str] = None
+    doc: dict = field(default_factory=dict, repr=False)  # as loaded, for writing back
+
+    @property
+    def kv_settings(self) -> List[tuple]:
+        """Distinct (bits, group_size, quantized_kv_start) of the requests."""
+        return sorted({(r.bits, r.group_size, r.quantized_kv_start) for r in self.requests.values()},
+                      key=str)
+
+    def with_engine(self, **settings) -> "ArrivalSchedule":
+        """The same requests under other engine settings (None: engine default)."""
+        return replace(self, engine=replace(self.engine, **settings))
+
+
+def load(path) -> ArrivalSchedule:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as error:
+        raise ScheduleError(f"{path}: cannot read: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ScheduleError(f"{path}: not JSON: {error}") from None
+    return parse(doc, source=str(path))
+
+
+def catalog_paths(folder: Path = L3_CATALOG) -> List[Path]:
+    return sorted(Path(folder).glob("*.json"))
+
+
+def _kv(source, where, spec, inherited) -> dict:
+    _keys(source, where, spec, KV_FIELDS)
+    kv = {**inherited, **spec}
+    kv["bits"] = _int(source, f"{where}.bits", kv["bits"], 1)
+    kv["group_size"] = _int(source, f"{where}.group_size", kv["group_size"], 1)
+    if kv.get("quantized_kv_start") is not None:
+        _int(source, f"{where}.quantized_kv_start", kv["quantized_kv_start"])
+    try:
+        check_quantization(kv["bits"], kv["group_size"])
+    except ValueError as error:
+        _fail(source, where, str(error))
+    return kv
+
+
+def parse(doc, source="<arrivals>") -> ArrivalSchedule:
+    if isinstance(doc, dict) and "events" in doc:
+        _fail(source, "schedule", "this is an event schedule (L1/L2); an L3 file has \"kind\": \"arrivals\" "
+                                  "and per-request arrival steps instead of events")
+    _keys(source, "schedule", doc, ("kind", "name", "description", "model", "kv", "engine", "requests"),
+          ("kind", "name", "requests"))
+    if doc["kind"] != KIND:
+        _fail(source, "kind", f"expected {KIND!r}, got {doc['kind']!r}")
+    if not isinstance(doc["name"], str) or not doc["name"]:
+        _fail(source, "name", "expected a non-empty string")
+    model = doc.get("model", DEFAULT_MODEL)
+    if not isinstance(model, str) or not model:
+        _fail(source, "model", f"expected a model name, got {model!r}")
+    kv = _kv(source, "kv", doc.get("kv", {}), {**DEFAULT_KV, "quantized_kv_start": None})
+
+    engine_doc = doc.get("engine", {})
+    _keys(source, "engine", engine_doc, ENGINE_FIELDS)
+    engine = EngineSettingsSpec(**{k: _int(source, f"engine.{k}", v, 1) for k, v in engine_doc.items()})
+    default_step = engine.prefill_step_size or DEFAULT_PREFILL_STEP
+
+    requests_doc = doc["requests"]
+    if not isinstance(requests_doc, dict) or not requests_doc:
+        _fail(source, "requests", "expected a non-empty object of request id -> request")
+    requests = {rid: _request(source, rid, spec, kv, default_step) for rid, spec in requests_doc.items()}
+    return ArrivalSchedule(
+        name=doc["name"],
+        description=str(doc.get("description", "")),
+        model=model,
+        requests=requests,
+        engine=engine,
+        path=source,
+        doc=doc,
+    )
+
+
+def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
+    where = f"request {rid!r}"
+    if not rid:
+        _fail(source, "requests", "a request id must be a non-empty string")
+    _keys(source, where, spec, REQUEST_FIELDS, ("arrival", "max_tokens"))
+    given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
+    if len(given) != 1:
+        _fail(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
+    prompt = text = None
+    prompt_len = 0
+    if "prompt" in spec:
+        if not isinstance(spec["prompt"], list) or not spec["prompt"]:
+            _fail(source, where, "prompt must be a non-empty list of token ids")
+        prompt = tuple(_int(source, f"{where} prompt[{i}]", t) for i, t in enumerate(spec["prompt"]))
+        prompt_len = len(prompt)
+    elif "text" in spec:
+        if not isinstance(spec["text"], str) or not spec["text"]:
+            _fail(source, where, "text must be a non-empty string")
+        text = spec["text"]
+    else:
+        prompt_len = _int(source, f"{where} prompt_len", spec["prompt_len"], 1)
+    own_kv = _kv(source, f"{where} kv", spec.get("kv", {}), kv)
+    return ArrivalRequest(
+        id=rid,
+        arrival=_int(source, f"{where} arrival", spec["arrival"]),
+        max_tokens=_int(source, f"{where} max_tokens", spec["max_tokens"], 1),
+        bits=own_kv["bits"],
+        group_size=own_kv["group_size"],
+        quantized_kv_start=own_kv.get("quantized_kv_start"),
+        prefill_step_size=_int(source, f"{where} prefill_step_size", spec.get("prefill_step_size", default_step), 1),
+        prompt_len=prompt_len,
+        prompt=prompt,
+        text=text,
+        seed=_int(source, f"{where} seed", spec.get("seed", 0)),
+    )
+
+
+def check_fits(schedule: ArrivalSchedule, head_dim: int, vocab_size: int, has_tokenizer: bool) -> Optional[str]:
+    """Why the schedule cannot run on a model of this shape, or None."""
+    for r in schedule.requests.values():
+        where = f"{schedule.path}: request {r.id!r}"
+        if head_dim % r.group_size:
+            return f"{where}: group_size={r.group_size} does not divide head_dim={head_dim}"
+        if r.text is not None and not has_tokenizer:
+            return f"{where}: a text prompt needs a tokenizer; the model has none"
+        if r.prompt is not None and max(r.prompt) >= vocab_size:
+            return f"{where}: token id {max(r.prompt)} is outside the vocabulary of {vocab_size}"
+    return None
