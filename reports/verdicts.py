@@ -19,6 +19,7 @@ from kvparity.suites.evidence import (
 REQUIRED_EVIDENCE = {
     "L1": ("bytes", "offset", "left_padding", "mask"),
     "L2": ("logits", "bytes", "offset"),
+    "L3": ("tokens", "logprobs"),
 }
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
 
@@ -27,9 +28,11 @@ def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
     """Set every row's verdict and tier, then the schedule's."""
     required = REQUIRED_EVIDENCE.get(result.level, ())
     for row in result.rows:
-        gating = [d for d in row.divergences if policy.gates(d, result.level)]
-        if result.level == "L1":
+        # L3 compares tokens and log-probs bit for bit under every policy (no tiers yet).
+        gating = [d for d in row.divergences if result.level == "L3" or policy.gates(d, result.level)]
+        if result.level in ("L1", "L3"):
             row.tier = None if not row.checks else ("diverged" if gating else "bit-exact")
+            row.required = "bit-exact"
             logits_ok = True
         else:
             row.tier = policy.logit_tier(row.metrics)
@@ -38,7 +41,7 @@ def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
         missing = [c for c in required if not row.compared(c)]
         if gating or not logits_ok:
             row.verdict = FAIL
-            row.reason = (gating[0].message() if gating else
+            row.reason = (min(gating, key=lambda d: d.order).message() if gating else
                           f"logits reached {row.tier}, the policy requires {policy.required()}")
         elif result.stopped:
             row.verdict, row.reason = result.stopped, result.reason

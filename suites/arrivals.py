@@ -27,8 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvparity.impl.batch_quantized import check_quantization
-from kvparity.suites.schedule import CATALOG, DEFAULT_PREFILL_STEP, ScheduleError, _fail, _int, _keys
+from kvparity.suites.schedule import CATALOG, DEFAULT_PREFILL_STEP, ScheduleError, _fail, _int, _keys, check_kv
 
 KIND = "arrivals"
 L3_CATALOG = CATALOG / "l3"
@@ -113,10 +112,7 @@ def _kv(source, where, spec, inherited) -> dict:
     kv["group_size"] = _int(source, f"{where}.group_size", kv["group_size"], 1)
     if kv.get("quantized_kv_start") is not None:
         _int(source, f"{where}.quantized_kv_start", kv["quantized_kv_start"])
-    try:
-        check_quantization(kv["bits"], kv["group_size"])
-    except ValueError as error:
-        _fail(source, where, str(error))
+    check_kv(f"{source}: {where}", kv["bits"], kv["group_size"])
     return kv
 
 

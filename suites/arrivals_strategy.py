@@ -15,8 +15,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from kvparity.suites.arrivals import parse
-from kvparity.suites.l3 import PASSED, run_l3, to_schedule_result
-from kvparity.suites.verdicts import describe_failure
+from kvparity.suites.l3 import PASSED, explain, run_l3
 
 # (model, bits, group_size) that mlx-lm's solo path can run (see the L3 catalog README).
 KV_ON_MODELS = [
@@ -69,4 +68,4 @@ def check_document(doc: dict, implementation, engine_spec=None, folder=None):
     tmp.write_text(json.dumps({**doc, "name": path.stem}, indent=2) + "\n")
     os.replace(tmp, path)
     outcome.path = str(path)
-    raise AssertionError(describe_failure(to_schedule_result(outcome)) + f"\nwritten to {path}")
+    raise AssertionError(explain(outcome) + f"\nwritten to {path}; replay with: kvparity replay {path} --level L3")

@@ -39,11 +39,12 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.oracle.parity import digest, first_difference
+from kvparity.oracle.arrays import digest
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.oracle.trace import oracle_cache
-from kvparity.reports.atomic import AtomicDirectory
-from kvparity.reports.environment import machine
+from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.machine import machine
+from kvparity.suites.compare import Divergence, first_difference
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.engines import (
     EngineRequest,
@@ -215,6 +216,7 @@ class L3Outcome:
     run: Optional[EngineRun] = None
     comparisons: Dict[str, RequestComparison] = field(default_factory=dict)
     seconds: float = 0.0
+    members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls the engine made
 
     @property
     def batched_prefill_steps(self) -> int:
@@ -254,7 +256,9 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
         return outcome
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     settings = EngineSettings(**vars(schedule.engine))
-    engine = make_engine(engine_spec, loaded.model, implementation.batch_class, settings)
+    # The watched class counts the members the engine calls and names what raises.
+    calls_before = dict(implementation.calls)
+    engine = make_engine(engine_spec, loaded.model, implementation.watched, settings)
     outcome.engine = engine.name
     try:
         outcome.run = engine.serve(requests)
@@ -264,6 +268,8 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     except Exception as error:  # the cache under test (or the engine) broke
         outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
         return outcome
+    outcome.members = {m: n - calls_before.get(m, 0) for m, n in implementation.calls.items()
+                       if n > calls_before.get(m, 0)}
     for request in requests:
         try:
             solo = cached_run_solo(loaded.model, request, loaded.sha256, use_cache)
@@ -303,72 +309,44 @@ def describe_timeline(run: EngineRun) -> List[str]:
 
 
 def to_schedule_result(outcome: L3Outcome):
-    """The one conversion from an L3 outcome to the reports' ScheduleResult."""
-    from kvparity.reports.results import FAIL, NOT_SUPPORTED, SKIPPED, Divergence, ScheduleResult
+    """The one conversion from an L3 outcome to the harness's evidence."""
+    from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN as CANNOT, ScheduleResult
 
-    steps = len(outcome.run.timeline) if outcome.run and outcome.run.timeline else 0
-    result = ScheduleResult(outcome.schedule, "L3", outcome.implementation, steps, path=outcome.path,
-                            seconds=outcome.seconds)
-    # "oracle cannot run here" has no verdict of its own in reports/ yet: not a
-    # pass and not the implementation's fault, so it travels as skipped + reason.
-    result.verdict = {PASSED: result.verdict, FAILED: FAIL, UNSUPPORTED: NOT_SUPPORTED,
-                      SKIPPED_HERE: SKIPPED, ORACLE_CANNOT_RUN: SKIPPED}[outcome.verdict]
-    result.reason = outcome.reason
+    result = ScheduleResult(outcome.schedule, "L3", outcome.implementation, ["serve"], path=outcome.path,
+                            model=outcome.model, seconds=outcome.seconds, members=dict(outcome.members))
     for rid in outcome.requests:
         result.row(rid)
-    if outcome.verdict == FAILED and not outcome.comparisons:  # the engine raised
-        for row in result.rows:
-            row.divergences.append(Divergence("raised", "engine", row.request, detail=outcome.reason))
+    if outcome.verdict in (UNSUPPORTED, SKIPPED_HERE):
+        result.stop(NOT_SUPPORTED, outcome.reason)
+    elif outcome.verdict == ORACLE_CANNOT_RUN:
+        result.stop(CANNOT, outcome.reason)
+    elif outcome.verdict == FAILED and not outcome.comparisons:  # the engine raised
+        result.stop(FAIL, outcome.reason)
+        result.note(0, "raised", outcome.requests, 0, [Divergence("raised", "#0 serve", detail=outcome.reason)])
     for rid, comparison in outcome.comparisons.items():
         row = result.row(rid)
-        row.checks = comparison.comparisons
         row.metrics = {"tokens compared": comparison.tokens_compared,
                        "log-prob vectors compared": comparison.logprob_vectors_compared,
                        "log-prob values compared": comparison.logprob_values_compared,
                        "oracle": comparison.semantics}
-        for m in comparison.mismatches:
-            row.divergences.append(Divergence(
-                m.what, f"engine step {m.engine_step}", rid, tensor="logprobs" if m.what == "logprobs" else "tokens",
-                step=m.token_index, index=m.index, expected=m.expected, actual=m.actual,
-                detail=f"token {m.token_index} at engine step {m.engine_step}" + (f"; {m.detail}" if m.detail else "")))
-        if comparison.mismatches:
-            row.verdict = FAIL
-        row.tier = "bit-exact" if not comparison.mismatches and comparison.comparisons else ""
-    if outcome.verdict != PASSED and not outcome.comparisons:
-        for row in result.rows:
-            row.verdict = result.verdict
+        result.note(0, "tokens", [rid], comparison.tokens_compared)
+        result.note(0, "logprobs", [rid], comparison.logprob_vectors_compared)
+        result.note(0, "mismatch", [rid], 0, [Divergence(
+            m.what, f"#0 serve, engine step {m.engine_step}", rid, tensor="logprobs" if m.what == "logprobs" else "tokens",
+            step=m.token_index, index=m.index, expected=m.expected, actual=m.actual,
+            detail=f"token {m.token_index} at engine step {m.engine_step}" + (f"; {m.detail}" if m.detail else ""))
+            for m in comparison.mismatches])
     return result
 
 
-# -- which members an engine calls ----------------------------------------------------
-
-PROTOCOL_MEMBERS = ("merge", "extend", "filter", "extract", "trim", "rollback", "update_and_fetch",
-                    "make_mask", "prepare", "finalize")
-
-
-def counting_subclass(batch_class: type):
-    """``(subclass, counts)``: a subclass of ``batch_class`` that counts calls
-    of each protocol member, to tell which ones an engine exercises (a member
-    it never calls cannot be checked through it)."""
-    counts = {name: 0 for name in PROTOCOL_MEMBERS if callable(getattr(batch_class, name, None))}
-
-    def counted(name):
-        original = getattr(batch_class, name)
-        if name == "merge":
-            def merge(cls, rows):
-                counts["merge"] += 1
-                if any(getattr(r, "offset", 0) for r in rows):
-                    counts["merge of rows holding tokens"] = counts.get("merge of rows holding tokens", 0) + 1
-                return original.__func__(cls, rows)
-            return classmethod(merge)
-
-        def member(self, *args, **kwargs):
-            counts[name] += 1
-            return original(self, *args, **kwargs)
-        return member
-
-    subclass = type(f"Counting{batch_class.__name__}", (batch_class,), {n: counted(n) for n in counts})
-    return subclass, counts
+def explain(outcome: L3Outcome) -> str:
+    """What an outcome that did not pass found, for failure messages."""
+    lines = [f"L3 {outcome.schedule}: {outcome.verdict}" + (f" ({outcome.reason})" if outcome.reason else "")]
+    for rid, comparison in outcome.comparisons.items():
+        for m in comparison.mismatches[:3]:
+            lines.append(f"  {m.what}: request {rid!r}, token {m.token_index}, engine step {m.engine_step}: "
+                         f"expected {m.expected!r}, got {m.actual!r}")
+    return "\n".join(lines + describe_timeline(outcome.run)[:40])
 
 
 PREFILL_MODES = {"prefill_batch_size=1": 1, "engine default": None}

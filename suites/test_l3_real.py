@@ -6,8 +6,7 @@ import pytest
 
 from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.suites.arrivals import L3_REAL_CATALOG, catalog_paths, load
-from kvparity.suites.l3 import PASSED, prefill_modes, run_l3, to_schedule_result
-from kvparity.suites.verdicts import describe_failure
+from kvparity.suites.l3 import PASSED, explain, prefill_modes, run_l3
 
 pytestmark = pytest.mark.real_model
 PATHS = catalog_paths(L3_REAL_CATALOG)
@@ -30,5 +29,5 @@ def test_real_catalog_exists():
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_real_model_arrivals(path, mode, implementation):
     outcome = run_l3(prefill_modes(load(path))[mode], implementation)
-    assert outcome.verdict == PASSED, describe_failure(to_schedule_result(outcome))
+    assert outcome.verdict == PASSED, explain(outcome)
     assert all(c.tokens_compared == c.logprob_vectors_compared > 0 for c in outcome.comparisons.values())
