@@ -205,6 +205,8 @@ class MlxStyleBatchQuantizedKVCache(_BaseCache):
     @classmethod
     def merge(cls, caches):
         """Left-pad solo ``QuantizedKVCache`` rows into one new batch."""
+        if not caches:
+            raise ValueError("merge needs at least one row")
         settings = {(c.group_size, c.bits) for c in caches}
         if len(settings) != 1:
             raise ValueError(f"rows differ in (group_size, bits): {sorted(settings)}")
