@@ -43,6 +43,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     # Counted across examples, for the tests:
     schedules_started = 0
     outcomes: dict = None
+    row_outcomes: dict = None
 
     @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
     def start(self, data, bits, kv_heads):
@@ -116,14 +117,22 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if self.level == "L2" and self.schedule.events:
+            if self.running():  # one last batched call, so the rows still running show their logits
+                self.add({"step": 1})
             schedule = parse(self.schedule.to_json(), source=self.schedule.path)
             result = self.judge(self.run_l2(schedule, self.implementation))
-            self.outcomes[result.verdict] = self.outcomes.get(result.verdict, 0) + 1
+            self.count(result)
             if result.verdict in FAILURES:
                 raise AssertionError(self.report(result))
         elif self.run is not None:
-            verdict = self.judge(self.run.finish()).verdict
-            self.outcomes[verdict] = self.outcomes.get(verdict, 0) + 1
+            self.count(self.judge(self.run.finish()))
+
+    def count(self, result):
+        """Outcomes of schedules and of rows: a generated row that never ran
+        through the batch has no evidence, and is counted so."""
+        self.outcomes[result.verdict] = self.outcomes.get(result.verdict, 0) + 1
+        for row in result.rows:
+            self.row_outcomes[row.verdict] = self.row_outcomes.get(row.verdict, 0) + 1
 
     def report(self, result) -> str:
         path = self.found_dir / f"{self.schedule.name}.json"
@@ -206,5 +215,5 @@ def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None)
         (ScheduleMachine,),
         {"implementation": implementation, "found_dir": found_dir, "level": level,
          "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
-         "outcomes": {}},
+         "outcomes": {}, "row_outcomes": {}},
     )

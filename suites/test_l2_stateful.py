@@ -1,0 +1,52 @@
+"""L2 over generated schedules on the seeded random models: joins, leaves,
+steps, verify windows (uneven where the cache supports it), extract/solo/
+reinsert, rows crossing quantized_kv_start at different steps and prompts
+past 256 tokens, each replayed through the model against the solo oracle."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import judge
+from kvparity.suites.adapter import load_implementation
+from kvparity.suites.evidence import FAIL, PASS
+from kvparity.suites.fuzz import make_machine
+from kvparity.suites.l2 import run_l2
+from kvparity.suites.schedule import load
+
+EXAMPLES = int(os.environ.get("KVPARITY_L2_FUZZ_EXAMPLES", "30"))
+
+
+def fuzz_settings(examples, **overrides):
+    return settings(max_examples=examples, stateful_step_count=6, deadline=None,
+                    suppress_health_check=list(HealthCheck), **overrides)
+
+
+def cpu(result):
+    return judge(result, load_policy("cpu"))
+
+
+def test_generated_schedules_at_l2(implementation, policy, tmp_path):
+    machine = make_machine(implementation, lambda r: judge(r, policy),
+                           os.environ.get("KVPARITY_FOUND_DIR", tmp_path), level="L2", run_l2=run_l2)
+    run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
+    assert machine.schedules_started >= EXAMPLES
+    # Rows that leave before any batched call have no evidence, and are counted so.
+    assert machine.row_outcomes.get(PASS, 0) >= EXAMPLES, machine.row_outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["RopeOffsetIgnoresLeftPadding", "MaskIgnoresLeftPadding"])
+def test_l2_generator_finds_rope_and_mask_bugs(variant, tmp_path):
+    broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
+    machine = make_machine(broken, cpu, tmp_path, level="L2", run_l2=run_l2)
+    with pytest.raises(AssertionError, match="replay with: kvparity replay"):
+        run_state_machine_as_test(machine, settings=fuzz_settings(60, database=None, derandomize=True,
+                                                                   print_blob=False))
+    (path,) = tmp_path.glob("*.json")
+    schedule = load(path)
+    assert cpu(run_l2(schedule, broken)).verdict == FAIL
+    assert cpu(run_l2(schedule, load_implementation())).verdict == PASS
