@@ -47,7 +47,10 @@ def digest(arrays: Iterable[mx.array]) -> str:
 def owned_arrays(cache) -> List[mx.array]:
     """Every array a cache's state holds (triples flattened)."""
     out = []
-    for item in cache.state:
+    state = cache.state
+    if not isinstance(state, (tuple, list)):
+        return out  # nothing owned to inspect; the checks report the layout
+    for item in state:
         if isinstance(item, mx.array):
             out.append(item)
         elif isinstance(item, (tuple, list)):

@@ -28,6 +28,15 @@ DECODE_HEADERS = [
 ]
 
 
+class BenchmarkFailed(RuntimeError):
+    """The suite failed. ``measured``: it still wrote results (a table is
+    worth keeping); otherwise it measured nothing."""
+
+    def __init__(self, message: str, measured: bool):
+        super().__init__(message)
+        self.measured = measured
+
+
 def time_command(argv: Sequence[str], env: Optional[dict] = None, cwd=None) -> float:
     """Wall seconds of one run of `argv`; raises CalledProcessError if it fails."""
     start = time.perf_counter()
@@ -43,7 +52,9 @@ def run_benchmarks(
     The suite runs in a fresh interpreter (MLX state and model caches stay out
     of this process), from the repository root so that its pytest
     configuration applies. A failing suite still gets its table written when
-    pytest produced the JSON; then RuntimeError says so.
+    pytest produced the JSON; then BenchmarkFailed says so (``measured``).
+    Paths are not named in the message: ``out_dir`` may be a staging
+    directory that is renamed or removed afterwards.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -63,14 +74,12 @@ def run_benchmarks(
     status = subprocess.run(argv, env=env, cwd=SUITE.parent.parent).returncode
     seconds = time.perf_counter() - start
     if not json_path.exists():
-        raise RuntimeError(f"benchmark suite wrote no results (pytest exit {status})")
+        raise BenchmarkFailed(f"benchmark suite wrote no results (pytest exit {status})", measured=False)
 
     md_path = out_dir / "benchmarks.md"
     md_path.write_text(render_markdown(json_path, quick, seconds=seconds, impl=impl))
     if status != 0:
-        raise RuntimeError(
-            f"benchmark suite failed (pytest exit {status}); partial table in {md_path}"
-        )
+        raise BenchmarkFailed(f"benchmark suite failed (pytest exit {status})", measured=True)
     return md_path
 
 

@@ -10,16 +10,18 @@ blaming a commit.
 """
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-from tabulate import tabulate
-
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-
+# Spelled out here rather than imported so that a harness that cannot even
+# import its own modules still exits 128 (see main), not Python's 1, which
+# git bisect run would read as "this commit is bad". verdicts.py defines the
+# same values; a test holds them equal.
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
 EXIT_CANNOT_RUN = EXIT_CANNOT_JUDGE
 EXIT_HARNESS_ERROR = 128
 
@@ -46,12 +48,30 @@ class UsageError(Exception):
     """Exit 2: the command line or an input file is wrong."""
 
 
+def _check_impl_spec(spec):
+    """The shape of --impl, checked before any work (the import is later)."""
+    if spec is None:
+        return
+    module, sep, attribute = spec.partition(":")
+    if not sep or not module or not attribute:
+        raise UsageError(f"--impl {spec!r}: expected 'package.module:factory'")
+
+
 def _implementation(spec):
     from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation
 
+    _check_impl_spec(spec)
     # The repository under test is the working directory (as under git bisect run).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if spec is not None:
+        module = spec.partition(":")[0]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass  # load_implementation says which import failed
+        except Exception as error:  # a commit whose module does not even run: it cannot be judged
+            raise CannotRun(f"--impl {spec!r}: importing {module} raised {type(error).__name__}: {error}")
     try:
         return load_implementation(spec)
     except ImplementationUnavailable as error:
@@ -77,21 +97,22 @@ def _load_model(name):
         raise CannotRun(str(error))
 
 
-def _writable_directory(path, what):
-    """Refuse an --out that cannot be written, before any work."""
+def _writable_directory(path, what, shown=None):
+    """Refuse an --out that cannot be written, before any work. Tried, not
+    inferred from permission bits (which say nothing for root, or for a
+    read-only file system): a directory is made and removed where the output
+    would go, or under the nearest folder that exists."""
     path = Path(path)
     existing = path
-    while not existing.exists():
+    while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"{what} {path}: {existing} is not a directory")
-    if existing == path:
-        try:
-            tempfile.TemporaryFile(dir=path).close()
-        except OSError as error:
-            raise UsageError(f"{what} {path}: not writable ({error.strerror})")
-    elif not os.access(existing, os.W_OK):
-        raise UsageError(f"{what} {path}: cannot create it under {existing} (not writable)")
+        raise UsageError(f"{what} {shown or path}: {existing} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvparity-probe-", dir=existing))
+    except OSError as error:
+        where = "not writable" if existing == path else f"cannot create it under {existing}"
+        raise UsageError(f"{what} {shown or path}: {where} ({error.strerror or error})")
 
 
 def _new_path(path, what):
@@ -99,7 +120,7 @@ def _new_path(path, what):
     path = Path(path)
     if path.exists():
         raise UsageError(f"{what} {path}: exists (never overwritten)")
-    _writable_directory(path.parent, what)
+    _writable_directory(path.parent, what, shown=path)
 
 
 class Progress:
@@ -147,39 +168,59 @@ def _levels(args):
     return ("L1", "L2") if args.level == "all" else (args.level,)
 
 
-def plan(args, implementation, files=None):
-    """The (label, run) pairs a command asks for, every schedule validated and
-    fitted to its model up front. Selecting nothing is a usage error."""
-    from kvparity.suites.l1 import run_l1
-    from kvparity.suites.l2 import fit_to_model, model_for, run_l2
+def select(args, files=None):
+    """The (level, schedule) pairs a command asks for, every file validated;
+    nothing is run. Selecting nothing is a usage error."""
     from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, load
 
     _check_model_name(args.model)
     levels = _levels(args)
-    runs = []
+    chosen = []
     if "L1" in levels:
-        for schedule in [load(p) for p in (files or catalog_paths("L1"))]:
-            if "L1" in schedule.levels:
-                runs.append((f"L1 {schedule.name}", lambda s=schedule: run_l1(s, implementation)))
+        chosen += [("L1", s) for s in map(load, files or catalog_paths("L1")) if "L1" in s.levels]
     if "L2" in levels:
         folder = REAL_CATALOG if args.model == "smollm2" else CATALOG
-        forced = args.model if args.model != "smollm2" else None
-        for schedule in [load(p) for p in (files or catalog_paths("L2", folder))]:
-            if "L2" not in schedule.levels:
-                continue
-            name = model_for(schedule, forced)
-            _, unfit = fit_to_model(schedule, _load_model(name))
-            if unfit:
-                raise UsageError(f"{schedule.path}: cannot run on {name}: {unfit}")
-            runs.append((f"L2 {schedule.name}", lambda s=schedule: run_l2(s, implementation, forced)))
-    if not runs:
+        chosen += [("L2", s) for s in map(load, files or catalog_paths("L2", folder)) if "L2" in s.levels]
+    if not chosen:
         what = ", ".join(str(f) for f in files) if files else "the catalog"
         raise UsageError(f"--level {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
                          "nothing would be compared")
+    return chosen
+
+
+def plan(args, selected):
+    """(label, run) pairs, ``run(implementation)`` a ScheduleResult; each L2
+    schedule fitted to its model up front (a text prompt on a model without
+    a tokenizer is a usage error, not a skipped schedule)."""
+    from kvparity.suites.l1 import run_l1
+    from kvparity.suites.l2 import fit_to_model, model_for, run_l2
+
+    forced = args.model if args.model != "smollm2" else None
+    runs = []
+    for level, schedule in selected:
+        if level == "L1":
+            runs.append((f"L1 {schedule.name}", lambda impl, s=schedule: run_l1(s, impl)))
+            continue
+        name = model_for(schedule, forced)
+        _, unfit = fit_to_model(schedule, _load_model(name))
+        if unfit:
+            raise UsageError(f"{schedule.path}: cannot run on {name}: {unfit}")
+        runs.append((f"L2 {schedule.name}", lambda impl, s=schedule: run_l2(s, impl, forced)))
     return runs
 
 
-def run_all(runs, policy, progress=None):
+def prepare(args, files=None):
+    """Everything that can be refused before a schedule runs, usage (2)
+    before what cannot run here (125): (policy, runs, implementation)."""
+    policy = _policy(args)
+    _check_impl_spec(args.impl)
+    selected = select(args, files)
+    _use_device(args.device)
+    runs = plan(args, selected)
+    return policy, runs, _implementation(args.impl)
+
+
+def run_all(runs, implementation, policy, progress=None):
     """Run and judge each planned schedule."""
     from kvparity.oracle.models import ModelUnavailable
     from kvparity.reports.verdicts import judge
@@ -187,7 +228,7 @@ def run_all(runs, policy, progress=None):
     results = []
     for label, run in runs:
         try:
-            results.append(judge(run(), policy))
+            results.append(judge(run(implementation), policy))
         except ModelUnavailable as error:
             raise CannotRun(str(error))
         if progress:
@@ -195,12 +236,14 @@ def run_all(runs, policy, progress=None):
     return results
 
 
-def _print_summary(results, verdict, out=None, quiet=False):
+def _print_summary(results, verdict, policy, out=None, quiet=False):
+    from tabulate import tabulate
+
     from kvparity.reports.writer import summary_rows
     from kvparity.suites.evidence import PASS
 
     out = out or sys.stdout
-    headers, rows = summary_rows(results)
+    headers, rows = summary_rows(results, policy)
     if quiet:  # only what did not pass
         rows = [row for row, r in zip(rows, results) if r.verdict != PASS]
     if rows:
@@ -210,38 +253,46 @@ def _print_summary(results, verdict, out=None, quiet=False):
         print(f"no evidence: {gap}", file=out)
 
 
-def _select_and_run(args, implementation, files):
+def _select_and_run(args, files):
     from kvparity.reports.verdicts import verdict_of_run
 
-    policy = _policy(args)
-    runs = plan(args, implementation, files)
+    policy, runs, implementation = prepare(args, files)
     progress = Progress(len(runs))
-    results = run_all(runs, policy, progress)
+    results = run_all(runs, implementation, policy, progress)
     progress.close()
-    return policy, results, verdict_of_run(results, whole_catalog=not files)
+    return implementation, policy, results, verdict_of_run(results, whole_catalog=not files)
 
 
 def cmd_run(args):
     from kvparity.reports.environment import describe
     from kvparity.reports.writer import write_report
 
-    _use_device(args.device)
-    implementation = _implementation(args.impl)
     if not args.no_report:
         _writable_directory(args.out, "--out")
-    policy, results, verdict = _select_and_run(args, implementation, args.schedule)
-    _print_summary(results, verdict)
+    implementation, policy, results, verdict = _select_and_run(args, args.schedule)
+    _print_summary(results, verdict, policy)
+    status = verdict.exit_status
     if not args.no_report:
         model = _load_model(args.model or _default_model())
-        bench = None
-        if args.bench:
-            bench = lambda directory: _benchmarks(directory, args.quick, args.impl)
+        failed = []
+
+        def bench(directory):  # a failing suite keeps the report (the parity verdict stands) but fails the run
+            from kvparity.reports.bench import BenchmarkFailed
+
+            try:
+                failed.append(_benchmarks(directory, args.quick, args.impl))
+            except BenchmarkFailed as error:
+                failed.append(str(error))
         path = write_report(
             results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-            probes=_probes(model, args.device), capabilities=implementation.capabilities, extra=bench,
+            probes=_probes(model, args.device), capabilities=implementation.capabilities,
+            extra=bench if args.bench else None,
         )
         print(f"report: {path}")
-    return verdict.exit_status
+        if any(failed):
+            print(f"kvparity: {failed[0]}; its results are in {path}", file=sys.stderr)
+            status = status or EXIT_BROKEN
+    return status
 
 
 def _default_model():
@@ -267,20 +318,14 @@ def _probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_siz
 
 def cmd_check(args):
     """Like run, for scripts and git bisect: the summary and an exit status."""
-    _use_device(args.device)
-    implementation = _implementation(args.impl)
-    _, results, verdict = _select_and_run(args, implementation, args.schedule)
-    _print_summary(results, verdict, quiet=True)
+    _, policy, results, verdict = _select_and_run(args, args.schedule)
+    _print_summary(results, verdict, policy, quiet=True)
     return verdict.exit_status
 
 
 def cmd_replay(args):
-    from kvparity.reports.verdicts import verdict_of_run
-
-    _use_device(args.device)
-    implementation = _implementation(args.impl)
-    policy, results, verdict = _select_and_run(args, implementation, [args.file])
-    _print_summary(results, verdict)
+    _, policy, results, verdict = _select_and_run(args, [args.file])
+    _print_summary(results, verdict, policy)
     for result in results:
         print(f"\n{result.level} {result.schedule}: {result.verdict}" + (f" ({result.reason})" if result.reason else ""))
         for row in result.rows:
@@ -294,8 +339,11 @@ def cmd_replay(args):
 
 
 def cmd_probe(args):
+    from tabulate import tabulate
+
     from kvparity.oracle.probes import probe_table
 
+    _check_model_name(args.model)
     _use_device(args.device)
     model = _load_model(args.model or _default_model())
     results = _probes(model, args.device, args.batch_sizes, args.kv_bits, args.kv_group_size)
@@ -310,24 +358,25 @@ def cmd_record(args):
     from kvparity.oracle.golden import GoldenError, write_golden
     from kvparity.oracle.solo import run_solo
     from kvparity.suites.l2 import fit_to_model, model_for, run_l2
-    from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, load
 
-    _use_device(args.device)
-    _new_path(args.out, "record")
-    implementation = _implementation(args.impl) if args.engine else None
+    _policy(args)  # refused like everywhere else, though recording applies none
+    if args.engine:
+        _check_impl_spec(args.impl)
     args.level = "L2"
-    _check_model_name(args.model)
+    _new_path(args.out, "record")
+    selected = select(args, args.schedule)
+    _use_device(args.device)
     forced = args.model if args.model != "smollm2" else None
-    folder = REAL_CATALOG if args.model == "smollm2" else CATALOG
-    recorded, schedules, model = {}, [], None
-    for path in args.schedule or catalog_paths("L2", folder):
-        schedule = load(path)
-        if "L2" not in schedule.levels:
-            continue
+    fitted = []
+    for _, schedule in selected:
         model = _load_model(model_for(schedule, forced))
         schedule, unfit = fit_to_model(schedule, model)
         if unfit:
             raise UsageError(f"{schedule.path}: cannot run on {model.name}: {unfit}")
+        fitted.append((schedule, model))
+    implementation = _implementation(args.impl) if args.engine else None
+    recorded, schedules, model = {}, [], None
+    for schedule, model in fitted:
         if implementation and any(not implementation.supports(c) for c in schedule.needs):
             continue
         if args.engine:
@@ -376,36 +425,44 @@ def cmd_compare(args):
                 result.row(rid)
         results.append(judge(result, policy))
     verdict = verdict_of_run(results)
-    _print_summary(results, verdict)
+    _print_summary(results, verdict, policy)
     return verdict.exit_status
 
 
 def cmd_bisect(args):
-    from kvparity.reports.verdicts import judge
+    from kvparity.reports.verdicts import judge, verdict_of_run
     from kvparity.suites.l1 import run_l1
     from kvparity.suites.l2 import run_l2
     from kvparity.suites.schedule import load, parse, save
     from kvparity.suites.shrink import Shrinker
 
-    _use_device(args.device)
-    implementation = _implementation(args.impl)
-    schedule = load(args.schedule)
     policy = _policy(args)
+    _check_impl_spec(args.impl)
+    _check_model_name(args.model)
+    schedule = load(args.schedule)
+    if args.level not in schedule.levels:
+        raise UsageError(f"{args.schedule}: not an {args.level} schedule (levels: {', '.join(schedule.levels)})")
     out = Path(args.out or f"reports/out/bisect/{schedule.name}-min.json")
     if out.exists() and not out.is_file():
         raise UsageError(f"--out {out}: not a file")
     _writable_directory(out.parent, "--out")
-    if args.level not in schedule.levels:
-        raise UsageError(f"{args.schedule}: not an {args.level} schedule (levels: {', '.join(schedule.levels)})")
-    _check_model_name(args.model)
+    _use_device(args.device)
+    plan(args, [(args.level, schedule)])  # an L2 schedule must fit its model
+    implementation = _implementation(args.impl)
     if args.level == "L2":
         run = lambda s: judge(run_l2(s, implementation, args.model, use_cache=False), policy)
     else:
         run = lambda s: judge(run_l1(s, implementation), policy)
     shrinker = Shrinker(run, schedule)
     if shrinker.first is None:
-        print(f"{schedule.name}: {shrinker.original.verdict} at {args.level}; nothing to bisect")
-        return EXIT_OK if shrinker.original.verdict == "pass" else EXIT_CANNOT_JUDGE
+        original = shrinker.original
+        if original.verdict == "pass":
+            print(f"{schedule.name}: parity holds at {args.level}; nothing to bisect")
+        else:  # refused, no evidence, ...: no divergence to shrink towards, still not a pass
+            why = original.reason or next((r.reason for r in original.rows if r.reason), "")
+            print(f"{schedule.name}: {original.verdict} at {args.level}, no divergence to bisect"
+                  + (f" ({why})" if why else ""))
+        return verdict_of_run([original]).exit_status
     first = shrinker.first
     print(f"first event after which parity breaks: {schedule.events[first.event_index].describe()}")
     print(f"  {first.message()}")
@@ -419,28 +476,43 @@ def cmd_bisect(args):
 
 
 def _benchmarks(directory, quick, impl):
-    from kvparity.reports.bench import ratio_table, run_benchmarks
+    """Run the suite into ``directory`` and print its ratios. Returns why the
+    suite failed, or None; a suite that measured nothing raises."""
+    from tabulate import tabulate
+
+    from kvparity.reports.bench import BenchmarkFailed, ratio_table, run_benchmarks
 
     try:
         run_benchmarks(directory, quick, impl)
+    except BenchmarkFailed as error:
+        if not error.measured:
+            raise
+        return str(error)
     finally:
         json_path = directory / "benchmark.json"
         if json_path.exists():
             headers, rows = ratio_table(json_path)
             print(tabulate(rows, headers, tablefmt="simple"))
+    return None
 
 
 def cmd_bench(args):
+    from kvparity.reports.bench import BenchmarkFailed
     from kvparity.reports.writer import ReportDirectory
 
-    _implementation(args.impl)  # refuse an unusable one before minutes of benchmarks
+    _check_impl_spec(args.impl)
     _writable_directory(args.out, "--out")
+    _implementation(args.impl)  # refuse an unusable one before minutes of benchmarks
     report = ReportDirectory(args.out)
     try:
         with report as directory:
-            _benchmarks(directory, args.quick, args.impl)
-    except RuntimeError as error:  # the suite failed: no report directory is left
+            failed = _benchmarks(directory, args.quick, args.impl)
+    except BenchmarkFailed as error:  # nothing measured: no directory is left behind
         print(f"kvparity: {error}", file=sys.stderr)
+        return EXIT_BROKEN
+    # Only the final path is printed: the staging directory is gone by now.
+    if failed:
+        print(f"kvparity: {failed}; what it measured is in {report.path}", file=sys.stderr)
         return EXIT_BROKEN
     print(f"benchmarks: {report.path}")
     return EXIT_OK
@@ -500,8 +572,9 @@ def build_parser():
     check = sub.add_parser("check", help="exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged "
                            "(for git bisect run)",
                            description="Run the catalog quietly and answer with the exit status: 0 parity holds, "
-                           "1 parity broken, 2 usage error, 125 cannot judge here. Made for "
-                           "`git bisect run kvparity check ...`.")
+                           "1 parity broken, 2 usage error (found before any work), 125 cannot judge here "
+                           "(git bisect run skips the commit), 128 kvparity itself failed (aborts the "
+                           "bisection). Made for `git bisect run kvparity check ...`.")
     common(check)
     check.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
     check.set_defaults(func=cmd_check)
@@ -564,10 +637,20 @@ def _batch_sizes(text):
     return sizes
 
 
-def main(argv=None) -> int:
-    from kvparity.suites.schedule import ScheduleError
+def _internal_error() -> int:
+    traceback.print_exc()
+    print("kvparity: internal error (a bug in kvparity, not a parity verdict)", file=sys.stderr)
+    return EXIT_HARNESS_ERROR
 
-    args = build_parser().parse_args(argv)
+
+def main(argv=None) -> int:
+    try:  # a harness that cannot import itself is its own failure, never the commit's
+        from kvparity.suites.schedule import ScheduleError
+
+        parser = build_parser()
+    except Exception:
+        return _internal_error()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except CannotRun as error:
@@ -580,9 +663,7 @@ def main(argv=None) -> int:
         print("kvparity: interrupted", file=sys.stderr)
         return 130
     except Exception:  # the harness's own bug: never blame the commit under test
-        traceback.print_exc()
-        print("kvparity: internal error (a bug in kvparity, not a parity verdict)", file=sys.stderr)
-        return EXIT_HARNESS_ERROR
+        return _internal_error()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
-"""The benchmark ratio table: ratios of two variants measured in one run."""
+"""The benchmark ratio table (ratios of two variants measured in one run), and
+the exit status and paths of the commands that run the benchmark suite."""
 
 import json
 
+import pytest
+
+from kvparity.reports import bench as bench_module
 from kvparity.reports.bench import ratio_table
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
+from kvparity.suites.schedule import CATALOG
 
 
 def bench(case, variant, median, ratios=(), metric="join", **extra):
@@ -37,3 +43,92 @@ def test_ratios_targets_and_missing_sides(tmp_path):
     assert table[JOIN["name"], "B=4 width=1024"] == [2.0, ">= 3", "NO"]
     assert table[MEMORY["name"], "bits=4"] == [0.281, "<= 0.3", "yes"]
     assert table[JOIN["name"], "B=64 width=1024"] == [None, ">= 3", "n/a"]
+
+
+# -- `kvparity bench` and `run --bench`: a failing suite fails the command --------------
+# A tiny suite stands in for suites/test_benchmarks.py (minutes): run_benchmarks
+# still runs it in a fresh pytest, as the real one is run.
+
+TINY = '''
+import pytest
+
+@pytest.mark.benchmark_suite
+def test_measures(benchmark):
+    benchmark.extra_info.update({"metric": "tiny", "case": "one", "variant": "only"})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+'''
+BREAKS = '''
+@pytest.mark.benchmark_suite
+def test_breaks():
+    assert False, "a benchmark that breaks"
+'''
+
+
+@pytest.fixture
+def suite(tmp_path, monkeypatch):
+    def use(source):
+        path = tmp_path / "suite" / "test_tiny.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(source)
+        monkeypatch.setattr(bench_module, "SUITE", path)
+        return path
+
+    return use
+
+
+def _reports(root):
+    return sorted(p for p in root.iterdir()) if root.exists() else []
+
+
+def test_bench_prints_the_final_path(suite, tmp_path, capsys):
+    suite(TINY)
+    out_dir = tmp_path / "reports"
+    assert main(["bench", "--quick", "--out", str(out_dir)]) == EXIT_OK
+    out = capsys.readouterr().out
+    (report,) = _reports(out_dir)
+    assert f"benchmarks: {report}" in out and ".partial-" not in out
+    assert (report / "benchmark.json").exists() and (report / "benchmarks.md").exists()
+
+
+def test_bench_fails_when_its_suite_fails(suite, tmp_path, capsys):
+    suite(TINY + BREAKS)
+    out_dir = tmp_path / "reports"
+    assert main(["bench", "--quick", "--out", str(out_dir)]) == EXIT_BROKEN
+    captured = capsys.readouterr()
+    (report,) = _reports(out_dir)  # what it did measure is kept, under its final name
+    assert "benchmark suite failed (pytest exit 1)" in captured.err
+    assert f"what it measured is in {report}" in captured.err
+    assert ".partial-" not in captured.out + captured.err
+    assert (report / "benchmark.json").exists()
+
+
+def test_bench_that_measured_nothing_fails_and_leaves_nothing(suite, tmp_path, capsys):
+    suite("def broken(:\n")
+    out_dir = tmp_path / "reports"
+    assert main(["bench", "--quick", "--out", str(out_dir)]) == EXIT_BROKEN
+    captured = capsys.readouterr()
+    assert "benchmark suite wrote no results" in captured.err
+    assert _reports(out_dir) == [] and ".partial-" not in captured.out + captured.err
+
+
+def test_run_bench_keeps_the_parity_report_and_fails(suite, tmp_path, capsys):
+    suite(TINY + BREAKS)
+    out_dir = tmp_path / "reports"
+    code = main(["run", "--bench", "--quick", "--out", str(out_dir), "--level", "L1",
+                 "--schedule", str(CATALOG / "join-empty.json")])
+    captured = capsys.readouterr()
+    assert code == EXIT_BROKEN, captured.out + captured.err
+    (report,) = _reports(out_dir)
+    assert (report / "report.json").exists() and (report / "benchmark.json").exists()
+    assert f"report: {report}" in captured.out and "benchmark suite failed" in captured.err
+
+
+def test_run_bench_whose_suite_measured_nothing_still_writes_the_report(suite, tmp_path, capsys):
+    suite("def broken(:\n")
+    out_dir = tmp_path / "reports"
+    code = main(["run", "--bench", "--quick", "--out", str(out_dir), "--level", "L1",
+                 "--schedule", str(CATALOG / "join-empty.json")])
+    captured = capsys.readouterr()
+    assert code == EXIT_BROKEN, captured.out + captured.err
+    (report,) = _reports(out_dir)
+    assert (report / "report.json").exists() and "benchmark suite wrote no results" in captured.err

@@ -1,19 +1,34 @@
 """Bisection: `git bisect run kvparity check` lands on the commit that broke
-an implementation, and `kvparity bisect` shrinks a failing schedule to a
-minimal one that replays to the same failure."""
+an implementation, skips the commits it cannot judge, aborts when the harness
+itself fails, and `kvparity bisect` shrinks a failing schedule to a minimal
+one that replays to the same failure.
+
+Each exit class is exercised under a real `git bisect run` in a throwaway
+repository, since that is the contract the codes exist for: 1..127 but 125
+marks a commit bad, 125 skips it, anything above 127 aborts the bisection.
+"""
 
 import json
 import subprocess
 import sys
 
-from kvparity.impl.adapter import load_implementation
-from kvparity.reports.cli import EXIT_BROKEN, main
-from kvparity.suites.bisect import first_failure
+import pytest
+
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
+from kvparity.suites.adapter import load_implementation
+from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l1 import run_l1
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import judge
 from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.shrink import first_failure
 
 GOOD = "from kvparity.impl.batch_quantized import BatchQuantizedKVCache as Cache\n"
-BAD = "from kvparity.suites.negative_controls import MaskIgnoresLeftPadding as Cache\n"
+BAD = "from kvparity.impl.negative_controls import MaskIgnoresLeftPadding as Cache\n"
+DOES_NOT_PARSE = "this is not python\n"
+DOES_NOT_IMPORT = "import mycache_helpers_not_written_yet\n" + GOOD
+CHECK = ["check", "--impl", "mycache:Cache", "--level", "L1", "--schedule", str(CATALOG / "join-longer-joiner.json")]
+CPU = load_policy("cpu")
 
 
 def git(repo, *args):
@@ -27,58 +42,136 @@ def commit(repo, source, message):
     return git(repo, "rev-parse", "HEAD").strip()
 
 
-def test_git_bisect_run_lands_on_the_breaking_commit(tmp_path):
-    repo = tmp_path / "server"
+def bisect_run(repo, good, bad, command):
+    """`git bisect run command` between good and bad: (process, bisect log)."""
+    git(repo, "bisect", "start", bad, good)
+    done = subprocess.run(["git", "-C", str(repo), "bisect", "run", *command], capture_output=True, text=True)
+    log = git(repo, "bisect", "log")
+    git(repo, "bisect", "reset")
+    return done, log
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    """good, good, broken, two commits that cannot be imported, broken x3."""
+    repo = tmp_path_factory.mktemp("bisect") / "server"
     repo.mkdir()
     git(repo, "init", "-q")
     git(repo, "config", "user.email", "dev@example.com")
     git(repo, "config", "user.name", "dev")
-    first = commit(repo, GOOD, "cache: first version")
-    commit(repo, GOOD + "# faster extend\n", "cache: faster extend")
-    breaking = commit(repo, BAD, "cache: simpler mask")
-    commit(repo, "this is not python\n", "wip: does not import")  # 125: skipped
-    last = commit(repo, BAD + "# docs\n", "cache: docs")
+    shas = {
+        "first": commit(repo, GOOD, "cache: first version"),
+        "faster": commit(repo, GOOD + "# faster extend\n", "cache: faster extend"),
+        "breaking": commit(repo, BAD, "cache: simpler mask"),
+        "wip": commit(repo, DOES_NOT_PARSE, "wip: does not parse"),
+        "helpers": commit(repo, DOES_NOT_IMPORT, "wip: helpers not committed"),
+        "docs": commit(repo, BAD + "# docs\n", "cache: docs"),
+        "tests": commit(repo, BAD + "# docs\n# tests\n", "cache: tests"),
+        # git's first pick between first and last is "wip": the skip is exercised
+        "last": commit(repo, BAD + "# docs\n# tests\n# typing\n", "cache: typing"),
+    }
+    return repo, shas
 
-    git(repo, "bisect", "start", last, first)
-    check = [sys.executable, "-m", "kvparity", "check", "--impl", "mycache:Cache", "--level", "L1",
-             "--schedule", str(CATALOG / "join-longer-joiner.json")]
-    out = subprocess.run(["git", "-C", str(repo), "bisect", "run", *check], capture_output=True, text=True)
-    assert f"{breaking} is the first bad commit" in out.stdout, out.stdout + out.stderr
+
+def _skipped(log):
+    return {line.split("[")[1].split("]")[0] for line in log.splitlines() if line.startswith("# skip:")}
+
+
+def test_git_bisect_run_lands_on_the_breaking_commit_skipping_what_cannot_import(history):
+    repo, shas = history
+    done, log = bisect_run(repo, shas["first"], shas["last"], [sys.executable, "-m", "kvparity", *CHECK])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{shas['breaking']} is the first bad commit" in done.stdout, done.stdout + done.stderr
+    skipped = _skipped(log)
+    # 125, never "bad": a commit whose module does not import is skipped
+    assert skipped and skipped <= {shas["wip"], shas["helpers"]}, log
+    assert "cannot judge here" in done.stdout + done.stderr
+
+
+def test_a_harness_error_aborts_git_bisect_run(history, tmp_path):
+    repo, shas = history
+    wrapper = tmp_path / "broken_harness.py"
+    wrapper.write_text(
+        "import sys\n"
+        "import kvparity.suites.l1 as l1\n"
+        "def bug(*args, **kwargs):\n"
+        "    raise KeyError('a bug in the harness, not in the cache')\n"
+        "l1.check_event = bug\n"
+        "from kvparity.reports.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    done, log = bisect_run(repo, shas["first"], shas["last"], [sys.executable, str(wrapper), *CHECK])
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "first bad commit" not in output
+    assert "exit code 128" in output, output  # git names the status it aborted on
+    # no commit was judged: only the bad and good the bisection started from
+    # (the unimportable commits are skipped before the harness gets to fail)
+    assert log.count("# bad:") == 1 and log.count("# good:") == 1, log
+    assert _skipped(log) <= {shas["wip"], shas["helpers"]}, log
+
+
+def test_a_usage_error_under_git_bisect_run_is_never_a_silent_skip(history):
+    repo, shas = history
+    typo = [sys.executable, "-m", "kvparity", "check", "--impl", "mycache", "--level", "L1"]
+    done, log = bisect_run(repo, shas["first"], shas["last"], typo)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    # exit 2 marks the commit bad: the bisection ends at once on the commit
+    # after the good one, with the one-line reason in its output
+    assert f"{shas['faster']} is the first bad commit" in output
+    assert "kvparity: --impl 'mycache': expected 'package.module:factory'" in output
+    assert not _skipped(log)
 
 
 def test_check_exit_codes(capsys):
     one = ["--level", "L1", "--schedule", str(CATALOG / "rollback-uneven.json")]
     assert main(["check", *one]) == 0
-    assert main(["check", *one, "--impl", "kvparity.suites.negative_controls:RollbackByLargest"]) == 1
+    assert main(["check", *one, "--impl", "kvparity.impl.negative_controls:RollbackByLargest"]) == 1
     assert main(["check", *one, "--impl", "nowhere:Cache"]) == 125
+    assert main(["check", *one, "--impl", "nowhere"]) == 2
 
 
 def test_bisect_finds_the_first_event_and_writes_a_minimal_replayable_schedule(tmp_path, capsys):
-    spec = "kvparity.suites.negative_controls:RollbackByLargest"
+    spec = "kvparity.impl.negative_controls:RollbackByLargest"
     source = CATALOG / "rollback-uneven.json"
     out = tmp_path / "min.json"
     assert main(["bisect", str(source), "--impl", spec, "--out", str(out)]) == EXIT_BROKEN
     printed = capsys.readouterr().out
-    assert 'first event after which parity breaks: #2 spec_round' in printed
+    assert "first event after which parity breaks: #2 spec_round" in printed
     assert f"replay with: kvparity replay {out}" in printed
 
     original, minimal = load(source), load(out)
     assert len(minimal.events) < len(original.events)
     assert len(minimal.requests) <= 2
     broken = load_implementation(spec)
-    assert first_failure(run_l1(minimal, broken)).check == first_failure(run_l1(original, broken)).check
-    assert run_l1(minimal, load_implementation()).verdict == "pass"
+    shrunk, full = judge(run_l1(minimal, broken), CPU), judge(run_l1(original, broken), CPU)
+    assert shrunk.verdict == full.verdict == FAIL
+    assert first_failure(shrunk).check == first_failure(full).check
+    assert judge(run_l1(minimal, load_implementation()), CPU).verdict == PASS
     assert main(["replay", str(out), "--level", "L1", "--impl", spec]) == EXIT_BROKEN
 
 
-def test_bisect_on_a_passing_schedule_says_so(capsys):
-    assert main(["bisect", str(CATALOG / "join-empty.json")]) == 0
+def test_bisect_on_a_passing_schedule_says_so(tmp_path, capsys):
+    assert main(["bisect", str(CATALOG / "join-empty.json"), "--out", str(tmp_path / "min.json")]) == EXIT_OK
     assert "parity holds" in capsys.readouterr().out
+    assert not (tmp_path / "min.json").exists()
+
+
+def test_bisect_on_a_refused_schedule_fails_without_a_schedule_to_shrink(tmp_path, capsys):
+    spec = "kvparity.impl.negative_controls:RefusesUpdateAndFetch"
+    out = tmp_path / "min.json"
+    assert main(["bisect", str(CATALOG / "join-longer-joiner.json"), "--impl", spec, "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "refused" in printed and "update_and_fetch" in printed
+    assert not out.exists()
 
 
 def test_bisect_at_l2(tmp_path, capsys):
-    spec = "kvparity.suites.negative_controls:MaskIgnoresLeftPadding"
+    spec = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"
     out = tmp_path / "min.json"
-    main(["bisect", str(CATALOG / "join-longer-joiner.json"), "--level", "L2", "--impl", spec, "--out", str(out)])
+    code = main(["bisect", str(CATALOG / "join-longer-joiner.json"), "--level", "L2", "--impl", spec,
+                 "--out", str(out)])
+    assert code == EXIT_BROKEN, capsys.readouterr()
     doc = json.loads(out.read_text())
     assert len(doc["events"]) <= 2 and len(doc["requests"]) == 2

@@ -159,8 +159,9 @@ def load_implementation(spec: str = None) -> Implementation:
         raise ImplementationError(f"--impl {spec!r}: expected 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ImplementationUnavailable(f"--impl {spec!r}: cannot import {module_name}: {error}")
+    except Exception as error:  # a missing module or one whose own code fails: not this harness's call
+        raise ImplementationUnavailable(f"--impl {spec!r}: cannot import {module_name}: "
+                                        f"{type(error).__name__}: {error}")
     target = module
     for part in attribute.split("."):
         if not hasattr(target, part):

@@ -1,0 +1,210 @@
+"""Negative controls for vacuity: ways to pass without evidence, each of which
+must fail (or be refused) with a message that says what happened.
+
+A green gate is worth what it compared. Each test here takes an
+implementation, a candidate trace or a selection that tries to get a 0
+without comparing anything, and holds the command line to the exit status and
+message a user would act on.
+"""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+
+from kvparity.reports import verdicts
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_RUN, EXIT_OK, EXIT_USAGE, main
+from kvparity.suites.adapter import REQUIRED_MEMBERS
+from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
+from kvparity.suites.schedule import CATALOG, EVENT_KINDS, catalog_paths, load
+
+CONTROLS = "kvparity.impl.negative_controls"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def verdict_of(monkeypatch):
+    """The RunVerdict the command line computed, for assertions on evidence."""
+    seen = []
+    original = verdicts.verdict_of_run
+
+    def keep(results, **kwargs):
+        seen.append((results, original(results, **kwargs)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(verdicts, "verdict_of_run", keep)
+    return seen
+
+
+# -- implementations that compare nothing ----------------------------------------------
+
+
+def test_refusing_update_and_fetch_is_a_failure_naming_the_member_and_event(capsys):
+    code, out, err = run(capsys, "replay", str(CATALOG / "join-longer-joiner.json"), "--level", "L1",
+                         "--impl", f"{CONTROLS}:RefusesUpdateAndFetch")
+    assert code == EXIT_BROKEN, out + err
+    assert "L1 join-longer-joiner: refused (event #" in out
+    assert "required member update_and_fetch refused" in out
+    assert "not supported" not in out and "0 passed" in out
+
+
+def test_refusing_filter_after_divergences_keeps_them(capsys):
+    # merge zeroes the keys, then filter declines: the bytes divergences
+    # recorded before the refusal decide the schedule, not "not supported".
+    code, out, err = run(capsys, "replay", str(CATALOG / "leave-longest.json"), "--level", "L1",
+                         "--impl", f"{CONTROLS}:ZeroesMergeRefusesFilter")
+    assert code == EXIT_BROKEN, out + err
+    assert f"L1 leave-longest: {FAIL}" in out
+    assert "bytes: after event #0 join" in out and "divergence(s)" in out
+    assert "not supported" not in out
+
+
+def test_refusing_filter_fails_the_catalog(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", f"{CONTROLS}:ZeroesMergeRefusesFilter")
+    assert code == EXIT_BROKEN, out + err
+    assert "0 passed" in out and "not supported" not in out
+
+
+def test_state_returning_none_is_a_layout_failure_not_a_crash(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--schedule", str(CATALOG / "join-longer-joiner.json"),
+                         "--impl", f"{CONTROLS}:StateReturnsNone")
+    assert "Traceback" not in err, err
+    assert code == EXIT_BROKEN, out + err
+    assert "layout" in out and "state" in out
+
+
+def test_zero_width_state_fails_l2_under_the_gpu_policy(capsys):
+    # gpu.json tolerates logit moves and reports model-written bytes; layout gates regardless
+    code, out, err = run(capsys, "check", "--level", "L2", "--policy", "gpu",
+                         "--schedule", str(CATALOG / "rollback-uneven.json"), "--impl", f"{CONTROLS}:ZeroWidthState")
+    assert code == EXIT_BROKEN, out + err
+    assert "FAIL" in out and "layout: after event #0" in out
+
+
+def test_an_optional_member_that_declines_is_not_supported_and_the_rest_passes(capsys, verdict_of):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", f"{CONTROLS}:RollbackRaisesNotImplemented")
+    (results, run_verdict), = verdict_of
+    by_name = {r.schedule: r for r in results}
+    assert by_name["rollback-uneven"].verdict == NOT_SUPPORTED
+    assert "rollback is not implemented (per_row_rollback)" in by_name["rollback-uneven"].reason
+    assert {r.verdict for r in results} == {PASS, NOT_SUPPORTED}
+    uneven = {r.schedule for r in results if r.verdict == NOT_SUPPORTED}
+    assert uneven == {load(p).name for p in catalog_paths("L1") if "per_row_rollback" in load(p).needs}
+    # a missing optional capability with everything else passing is a pass
+    assert code == EXIT_OK and "not supported" in out, out + err
+
+
+def test_the_default_check_on_the_reference_exercises_every_member_and_event_kind(capsys, verdict_of):
+    code, out, err = run(capsys, "check")
+    assert code == EXIT_OK, out + err
+    (results, run_verdict), = verdict_of
+    assert not run_verdict.gaps
+    assert {m for m in REQUIRED_MEMBERS if not run_verdict.members[m]} == set()
+    silent = [k for k in EVENT_KINDS if not sum(run_verdict.coverage.get(k, {}).values())]
+    assert silent == [], f"no comparison after any {silent} event"
+    levels = {r.level for r in results}
+    assert levels == {"L1", "L2"}
+    for level in levels:  # every check a row needs to pass was made somewhere
+        made = Counter()
+        for r in results:
+            if r.level == level:
+                for row in r.rows:
+                    for per_event in row.counts.values():
+                        made.update(per_event)
+        assert all(made[c] for c in verdicts.REQUIRED_EVIDENCE[level]), (level, made)
+
+
+# -- selections that run nothing --------------------------------------------------------
+
+
+def test_a_selection_that_runs_nothing_is_a_usage_error(capsys):
+    l1_only = next(p for p in catalog_paths("L1") if "L2" not in load(p).levels)
+    code, out, err = run(capsys, "check", "--level", "L2", "--schedule", str(l1_only))
+    assert code == EXIT_USAGE, out + err
+    assert "nothing would be compared" in err and out == ""
+
+
+def test_a_request_that_never_joins_is_a_usage_error(tmp_path, capsys):
+    path = tmp_path / "never.json"
+    path.write_text(json.dumps({
+        "name": "never-joins", "levels": ["L1"],
+        "requests": {"a": {"prompt_len": 2}, "b": {"prompt_len": 3}},
+        "events": [{"join": ["a"]}, {"step": 1}],
+    }))
+    code, out, err = run(capsys, "check", "--schedule", str(path))
+    assert code == EXIT_USAGE, out + err
+    assert "request 'b': never joins" in err
+
+
+# -- candidate traces that hold less than the golden -----------------------------------
+
+SCHEDULES = ["rollback-uneven", "join-longer-joiner"]
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vacuity") / "golden"
+    paths = [arg for name in SCHEDULES for arg in ("--schedule", str(CATALOG / f"{name}.json"))]
+    assert main(["record", str(path), *paths]) == EXIT_OK
+    return path
+
+
+def _edit_manifests(directory, edit):
+    """Apply ``edit(manifest)`` (returning tensor names to forget) to every
+    trace; the sha256 table loses exactly those names, so the candidate is
+    consistent, not tampered with: it simply holds less."""
+    for manifest_path in directory.glob("*/*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        for name in edit(manifest):
+            del manifest["sha256"][name]
+        manifest_path.write_text(json.dumps(manifest))
+
+
+def _no_snapshots(manifest):
+    dropped = [n for snap in manifest["snapshots"].values() for layer in snap["layers"] for n in layer.values()]
+    manifest["snapshots"] = {}
+    return dropped
+
+
+def _one_layer(manifest):
+    dropped = []
+    for snap in manifest["snapshots"].values():
+        dropped += [n for layer in snap["layers"][1:] for n in layer.values()]
+        snap["layers"] = snap["layers"][:1]
+    return dropped
+
+
+def test_the_golden_holds_what_the_edits_remove(golden):
+    manifests = [json.loads(p.read_text()) for p in golden.glob("*/*/manifest.json")]
+    assert manifests and all(m["snapshots"] for m in manifests)
+    assert all(len(s["layers"]) == 2 for m in manifests for s in m["snapshots"].values())
+
+
+@pytest.mark.parametrize("edit", [_no_snapshots, _one_layer], ids=["no snapshots", "one of two layers"])
+def test_a_candidate_holding_less_than_the_golden_fails(golden, tmp_path, capsys, edit):
+    candidate = tmp_path / "candidate"
+    shutil.copytree(golden, candidate)
+    _edit_manifests(candidate, edit)
+    code, out, err = run(capsys, "compare", str(golden), str(candidate))
+    assert code == EXIT_BROKEN, out + err
+    assert "cache snapshot layers in the candidate" in out or "layout" in out
+    assert f"0 passed, {len(SCHEDULES)} failed" in out
+
+
+def test_a_candidate_missing_a_schedule_has_no_evidence(golden, tmp_path, capsys):
+    candidate = tmp_path / "candidate"
+    shutil.copytree(golden, candidate)
+    doc = json.loads((candidate / "golden.json").read_text())
+    del doc["schedules"][SCHEDULES[1]]
+    (candidate / "golden.json").write_text(json.dumps(doc))
+    shutil.rmtree(candidate / SCHEDULES[1])
+    code, out, err = run(capsys, "compare", str(golden), str(candidate))
+    assert code == EXIT_CANNOT_RUN, out + err
+    assert "1 passed" in out and "1 no evidence" in out
+    assert "the candidate has no trace of this schedule" in out
