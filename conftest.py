@@ -3,6 +3,7 @@ and the gate that turns a run's evidence into a pytest outcome."""
 
 import pytest
 
+from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import ImplementationError, load_implementation
@@ -32,6 +33,15 @@ def policy(pytestconfig):
         return load_policy(pytestconfig.getoption("--policy"))
     except PolicyError as error:
         pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real model, fetched once; its suites skip, saying why, where it cannot be had."""
+    try:
+        return load_model("smollm2")
+    except ModelUnavailable as error:
+        pytest.skip(str(error))
 
 
 def describe(result) -> str:

@@ -37,13 +37,6 @@ class BenchmarkFailed(RuntimeError):
         self.measured = measured
 
 
-def time_command(argv: Sequence[str], env: Optional[dict] = None, cwd=None) -> float:
-    """Wall seconds of one run of `argv`; raises CalledProcessError if it fails."""
-    start = time.perf_counter()
-    subprocess.run(list(argv), env=env, cwd=cwd, check=True)
-    return time.perf_counter() - start
-
-
 def run_benchmarks(
     out_dir: Path, quick: bool, impl: Optional[str] = None, pytest_args: Sequence[str] = ()
 ) -> Path:

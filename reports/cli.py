@@ -10,7 +10,6 @@ blaming a commit.
 """
 
 import argparse
-import importlib
 import os
 import sys
 import tempfile
@@ -22,7 +21,6 @@ from pathlib import Path
 # git bisect run would read as "this commit is bad". verdicts.py defines the
 # same values; a test holds them equal.
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
-EXIT_CANNOT_RUN = EXIT_CANNOT_JUDGE
 EXIT_HARNESS_ERROR = 128
 
 EXAMPLES = """examples:
@@ -50,11 +48,13 @@ class UsageError(Exception):
 
 def _check_impl_spec(spec):
     """The shape of --impl, checked before any work (the import is later)."""
-    if spec is None:
-        return
-    module, sep, attribute = spec.partition(":")
-    if not sep or not module or not attribute:
-        raise UsageError(f"--impl {spec!r}: expected 'package.module:factory'")
+    from kvparity.suites.adapter import ImplementationError, split_spec
+
+    if spec is not None:
+        try:
+            split_spec("--impl", spec)
+        except ImplementationError as error:
+            raise UsageError(str(error))
 
 
 def _implementation(spec):
@@ -64,14 +64,6 @@ def _implementation(spec):
     # The repository under test is the working directory (as under git bisect run).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    if spec is not None:
-        module = spec.partition(":")[0]
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass  # load_implementation says which import failed
-        except Exception as error:  # a commit whose module does not even run: it cannot be judged
-            raise CannotRun(f"--impl {spec!r}: importing {module} raised {type(error).__name__}: {error}")
     try:
         return load_implementation(spec)
     except ImplementationUnavailable as error:
@@ -377,7 +369,7 @@ def cmd_record(args):
     implementation = _implementation(args.impl) if args.engine else None
     recorded, schedules, model = {}, [], None
     for schedule, model in fitted:
-        if implementation and any(not implementation.supports(c) for c in schedule.needs):
+        if implementation and implementation.missing(schedule.needs):
             continue
         if args.engine:
             capture = {}

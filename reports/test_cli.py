@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from kvparity.reports import cli, verdicts
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_RUN, EXIT_HARNESS_ERROR, EXIT_OK, EXIT_USAGE, main
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_HARNESS_ERROR, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.schedule import CATALOG
 
 CONTROLS = "kvparity.impl.negative_controls"
@@ -164,13 +164,13 @@ def test_bad_schedule_exits_2_naming_the_file(tmp_path, no_work, capsys):
 
 
 def test_a_module_that_does_not_import_exits_125(capsys):
-    assert main(["run", "--no-report", *ONE_L1, "--impl", "no.such.module:Cache"]) == EXIT_CANNOT_RUN
+    assert main(["run", "--no-report", *ONE_L1, "--impl", "no.such.module:Cache"]) == EXIT_CANNOT_JUDGE
     assert "cannot import no.such.module" in outcome(capsys)[1]
 
 
 def test_a_module_that_does_not_even_parse_exits_125(module_dir, capsys):
     (module_dir / "halfway_cache.py").write_text("def merge(:\n")
-    assert main(["check", *ONE_L1, "--impl", "halfway_cache:Cache"]) == EXIT_CANNOT_RUN
+    assert main(["check", *ONE_L1, "--impl", "halfway_cache:Cache"]) == EXIT_CANNOT_JUDGE
     err = outcome(capsys)[1]
     assert "importing halfway_cache raised SyntaxError" in err and "Traceback" not in err
 
@@ -180,7 +180,7 @@ def test_missing_backend_exits_125(capsys):
 
     if mx.is_available(mx.gpu):
         pytest.skip("this machine has a GPU backend")
-    assert main(["run", "--no-report", "--device", "gpu", *ONE_L1]) == EXIT_CANNOT_RUN
+    assert main(["run", "--no-report", "--device", "gpu", *ONE_L1]) == EXIT_CANNOT_JUDGE
     assert "no gpu backend" in outcome(capsys)[1]
 
 
@@ -190,7 +190,7 @@ def test_a_run_without_evidence_exits_125(capsys):
     code = main(["check", "--level", "L1", "--schedule", str(CATALOG / "rollback-uneven.json"),
                  "--impl", f"{CONTROLS}:WithoutPerRowRollback"])
     out, _ = outcome(capsys)
-    assert code == EXIT_CANNOT_RUN, out
+    assert code == EXIT_CANNOT_JUDGE, out
     assert "0 passed, 0 failed, 1 not supported" in out
 
 

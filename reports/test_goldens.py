@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_RUN, EXIT_OK, EXIT_USAGE, main
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.schedule import CATALOG
 
 SCHEDULES = ["--schedule", str(CATALOG / "rollback-uneven.json"), "--schedule", str(CATALOG / "qwen3-h64-mixed.json")]
@@ -53,7 +53,7 @@ def test_a_golden_from_another_machine_is_refused(golden, tmp_path, capsys):
     doc = json.loads((other / "golden.json").read_text())
     doc["machine"]["device"] = "gpu (Apple M2 Max)"
     (other / "golden.json").write_text(json.dumps(doc))
-    assert main(["compare", str(other), str(golden)]) == EXIT_CANNOT_RUN
+    assert main(["compare", str(other), str(golden)]) == EXIT_CANNOT_JUDGE
     assert "golden recorded with device='gpu (Apple M2 Max)'" in capsys.readouterr().err
 
 

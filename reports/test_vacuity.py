@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from kvparity.reports import verdicts
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_RUN, EXIT_OK, EXIT_USAGE, main
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
 from kvparity.suites.schedule import CATALOG, EVENT_KINDS, catalog_paths, load
@@ -205,6 +205,6 @@ def test_a_candidate_missing_a_schedule_has_no_evidence(golden, tmp_path, capsys
     (candidate / "golden.json").write_text(json.dumps(doc))
     shutil.rmtree(candidate / SCHEDULES[1])
     code, out, err = run(capsys, "compare", str(golden), str(candidate))
-    assert code == EXIT_CANNOT_RUN, out + err
+    assert code == EXIT_CANNOT_JUDGE, out + err
     assert "1 passed" in out and "1 no evidence" in out
     assert "the candidate has no trace of this schedule" in out

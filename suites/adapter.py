@@ -23,7 +23,7 @@ import importlib
 import inspect
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
@@ -141,6 +141,14 @@ class Implementation:
     def supports(self, capability: str) -> bool:
         return self.capabilities.get(capability, False)
 
+    def missing(self, needs) -> List[str]:
+        """The capabilities among ``needs`` this implementation lacks."""
+        return [c for c in needs if not self.supports(c)]
+
+    def calls_since(self, before: Dict[str, int]) -> Dict[str, int]:
+        """Protocol member -> calls made since ``before`` (a copy of ``calls``)."""
+        return {m: n - before.get(m, 0) for m, n in self.calls.items() if n > before.get(m, 0)}
+
     def merge(self, rows):
         batch = self.watched.merge(rows)
         if type(batch) is self.batch_class:  # built by name rather than by cls
@@ -152,21 +160,36 @@ def detect_capabilities(batch_class: type) -> Dict[str, bool]:
     return {name: callable(getattr(batch_class, member, None)) for name, (_, member) in CAPABILITIES.items()}
 
 
-def load_implementation(spec: str = None) -> Implementation:
-    spec = spec or REFERENCE
+def split_spec(option: str, spec: str):
+    """``package.module:attribute`` -> (module, attribute); the shape only, no import."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise ImplementationError(f"--impl {spec!r}: expected 'package.module:factory'")
+        raise ImplementationError(f"{option} {spec!r}: expected 'package.module:factory'")
+    return module_name, attribute
+
+
+def resolve(option: str, spec: str):
+    """The object a ``package.module:attribute`` spec names. A module that
+    cannot be imported, or whose own code fails, is unavailable here; a
+    wrong name is a usage error."""
+    module_name, attribute = split_spec(option, spec)
     try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # a missing module or one whose own code fails: not this harness's call
-        raise ImplementationUnavailable(f"--impl {spec!r}: cannot import {module_name}: "
+        target = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImplementationUnavailable(f"{option} {spec!r}: cannot import {module_name}: {error}")
+    except Exception as error:  # a module whose own code fails: this commit cannot be judged
+        raise ImplementationUnavailable(f"{option} {spec!r}: importing {module_name} raised "
                                         f"{type(error).__name__}: {error}")
-    target = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ImplementationError(f"--impl {spec!r}: {module_name} has no {attribute}")
+            raise ImplementationError(f"{option} {spec!r}: {module_name} has no {attribute}")
         target = getattr(target, part)
+    return target
+
+
+def load_implementation(spec: str = None) -> Implementation:
+    spec = spec or REFERENCE
+    target = resolve("--impl", spec)
     batch_class = target if inspect.isclass(target) else _call_factory(spec, target)
     missing = [m for m in REQUIRED_MEMBERS if not hasattr(batch_class, m)]
     if missing:

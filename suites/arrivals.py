@@ -22,12 +22,13 @@ documented in suites/catalog/l3/README.md::
 ``ScheduleError`` naming the file, the field or request, and the reason.
 """
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvparity.suites.schedule import CATALOG, DEFAULT_PREFILL_STEP, ScheduleError, _fail, _int, _keys, check_kv
+from kvparity.suites.schedule import (
+    CATALOG, DEFAULT_PREFILL_STEP, _fail, _int, _keys, check_kv, read_document,
+)
 
 KIND = "arrivals"
 L3_CATALOG = CATALOG / "l3"
@@ -91,14 +92,7 @@ class ArrivalSchedule:
 
 
 def load(path) -> ArrivalSchedule:
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as error:
-        raise ScheduleError(f"{path}: cannot read: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ScheduleError(f"{path}: not JSON: {error}") from None
-    return parse(doc, source=str(path))
+    return parse(read_document(path), source=str(path))
 
 
 def catalog_paths(folder: Path = L3_CATALOG) -> List[Path]:

@@ -115,20 +115,11 @@ def compare_all(jobs) -> List[List[Divergence]]:
 
 
 def triple_job(expected, actual, name: str, **where):
-    """A comparison of two (packed, scales, biases) triples for ``compare_all``;
-    None for a triple that is missing or malformed (see ``compare_triples``)."""
+    """A comparison of two (packed, scales, biases) triples for ``compare_all``,
+    or, for a triple that is missing or malformed, the ``layout`` divergence."""
     if expected is None or actual is None or len(actual) != 3:
-        return None
+        return Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)
     return dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", where
-
-
-def compare_triples(expected, actual, name: str, **where) -> List[Divergence]:
-    """Compare two (packed, scales, biases) triples array by array."""
-    if expected is None or actual is None or len(actual) != 3:
-        if expected is None and actual is None:
-            return []
-        return [Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)]
-    return compare_named(dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", **where)
 
 
 def batch_row(triple, i: int, start: int, stop: int):

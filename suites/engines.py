@@ -25,7 +25,6 @@ implementation's batch; from then on mlx-lm alone decides merges, batched
 prefill (``prepare``/``finalize``), ``extend``, ``filter`` and ``extract``.
 """
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -34,6 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache
+
+from kvparity.suites.adapter import ImplementationError, resolve
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
 
@@ -211,17 +212,10 @@ def mlx_lm_batch_generator(model, batch_class: type, settings: EngineSettings) -
 def load_engine_factory(spec: Optional[str] = None):
     """The factory named ``package.module:attribute`` (default: BatchGenerator)."""
     spec = spec or DEFAULT_ENGINE
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise EngineError(f"--engine {spec!r}: expected 'package.module:factory'")
     try:
-        target = importlib.import_module(module_name)
-    except ImportError as error:
-        raise EngineError(f"--engine {spec!r}: cannot import {module_name}: {error}") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise EngineError(f"--engine {spec!r}: {module_name} has no {attribute}")
-        target = getattr(target, part)
+        target = resolve("--engine", spec)
+    except ImplementationError as error:
+        raise EngineError(str(error)) from None
     if not callable(target):
         raise EngineError(f"--engine {spec!r}: not callable")
     try:

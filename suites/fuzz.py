@@ -73,7 +73,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     # -- what the schedule so far allows -------------------------------------
 
     def running(self):
-        return self.replay.running() if self.schedule.events or self.schedule.requests else []
+        return self.replay.running()
 
     def has_batch(self):
         return bool(self.running())

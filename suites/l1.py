@@ -37,7 +37,7 @@ from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.compare import Divergence, batch_row, compare_all, triple_job
-from kvparity.suites.evidence import ScheduleResult, drive
+from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult, drive
 from kvparity.suites.replay import Replay
 
 MASK_WIDTHS = (1, 3)
@@ -166,17 +166,16 @@ class L1Run:
     def finish(self) -> ScheduleResult:
         result = self.result
         result.seconds = self.seconds
-        result.members = {m: n - self.calls_before.get(m, 0) for m, n in self.implementation.calls.items()
-                          if n > self.calls_before.get(m, 0)}
+        result.members = self.implementation.calls_since(self.calls_before)
         return result
 
 
 def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
     run = L1Run(schedule, implementation)
-    missing = [c for c in schedule.needs if not implementation.supports(c)]
+    missing = implementation.missing(schedule.needs)
     if missing:
         run.result.event_kinds = [e.kind for e in schedule.events]
-        run.result.stop("not supported", f"needs {', '.join(missing)}")
+        run.result.stop(NOT_SUPPORTED, f"needs {', '.join(missing)}")
         return run.finish()
     run.advance(schedule.events)
     return run.finish()
@@ -187,25 +186,22 @@ class ByteChecks:
 
     def __init__(self, result: ScheduleResult, at: int):
         self.result, self.at = result, at
-        self.jobs = []  # (check, request, (expected, actual, prefix, where))
+        self.jobs = []  # (request, (expected, actual, prefix, where), comparisons it counts for)
 
-    def triples(self, rid, expected, actual, name, where, check="bytes"):
+    def triples(self, rid, expected, actual, name, where):
         job = triple_job(expected, actual, name, **where)
-        if job is None:
-            shapes = lambda t: None if t is None else [getattr(x, "shape", type(x).__name__) for x in t]
-            self.result.note(self.at, "layout", [rid], 1, [Divergence(
-                "layout", tensor=name, expected=shapes(expected), actual=shapes(actual), **where)])
+        if isinstance(job, Divergence):
+            self.result.note(self.at, "layout", [rid], 1, [job])
         else:
-            self.jobs.append((check, rid, job))
+            self.jobs.append((rid, job, 1))
 
     def named(self, rid, expected, actual, prefix, where, made=1):
-        self.jobs.append(("bytes", rid, (expected, actual, prefix, where), made))
+        self.jobs.append((rid, (expected, actual, prefix, where), made))
 
     def flush(self):
-        found = compare_all([job[2] for job in self.jobs])
-        for job, divergences in zip(self.jobs, found):
-            made = job[3] if len(job) > 3 else 1
-            self.result.note(self.at, job[0], [job[1]], made, divergences)
+        found = compare_all([job for _, job, _ in self.jobs])
+        for (rid, _, made), divergences in zip(self.jobs, found):
+            self.result.note(self.at, "bytes", [rid], made, divergences)
         self.jobs = []
 
 

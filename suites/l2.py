@@ -26,7 +26,7 @@ from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_byt
 from kvparity.oracle.trace import cached_solo
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference
-from kvparity.suites.evidence import OracleFailed, ScheduleResult, drive
+from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, OracleFailed, ScheduleResult, drive
 from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay
 from kvparity.suites.schedule import parse
@@ -81,6 +81,7 @@ class ModelBackend:
         self.schedule = schedule
         self.traces = traces
         self.outputs: List[Output] = []
+        self.replay = None  # the replay driving this backend, set by the run
 
     def alone(self, rid, cache=None) -> SoloRequest:
         m = self.model
@@ -110,12 +111,12 @@ class ModelBackend:
         self.outputs += [Output(rid, calls[rid], logits[i], True) for i, rid in enumerate(rows)]
 
     def append_alone(self, rid, solo, n, j):
-        self.outputs.append(Output(rid, j, solo.append(self.inputs(rid, j)), self.replay_extracted(rid)))
+        # A row extracted from the batch decodes on the implementation's bytes: evidence.
+        self.outputs.append(Output(rid, j, solo.append(self.inputs(rid, j)), rid in self.replay.extracted))
 
     def batched_prefill(self, rids):
         raise AssertionError("the dry run refuses batched_join at L2")
 
-    replay_extracted = staticmethod(lambda rid: False)  # set by the run: is rid's cache from the batch?
 
 
 def solo_traces(schedule, model, use_cache=True) -> Dict[str, SoloTrace]:
@@ -142,23 +143,23 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
                             path=schedule.path, model=loaded.name, model_sha256=loaded.sha256)
     for rid in schedule.requests:
         result.row(rid)
-    missing = [c for c in schedule.needs if not implementation.supports(c)]
+    missing = implementation.missing(schedule.needs)
     if missing:
-        result.stop("not supported", f"needs {', '.join(missing)}")
+        result.stop(NOT_SUPPORTED, f"needs {', '.join(missing)}")
         return result
     start = time.perf_counter()
     calls_before = dict(implementation.calls)
     try:
         traces = solo_traces(schedule, loaded, use_cache)
     except OracleFailed as error:
-        result.stop("oracle cannot run", str(error))
+        result.stop(ORACLE_CANNOT_RUN, str(error))
         return result
     if capture is not None:
         capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls])
                         for rid, t in traces.items()})
     backend = ModelBackend(model or loaded, implementation, schedule, traces)
     replay = Replay(schedule, backend)
-    backend.replay_extracted = lambda rid: rid in replay.extracted
+    backend.replay = replay
     stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
 
     def check(event):
@@ -180,8 +181,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     for row in result.rows:
         row.metrics = stats[row.request].as_dict()
         row.series = stats[row.request].series if row.metrics["positions"] else {}
-    result.members = {m: n - calls_before.get(m, 0) for m, n in implementation.calls.items()
-                      if n > calls_before.get(m, 0)}
+    result.members = implementation.calls_since(calls_before)
     result.seconds = time.perf_counter() - start
     return result
 

@@ -32,7 +32,6 @@ import json
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -268,8 +267,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     except Exception as error:  # the cache under test (or the engine) broke
         outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
         return outcome
-    outcome.members = {m: n - calls_before.get(m, 0) for m, n in implementation.calls.items()
-                       if n > calls_before.get(m, 0)}
+    outcome.members = implementation.calls_since(calls_before)
     for request in requests:
         try:
             solo = cached_run_solo(loaded.model, request, loaded.sha256, use_cache)

@@ -305,15 +305,19 @@ class Schedule:
         return doc
 
 
-def load(path) -> Schedule:
+def read_document(path) -> dict:
+    """A schedule file's JSON; unreadable or malformed is a ScheduleError naming it."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except OSError as error:
         raise ScheduleError(f"{path}: cannot read: {error.strerror}") from None
     except json.JSONDecodeError as error:
         raise ScheduleError(f"{path}: not JSON: {error}") from None
-    return parse(doc, source=str(path))
+
+
+def load(path) -> Schedule:
+    return parse(read_document(path), source=str(path))
 
 
 def save(schedule: Schedule, path) -> Path:

@@ -24,7 +24,6 @@ from kvparity.suites.l3 import (
     run_l3,
     to_schedule_result,
 )
-from kvparity.suites.schedule import ScheduleError
 
 PATHS = catalog_paths()
 TEST_ENGINES = "kvparity.suites.l3_test_engines"

@@ -4,20 +4,11 @@ request run alone through generate_step."""
 
 import pytest
 
-from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.suites.arrivals import L3_REAL_CATALOG, catalog_paths, load
 from kvparity.suites.l3 import PASSED, explain, prefill_modes, run_l3
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]
 PATHS = catalog_paths(L3_REAL_CATALOG)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def smollm2():
-    try:
-        return load_model("smollm2")
-    except ModelUnavailable as error:
-        pytest.skip(str(error))
 
 
 def test_real_catalog_exists():

@@ -3,20 +3,11 @@ uneven rollback and preemption, bit-exact against solo mlx-lm runs."""
 
 import pytest
 
-from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import REAL_CATALOG, catalog_paths, load
 
 PATHS = catalog_paths("L2", REAL_CATALOG)
-pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def smollm2():
-    try:
-        return load_model("smollm2")
-    except ModelUnavailable as error:
-        pytest.skip(str(error))
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
