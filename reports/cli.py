@@ -157,22 +157,46 @@ def _policy(args):
 
 
 def _levels(args):
-    return ("L1", "L2") if args.level == "all" else (args.level,)
+    return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
+
+
+def _load_schedule(path):
+    """A schedule file of either kind: events (L1, L2) or arrivals (L3)."""
+    from kvparity.suites import arrivals
+    from kvparity.suites.schedule import parse, read_document
+
+    doc = read_document(path)
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    return (arrivals.parse if kind == arrivals.KIND else parse)(doc, source=str(path))
+
+
+def _is_arrivals(schedule):
+    from kvparity.suites.arrivals import ArrivalSchedule
+
+    return isinstance(schedule, ArrivalSchedule)
 
 
 def select(args, files=None):
     """The (level, schedule) pairs a command asks for, every file validated;
     nothing is run. Selecting nothing is a usage error."""
-    from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, load
+    from kvparity.suites import arrivals
+    from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths
 
     _check_model_name(args.model)
     levels = _levels(args)
-    chosen = []
-    if "L1" in levels:
-        chosen += [("L1", s) for s in map(load, files or catalog_paths("L1")) if "L1" in s.levels]
-    if "L2" in levels:
-        folder = REAL_CATALOG if args.model == "smollm2" else CATALOG
-        chosen += [("L2", s) for s in map(load, files or catalog_paths("L2", folder)) if "L2" in s.levels]
+    real = args.model == "smollm2"
+    if files:
+        loaded = [_load_schedule(f) for f in files]
+        by_level = {"L1": [s for s in loaded if not _is_arrivals(s)],
+                    "L2": [s for s in loaded if not _is_arrivals(s)],
+                    "L3": [s for s in loaded if _is_arrivals(s)]}
+    else:  # the real model has schedules of its own at L2 and L3
+        by_level = {"L1": [_load_schedule(p) for p in catalog_paths(folder=CATALOG)],
+                    "L2": [_load_schedule(p) for p in catalog_paths(folder=REAL_CATALOG if real else CATALOG)],
+                    "L3": [_load_schedule(p) for p in
+                           arrivals.catalog_paths(arrivals.L3_REAL_CATALOG if real else arrivals.L3_CATALOG)]}
+    chosen = [(level, s) for level in levels for s in by_level[level]
+              if level == "L3" or level in s.levels]
     if not chosen:
         what = ", ".join(str(f) for f in files) if files else "the catalog"
         raise UsageError(f"--level {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
@@ -182,23 +206,49 @@ def select(args, files=None):
 
 def plan(args, selected):
     """(label, run) pairs, ``run(implementation)`` a ScheduleResult; each L2
-    schedule fitted to its model up front (a text prompt on a model without
-    a tokenizer is a usage error, not a skipped schedule)."""
+    and L3 schedule fitted to its model up front (a text prompt on a model
+    without a tokenizer is a usage error, not a skipped schedule). An L3
+    schedule runs twice: each prompt prefilled alone, and the engine's own
+    batched prefill."""
+    from kvparity.suites.arrivals import check_fits
     from kvparity.suites.l1 import run_l1
     from kvparity.suites.l2 import fit_to_model, model_for, run_l2
+    from kvparity.suites.l3 import prefill_modes, run_l3, to_schedule_result
 
     forced = args.model if args.model != "smollm2" else None
+    engine = getattr(args, "engine", None)
     runs = []
     for level, schedule in selected:
         if level == "L1":
             runs.append((f"L1 {schedule.name}", lambda impl, s=schedule: run_l1(s, impl)))
             continue
-        name = model_for(schedule, forced)
-        _, unfit = fit_to_model(schedule, _load_model(name))
+        name = forced or (schedule.model if level == "L3" else model_for(schedule))
+        model = _load_model(name)
+        if level == "L2":
+            _, unfit = fit_to_model(schedule, model)
+            if unfit:
+                raise UsageError(f"{schedule.path}: cannot run on {name}: {unfit}")
+            runs.append((f"L2 {schedule.name}", lambda impl, s=schedule: run_l2(s, impl, forced)))
+            continue
+        unfit = check_fits(schedule, model.head_dim, model.vocab_size, model.tokenizer is not None)
         if unfit:
-            raise UsageError(f"{schedule.path}: cannot run on {name}: {unfit}")
-        runs.append((f"L2 {schedule.name}", lambda impl, s=schedule: run_l2(s, impl, forced)))
+            raise UsageError(f"cannot run on {name}: {unfit}")
+        for mode, variant in prefill_modes(schedule).items():
+            def serve(impl, s=variant, mode=mode):
+                result = to_schedule_result(run_l3(s, impl, engine, forced))
+                result.schedule = f"{s.name} ({mode})"
+                return result
+            runs.append((f"L3 {schedule.name} ({mode})", serve))
     return runs
+
+
+def _check_engine(spec):
+    from kvparity.suites.engines import EngineError, load_engine_factory
+
+    try:
+        load_engine_factory(spec)
+    except EngineError as error:
+        raise UsageError(str(error))
 
 
 def prepare(args, files=None):
@@ -207,6 +257,8 @@ def prepare(args, files=None):
     policy = _policy(args)
     _check_impl_spec(args.impl)
     selected = select(args, files)
+    if any(level == "L3" for level, _ in selected):
+        _check_engine(getattr(args, "engine", None))
     _use_device(args.device)
     runs = plan(args, selected)
     return policy, runs, _implementation(args.impl)
@@ -425,44 +477,55 @@ def cmd_bisect(args):
     from kvparity.reports.verdicts import judge, verdict_of_run
     from kvparity.suites.l1 import run_l1
     from kvparity.suites.l2 import run_l2
-    from kvparity.suites.schedule import load, parse, save
-    from kvparity.suites.shrink import Shrinker
+    from kvparity.suites.l3 import run_l3, to_schedule_result
+    from kvparity.suites.schedule import atomic_write_json
+    from kvparity.suites.shrink import ArrivalShrinker, Shrinker
 
     policy = _policy(args)
     _check_impl_spec(args.impl)
     _check_model_name(args.model)
-    schedule = load(args.schedule)
-    if args.level not in schedule.levels:
-        raise UsageError(f"{args.schedule}: not an {args.level} schedule (levels: {', '.join(schedule.levels)})")
+    schedule = _load_schedule(args.schedule)
+    level = "L3" if _is_arrivals(schedule) else args.level
+    if level == "L3" and args.level != "L3":
+        raise UsageError(f"{args.schedule}: an arrivals schedule: bisect it with --level L3")
+    if level != "L3" and level not in schedule.levels:
+        raise UsageError(f"{args.schedule}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
     out = Path(args.out or f"reports/out/bisect/{schedule.name}-min.json")
     if out.exists() and not out.is_file():
         raise UsageError(f"--out {out}: not a file")
     _writable_directory(out.parent, "--out")
     _use_device(args.device)
-    plan(args, [(args.level, schedule)])  # an L2 schedule must fit its model
+    if level == "L3":
+        _check_engine(args.engine)
+    plan(args, [(level, schedule)])  # an L2 or L3 schedule must fit its model
     implementation = _implementation(args.impl)
-    if args.level == "L2":
-        run = lambda s: judge(run_l2(s, implementation, args.model, use_cache=False), policy)
-    else:
-        run = lambda s: judge(run_l1(s, implementation), policy)
-    shrinker = Shrinker(run, schedule)
+    forced = args.model if args.model != "smollm2" else None
+    runs = {
+        "L1": lambda s: run_l1(s, implementation),
+        "L2": lambda s: run_l2(s, implementation, args.model, use_cache=False),
+        "L3": lambda s: to_schedule_result(run_l3(s, implementation, args.engine, forced)),
+    }
+    shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(lambda s: judge(runs[level](s), policy), schedule)
     if shrinker.first is None:
         original = shrinker.original
         if original.verdict == "pass":
-            print(f"{schedule.name}: parity holds at {args.level}; nothing to bisect")
+            print(f"{schedule.name}: parity holds at {level}; nothing to bisect")
         else:  # refused, no evidence, ...: no divergence to shrink towards, still not a pass
             why = original.reason or next((r.reason for r in original.rows if r.reason), "")
-            print(f"{schedule.name}: {original.verdict} at {args.level}, no divergence to bisect"
+            print(f"{schedule.name}: {original.verdict} at {level}, no divergence to bisect"
                   + (f" ({why})" if why else ""))
         return verdict_of_run([original]).exit_status
     first = shrinker.first
-    print(f"first event after which parity breaks: {schedule.events[first.event_index].describe()}")
+    if level != "L3":
+        print(f"first event after which parity breaks: {schedule.events[first.event_index].describe()}")
     print(f"  {first.message()}")
-    minimal = parse(shrinker.shrink(schedule), source=args.schedule)
-    save(minimal, out)
-    print(f"shrunk to {len(minimal.events)} of {len(schedule.events)} events and "
-          f"{len(minimal.requests)} of {len(schedule.requests)} requests in {shrinker.tries} tries")
-    replay = f"kvparity replay {out} --level {args.level}" + (f" --impl {args.impl}" if args.impl else "")
+    doc = shrinker.shrink(schedule)
+    minimal = shrinker.parse(doc)
+    atomic_write_json(doc, out)
+    print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
+          + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
+          + f" in {shrinker.tries} tries")
+    replay = f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN
 
@@ -527,11 +590,15 @@ def build_parser():
     model_help = (f"run L2 on this model (one of {', '.join(available_models())}; smollm2 runs the real-model "
                   "schedules); default: each schedule's own, a seeded random model")
 
-    def common(command, levels=("L1", "L2", "all"), default_level="all"):
+    def common(command, levels=("L1", "L2", "L3", "all"), default_level="all"):
         command.add_argument("--impl", metavar="MODULE:FACTORY", help=impl_help)
         if levels:
             command.add_argument("--level", choices=levels, default=default_level,
-                                 help="L1 cache bytes, L2 model per row (default: %(default)s)")
+                                 help="L1 cache bytes, L2 model per row, L3 a real engine serving arrivals "
+                                 "(default: %(default)s)")
+        if levels and "L3" in levels:
+            command.add_argument("--engine", metavar="MODULE:FACTORY",
+                                 help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
         command.add_argument("--model", metavar="NAME", help=model_help)
         command.add_argument("--device", choices=("cpu", "gpu"), help="MLX device (default: MLX's default)")
         command.add_argument("--policy", metavar="NAME|FILE",
@@ -581,7 +648,7 @@ def build_parser():
                             description="For a failing schedule: find the first event after which parity breaks, "
                             "then shrink the schedule to a minimal one that fails the same way and write it out.")
     bisect.add_argument("schedule", metavar="SCHEDULE", help="the failing schedule file")
-    common(bisect, levels=("L1", "L2"), default_level="L1")
+    common(bisect, levels=("L1", "L2", "L3"), default_level="L1")
     bisect.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
                         "(default: reports/out/bisect/NAME-min.json)")
     bisect.set_defaults(func=cmd_bisect)

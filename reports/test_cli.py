@@ -252,3 +252,45 @@ def test_main_module_exits_with_mains_status(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kvparity", "check", "--impl", "nonexistent"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == EXIT_USAGE, done.stderr
+
+
+# -- L3 through the command line -------------------------------------------------------
+
+STAGGERED = str(CATALOG / "l3" / "staggered.json")
+
+
+def test_l3_run_serves_both_prefill_modes_and_reports_the_timeline(tmp_path, capsys):
+    assert main(["run", "--level", "L3", "--schedule", STAGGERED, "--out", str(tmp_path)]) == EXIT_OK
+    out = outcome(capsys)[0]
+    assert "staggered (prefill_batch_size=1)" in out and "staggered (engine default)" in out
+    (report,) = tmp_path.iterdir()
+    record = json.loads((report / "report.json").read_text())
+    assert {r["level"] for r in record["results"]} == {"L3"}
+    assert all(r["timeline"] for r in record["results"])
+    assert "## L3 timeline" in (report / "report.md").read_text()
+
+
+def test_l3_check_fails_a_mask_bug_naming_request_token_and_engine_step(capsys):
+    code = main(["replay", STAGGERED, "--level", "L3", "--impl", f"{CONTROLS}:MaskIgnoresLeftPadding"])
+    assert code == EXIT_BROKEN
+    assert "logprobs: after event #0 serve, engine step" in outcome(capsys)[0]
+
+
+def test_l3_bisect_shrinks_an_arrivals_schedule_that_replays(tmp_path, capsys):
+    out = tmp_path / "min.json"
+    mask_bug = f"{CONTROLS}:MaskIgnoresLeftPadding"
+    assert main(["bisect", STAGGERED, "--level", "L3", "--impl", mask_bug, "--out", str(out)]) == EXIT_BROKEN
+    minimal = json.loads(out.read_text())
+    assert minimal["kind"] == "arrivals" and len(minimal["requests"]) < 4
+    assert main(["replay", str(out), "--level", "L3", "--impl", mask_bug]) == EXIT_BROKEN
+    assert main(["replay", str(out), "--level", "L3"]) == EXIT_OK
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--level", "L3", "--schedule", str(CATALOG / "join-empty.json")], "holds no schedule for L3"),
+    (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "nocolon"], "expected 'package.module:factory'"),
+    (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "kvparity.suites.engines:nothing"], "has no"),
+])
+def test_l3_usage_errors_exit_2(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    assert message in outcome(capsys)[1]

@@ -263,6 +263,15 @@ def model_rows(results: List[ScheduleResult]):
                                                   for m in models(results)]
 
 
+def timeline_rows(results: List[ScheduleResult]):
+    """L3: per schedule run and engine step, what the engine did."""
+    names = lambda ids: ", ".join(ids)
+    return (["schedule", "step", "arrived", "prompt batch", "joined", "generation batch", "finished", "widths"],
+            [[r.schedule, s["step"], names(s["arrived"]), names(s["prompt_batch"]), names(s["joined"]),
+              names(s["generation_batch"]), names(s["finished"]), f"{s['prompt_width']}/{s['generation_width']}"]
+             for r in results for s in r.timeline])
+
+
 def coverage_rows(run_verdict: RunVerdict):
     """Comparisons made per event kind (rows) and check (columns)."""
     checks = sorted({c for per_kind in run_verdict.coverage.values() for c in per_kind})
@@ -308,6 +317,9 @@ def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, pro
     used = model_rows(results)
     if used[1]:
         out.append(("Models (each L2 schedule ran its own)", *used))
+    timeline = timeline_rows(results)
+    if timeline[1]:
+        out.append(("L3 timeline: what the engine did per step (widths: prompt/generation batch)", *timeline))
     out.append(("Coverage: comparisons per event kind and check", *coverage_rows(run_verdict)))
     out.append(("Protocol members called", *member_rows(run_verdict)))
     if run_verdict.gaps:

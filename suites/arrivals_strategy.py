@@ -8,7 +8,6 @@ one written is the shrunk case Hypothesis reports) where ``kvparity replay``
 or ``run_l3`` can run it again.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvparity.suites.arrivals import parse
 from kvparity.suites.l3 import PASSED, explain, run_l3
+from kvparity.suites.schedule import atomic_write_json
 
 # (model, bits, group_size) that mlx-lm's solo path can run (see the L3 catalog README).
 KV_ON_MODELS = [
@@ -62,10 +62,6 @@ def check_document(doc: dict, implementation, engine_spec=None, folder=None):
     if outcome.verdict == PASSED:
         return outcome
     name = f"found-arrivals-{implementation.batch_class.__name__}.json"
-    path = found_dir(folder) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({**doc, "name": path.stem}, indent=2) + "\n")
-    os.replace(tmp, path)
+    path = atomic_write_json({**doc, "name": Path(name).stem}, found_dir(folder) / name)
     outcome.path = str(path)
     raise AssertionError(explain(outcome) + f"\nwritten to {path}; replay with: kvparity replay {path} --level L3")

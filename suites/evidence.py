@@ -66,6 +66,7 @@ class ScheduleResult:
     model: Optional[str] = None
     model_sha256: Optional[str] = None
     members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls made
+    timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
     seconds: float = 0.0
     verdict: str = ""  # filled in by the verdict
 

@@ -216,6 +216,7 @@ class L3Outcome:
     comparisons: Dict[str, RequestComparison] = field(default_factory=dict)
     seconds: float = 0.0
     members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls the engine made
+    model_sha256: str = ""
 
     @property
     def batched_prefill_steps(self) -> int:
@@ -247,7 +248,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
 
     loaded = load_model(model_name or schedule.model)
     outcome = L3Outcome(schedule.name, schedule.path, engine_spec or "BatchGenerator",
-                        implementation.name, loaded.name, list(schedule.requests))
+                        implementation.name, loaded.name, list(schedule.requests), model_sha256=loaded.sha256)
     start = time.perf_counter()
     unfit = check_fits(schedule, loaded.head_dim, loaded.vocab_size, loaded.tokenizer is not None)
     if unfit:
@@ -311,7 +312,14 @@ def to_schedule_result(outcome: L3Outcome):
     from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN as CANNOT, ScheduleResult
 
     result = ScheduleResult(outcome.schedule, "L3", outcome.implementation, ["serve"], path=outcome.path,
-                            model=outcome.model, seconds=outcome.seconds, members=dict(outcome.members))
+                            model=outcome.model, model_sha256=outcome.model_sha256, seconds=outcome.seconds,
+                            members=dict(outcome.members))
+    if outcome.run is not None and outcome.run.timeline:
+        result.timeline = [
+            {"step": s.step, "arrived": s.arrived, "prompt_batch": s.prompt_rows, "joined": s.joined,
+             "generation_batch": s.generation_rows, "finished": s.finished,
+             "prompt_width": s.prompt_width, "generation_width": s.generation_width}
+            for s in outcome.run.timeline]
     for rid in outcome.requests:
         result.row(rid)
     if outcome.verdict in (UNSUPPORTED, SKIPPED_HERE):

@@ -320,14 +320,18 @@ def load(path) -> Schedule:
     return parse(read_document(path), source=str(path))
 
 
-def save(schedule: Schedule, path) -> Path:
-    """Write atomically: a reader never sees half a file."""
+def atomic_write_json(doc: dict, path) -> Path:
+    """Write a schedule document atomically: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(schedule.to_json(), indent=2) + "\n")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def save(schedule: Schedule, path) -> Path:
+    return atomic_write_json(schedule.to_json(), path)
 
 
 def catalog_paths(level: Optional[str] = None, folder: Path = CATALOG) -> List[Path]:

@@ -11,6 +11,7 @@ check; last, forget requests no event names.
 import json
 from typing import Callable, Optional
 
+from kvparity.suites import arrivals
 from kvparity.suites.evidence import FAIL, ScheduleResult
 from kvparity.suites.schedule import ScheduleError, parse
 
@@ -22,6 +23,9 @@ def first_failure(result: ScheduleResult):
 
 
 class Shrinker:
+    """Greedy delta debugging on a schedule document: take the first smaller
+    candidate that still fails with the same check, until none does."""
+
     def __init__(self, run: Callable, schedule):
         self.run = run  # schedule -> judged ScheduleResult
         self.source = schedule.path
@@ -29,10 +33,22 @@ class Shrinker:
         self.first = first_failure(self.original)
         self.tries = 0
 
+    def parse(self, doc):
+        return parse(_named_only(doc), source=self.source)
+
+    def start(self, schedule) -> dict:
+        """The document shrinking starts from: nothing after the first failure."""
+        doc = schedule.to_json()
+        doc["events"] = doc["events"][: self.first.event_index + 1]
+        return doc
+
+    def finish(self, doc) -> dict:
+        return _named_only(doc)
+
     def still_fails(self, doc) -> bool:
         self.tries += 1
         try:
-            schedule = parse(_named_only(json.loads(json.dumps(doc))), source=self.source)
+            schedule = self.parse(json.loads(json.dumps(doc)))
         except ScheduleError:
             return False
         result = self.run(schedule)
@@ -42,9 +58,7 @@ class Shrinker:
     def shrink(self, schedule) -> Optional[dict]:
         if self.first is None:
             return None
-        doc = schedule.to_json()
-        doc["events"] = doc["events"][: self.first.event_index + 1]
-        doc["name"] = f"{schedule.name}-min"
+        doc = {**self.start(schedule), "name": f"{schedule.name}-min"}
         changed = True
         while changed:
             changed = False
@@ -52,7 +66,7 @@ class Shrinker:
                 if self.still_fails(candidate):
                     doc, changed = candidate, True
                     break
-        doc = _named_only(doc)
+        doc = self.finish(doc)
         doc["description"] = f"shrunk from {schedule.name}: fails with {self.first.check}"
         return doc
 
@@ -97,6 +111,38 @@ def _without_request(doc, rid):
         events.append({kind: args})
     requests = {r: x for r, x in doc["requests"].items() if r != rid}
     return {**doc, "requests": requests, "events": events}
+
+
+class ArrivalShrinker(Shrinker):
+    """The same for an arrivals schedule (L3): fewer requests, fewer tokens,
+    shorter prompts, earlier arrivals."""
+
+    def parse(self, doc):
+        return arrivals.parse(doc, source=self.source)
+
+    def start(self, schedule) -> dict:
+        return json.loads(json.dumps(schedule.doc))
+
+    def finish(self, doc) -> dict:
+        return doc
+
+    def candidates(self, doc):
+        requests = doc["requests"]
+
+        def changed(rid, **fields):
+            return {**doc, "requests": {**requests, rid: {**requests[rid], **fields}}}
+
+        if len(requests) > 1:
+            for rid in requests:
+                yield {**doc, "requests": {r: x for r, x in requests.items() if r != rid}}
+        for rid, request in requests.items():
+            if request["max_tokens"] > 1:
+                yield changed(rid, max_tokens=request["max_tokens"] - 1)
+            n = request.get("prompt_len", 0)
+            for shorter in sorted({n // 2, n - 1} - {0, n}) if n > 1 else ():
+                yield changed(rid, prompt_len=shorter)
+            if request["arrival"] > 0:
+                yield changed(rid, arrival=request["arrival"] - 1)
 
 
 def _named_only(doc):
