@@ -12,7 +12,8 @@ from typing import Dict, List
 from kvparity.reports.policy import Policy
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.evidence import (
-    FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, OUTCOMES, PASS, REFUSED, ScheduleResult,
+    FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED,
+    ScheduleResult,
 )
 
 # What a row must have compared, per level, to pass.
@@ -82,7 +83,8 @@ class RunVerdict:
     @property
     def headline(self) -> str:
         parts = [f"{self.counts[PASS]} passed", f"{self.counts[FAIL]} failed"]
-        parts += [f"{self.counts[v]} {v}" for v in (REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN)
+        parts += [f"{self.counts[v]} {v}"
+                  for v in (REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
                   if self.counts[v]]
         return ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
 
@@ -111,7 +113,7 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False) -
     if not results:
         gaps.append("no schedule ran")
     # Event kinds of schedules that ran: one stopped before it began compares nothing by design.
-    ran = [r for r in results if r.verdict not in (NOT_SUPPORTED, ORACLE_CANNOT_RUN)]
+    ran = [r for r in results if r.verdict not in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)]
     kinds = {k for r in ran for k in r.event_kinds if k != "trace"}
     silent = sorted(k for k in kinds if not sum(table.get(k, Counter()).values()))
     if silent:

@@ -22,7 +22,8 @@ REFUSED = "refused"  # a required member raised NotImplementedError: a failure
 NO_EVIDENCE = "no evidence"  # nothing the policy requires was compared
 NOT_SUPPORTED = "not supported"  # an optional capability is missing
 ORACLE_CANNOT_RUN = "oracle cannot run"  # mlx-lm's own solo path fails on this backend
-OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN)
+ORACLE_NONDETERMINISTIC = "oracle nondeterministic"  # mlx-lm's solo path differs from itself: nothing to judge by
+OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
 FAILURES = (FAIL, REFUSED)
 
 
@@ -60,7 +61,7 @@ class ScheduleResult:
     implementation: str
     event_kinds: List[str] = field(default_factory=list)  # kind of each event, in order
     rows: List[RowResult] = field(default_factory=list)
-    stopped: str = ""  # NOT_SUPPORTED, REFUSED or ORACLE_CANNOT_RUN when the run ended early
+    stopped: str = ""  # NOT_SUPPORTED, REFUSED, ORACLE_CANNOT_RUN or ORACLE_NONDETERMINISTIC when it ended early
     reason: str = ""  # why it stopped, or what raised
     path: Optional[str] = None
     model: Optional[str] = None
@@ -115,6 +116,21 @@ class ScheduleResult:
 
 class OracleFailed(Exception):
     """mlx-lm's own solo path raised on this backend."""
+
+
+class OracleNondeterministic(Exception):
+    """mlx-lm's own solo path, run twice on the same request, produced
+    different bytes: the oracle differs from itself, so nothing the
+    implementation produced can be judged against it."""
+
+    def __init__(self, request, call, tensor, index, first, second, detail=""):
+        self.request, self.call, self.tensor, self.index = request, call, tensor, index
+        self.first, self.second, self.detail = first, second, detail
+        where = f"call {call}" if isinstance(call, int) else str(call)
+        at = f", flat index {index}" if index is not None else ""
+        super().__init__(f"mlx-lm's solo path for {request!r} differs from itself between two runs: "
+                         f"{where}, {tensor}{at}: first run {first!r}, second run {second!r}"
+                         + (f" ({detail})" if detail else ""))
 
 
 def drive(result: ScheduleResult, replay, events, check) -> bool:

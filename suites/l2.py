@@ -13,8 +13,19 @@ traces so one flipped argmax cannot derail the comparison.
 Only what came out of the implementation is evidence: a batched forward, a
 row's bytes in the batch, and a row extracted from it. A request decoding
 alone because mlx-lm has not converted it yet compares mlx-lm with itself.
+
+The oracle is trusted only as far as it agrees with itself. With
+``repeat_oracle`` (by default on when MLX's default device is a GPU, whose
+kernels may not be run-to-run deterministic; off on the CPU) every solo
+trace is computed a second time, fresh, never from the oracle cache, and the
+two must be equal byte for byte: logits of every call, then every layer's
+cache bytes at every event boundary. When they differ the schedule's outcome
+is "oracle nondeterministic", naming the request, call (or event and layer),
+tensor, flat index and both values; it is never blamed on the
+implementation, never a pass, and the stored trace is dropped from the cache.
 """
 
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -23,10 +34,13 @@ import mlx.core as mx
 
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
-from kvparity.oracle.trace import cached_solo
+from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference
-from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, OracleFailed, ScheduleResult, drive
+from kvparity.suites.evidence import (
+    NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
+    drive,
+)
 from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay
 from kvparity.suites.schedule import parse
@@ -119,22 +133,81 @@ class ModelBackend:
 
 
 
-def solo_traces(schedule, model, use_cache=True) -> Dict[str, SoloTrace]:
+def repeat_oracle_default() -> bool:
+    """Run every solo trace twice where the default device is a GPU."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def trace_difference(rid: str, first: SoloTrace, second: SoloTrace) -> Optional[OracleNondeterministic]:
+    """Where two solo runs of one request first differ, or None when every
+    call's inputs and logits and every snapshot's bytes and offset are equal."""
+    if len(first.calls) != len(second.calls):
+        return OracleNondeterministic(rid, "calls", "trace", None, len(first.calls), len(second.calls),
+                                      "number of calls")
+    for j, (a, b) in enumerate(zip(first.calls, second.calls)):
+        if a.inputs != b.inputs:
+            k = next((i for i, (x, y) in enumerate(zip(a.inputs, b.inputs)) if x != y), None)
+            return OracleNondeterministic(rid, j, "inputs", k, a.inputs if k is None else a.inputs[k],
+                                          b.inputs if k is None else b.inputs[k], "tokens fed")
+        if (a.logits is None) != (b.logits is None):
+            return OracleNondeterministic(rid, j, "logits", None, a.logits is not None, b.logits is not None,
+                                          "logits present")
+        if a.logits is not None:
+            diff = first_difference(a.logits, b.logits)
+            if diff is not None:
+                index, x, y = diff
+                return OracleNondeterministic(rid, j, "logits", index, x, y,
+                                              "" if index is not None else "dtype or shape")
+    for event in sorted(set(first.snapshots) | set(second.snapshots)):
+        a, b = first.snapshots.get(event), second.snapshots.get(event)
+        where = f"snapshot after event #{event}"
+        if a is None or b is None or len(a) != len(b):
+            return OracleNondeterministic(rid, where, "layers", None, None if a is None else len(a),
+                                          None if b is None else len(b))
+        if first.offsets.get(event) != second.offsets.get(event):
+            return OracleNondeterministic(rid, where, "offset", None, first.offsets.get(event),
+                                          second.offsets.get(event))
+        for layer, (x, y) in enumerate(zip(a, b)):
+            for name in sorted(set(x) | set(y)):
+                if name not in x or name not in y:
+                    return OracleNondeterministic(rid, f"{where}, layer {layer}", name, None, name in x, name in y,
+                                                  "tensor present")
+                diff = first_difference(x[name], y[name])
+                if diff is not None:
+                    index, u, v = diff
+                    return OracleNondeterministic(rid, f"{where}, layer {layer}", name, index, u, v,
+                                                  "" if index is not None else "dtype or shape")
+    return None
+
+
+def solo_traces(schedule, model, use_cache=True, repeat=False) -> Dict[str, SoloTrace]:
+    """Each request alone through mlx-lm. With ``repeat``, a second run,
+    always fresh, must equal the first (stored or not) byte for byte, else
+    ``OracleNondeterministic`` (and the stored trace is dropped)."""
     traces = {}
     for rid in schedule.requests:
         run = lambda rid=rid: run_solo(model.model, schedule, rid, model.vocab_size, model.tokenizer)
         try:
             traces[rid] = cached_solo(run, schedule, rid, model) if use_cache else run()
+            again = run() if repeat else None
         except Exception as error:  # mlx-lm's own path, not ours: say so, never blame the cache
             raise OracleFailed(f"mlx-lm's solo path for {rid!r} raised {type(error).__name__}: {error}") from error
+        if again is not None:
+            differs = trace_difference(rid, traces[rid], again)
+            if differs is not None:
+                if use_cache:  # a trace that differs from itself is no golden
+                    shutil.rmtree(oracle_cache() / request_key(schedule, rid, model), ignore_errors=True)
+                raise differs
     return traces
 
 
 def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=True,
-           capture: Optional[dict] = None, model=None) -> ScheduleResult:
+           capture: Optional[dict] = None, model=None, repeat_oracle: Optional[bool] = None) -> ScheduleResult:
     """Replay ``schedule`` on the model. ``capture``, when given, receives the
     run's own trace per request (the oracle's format). ``model`` overrides
-    the loaded model for the batched side only (tests perturb it)."""
+    the loaded model for the batched side only (tests perturb it).
+    ``repeat_oracle``: run every solo trace twice and require equal bytes
+    (None: on when the default device is a GPU, see ``repeat_oracle_default``)."""
     loaded = load_model(model_for(schedule, model_name))
     schedule, unfit = fit_to_model(schedule, loaded)
     if unfit:
@@ -149,10 +222,15 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
         return result
     start = time.perf_counter()
     calls_before = dict(implementation.calls)
+    if repeat_oracle is None:
+        repeat_oracle = repeat_oracle_default()
     try:
-        traces = solo_traces(schedule, loaded, use_cache)
+        traces = solo_traces(schedule, loaded, use_cache, repeat=repeat_oracle)
     except OracleFailed as error:
         result.stop(ORACLE_CANNOT_RUN, str(error))
+        return result
+    except OracleNondeterministic as error:
+        result.stop(ORACLE_NONDETERMINISTIC, str(error))
         return result
     if capture is not None:
         capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls])

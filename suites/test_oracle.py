@@ -136,3 +136,101 @@ def test_an_oracle_that_cannot_run_is_never_a_pass_nor_a_failure(monkeypatch, im
     assert result.verdict == ORACLE_CANNOT_RUN
     assert all(row.verdict == ORACLE_CANNOT_RUN for row in result.rows)
     assert "No implementation for problem shape" in result.reason and "mlx-lm's solo path" in result.reason
+
+
+def _flaky_solo(monkeypatch, l2, flip_call=1, flip_index=3):
+    """mlx-lm's solo path, except that the second run of each request
+    returns logits with one element changed at ``flip_call``."""
+    real, runs = l2.run_solo, {}
+
+    def flaky(model, schedule, rid, *args, **kwargs):
+        trace = real(model, schedule, rid, *args, **kwargs)
+        runs[rid] = runs.get(rid, 0) + 1
+        if runs[rid] == 2:
+            logits = trace.calls[flip_call].logits
+            flat = logits.reshape(-1)
+            flat[flip_index] = flat[flip_index] + 1.0
+            trace.calls[flip_call].logits = flat.reshape(logits.shape)
+        return trace
+
+    monkeypatch.setattr(l2, "run_solo", flaky)
+    return runs
+
+
+def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(monkeypatch, implementation):
+    """Run twice, mlx-lm's solo path gives other bytes the second time: the
+    outcome is "oracle nondeterministic" with the request, call, tensor,
+    flat index and both values; no row fails, none passes, the run exits 125."""
+    from kvparity.reports.policy import load_policy
+    from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, judge, verdict_of_run
+    from kvparity.suites import l2
+    from kvparity.suites.evidence import ORACLE_NONDETERMINISTIC, OUTCOMES
+    from kvparity.suites.schedule import CATALOG, load
+
+    assert ORACLE_NONDETERMINISTIC in OUTCOMES
+    runs = _flaky_solo(monkeypatch, l2)
+    schedule = load(CATALOG / "join-empty.json")
+    result = judge(l2.run_l2(schedule, implementation, use_cache=False, repeat_oracle=True), load_policy("cpu"))
+    first = next(iter(schedule.requests))
+    assert runs[first] == 2
+    assert result.verdict == ORACLE_NONDETERMINISTIC
+    assert all(row.verdict == ORACLE_NONDETERMINISTIC and not row.divergences for row in result.rows)
+    assert f"for {first!r} differs from itself" in result.reason
+    assert "call 1, logits, flat index 3: first run " in result.reason and "second run " in result.reason
+    run = verdict_of_run([result])
+    assert run.exit_status == EXIT_CANNOT_JUDGE and "1 oracle nondeterministic" in run.headline
+
+
+def test_the_oracle_cache_does_not_hide_nondeterminism(tmp_path, monkeypatch, implementation, gate):
+    """A stored solo trace is compared with a fresh second run, never with
+    itself; a trace found to differ is dropped from the cache."""
+    from kvparity.suites import l2
+    from kvparity.suites.evidence import ORACLE_NONDETERMINISTIC
+    from kvparity.suites.schedule import CATALOG, load
+
+    monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
+    schedule = load(CATALOG / "join-empty.json")
+    gate(l2.run_l2(schedule, implementation, repeat_oracle=True))  # deterministic: stored, and a pass
+    stored = sorted(p.name for p in tmp_path.iterdir())
+    assert len(stored) == len(schedule.requests)
+
+    real = l2.run_solo
+    fresh = []
+
+    def drifted(model, schedule, rid, *args, **kwargs):  # every fresh run now differs from what is stored
+        trace = real(model, schedule, rid, *args, **kwargs)
+        fresh.append(rid)
+        last = trace.calls[-1]
+        last.logits = mx.concatenate([last.logits[:, :-1], last.logits[:, -1:] * 2 + 1], axis=1)
+        return trace
+
+    monkeypatch.setattr(l2, "run_solo", drifted)
+    result = l2.run_l2(schedule, implementation, repeat_oracle=True)
+    assert result.stopped == ORACLE_NONDETERMINISTIC
+    assert fresh == [next(iter(schedule.requests))]  # the first request was loaded, then run once, fresh
+    assert "logits, flat index" in result.reason
+    assert len(list(tmp_path.iterdir())) == len(stored) - 1  # its stored trace is gone
+
+
+def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, implementation, gate):
+    from kvparity.suites import l2
+    from kvparity.suites.schedule import CATALOG, load
+
+    assert mx.default_device().type == mx.DeviceType.cpu and not l2.repeat_oracle_default()
+    real, runs = l2.run_solo, []
+
+    def counted(model, schedule, rid, *args, **kwargs):
+        runs.append(rid)
+        return real(model, schedule, rid, *args, **kwargs)
+
+    monkeypatch.setattr(l2, "run_solo", counted)
+    schedule = load(CATALOG / "join-empty.json")
+    gate(l2.run_l2(schedule, implementation, use_cache=False))
+    assert sorted(runs) == sorted(schedule.requests)
+    runs.clear()
+    gate(l2.run_l2(schedule, implementation, use_cache=False, repeat_oracle=True))  # deterministic here: a pass
+    assert sorted(runs) == sorted(list(schedule.requests) * 2)
+    monkeypatch.setattr(l2, "repeat_oracle_default", lambda: True)  # as on a GPU
+    runs.clear()
+    gate(l2.run_l2(schedule, implementation, use_cache=False))
+    assert len(runs) == 2 * len(schedule.requests)
