@@ -4,7 +4,7 @@ and the gate that turns a run's evidence into a pytest outcome."""
 import pytest
 
 from kvparity.oracle.models import ModelUnavailable, load_model
-from kvparity.reports.policy import PolicyError, load_policy
+from kvparity.reports.policy import Policy, PolicyError, load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import ImplementationError, load_implementation
 from kvparity.suites.evidence import NOT_SUPPORTED, PASS
@@ -54,6 +54,18 @@ def describe(result) -> str:
                          + (f"; {row.reason}" if row.reason else ""))
             lines += [f"    {d.message()}" for d in sorted(row.divergences, key=lambda d: d.order)[:SHOWN]]
     return "\n".join(lines)
+
+
+@pytest.fixture(scope="session")
+def judged():
+    """``judged(result, policy="cpu")``: the verdicts of a run under a policy
+    (a name, a file or a Policy). The suites gather evidence; the verdict is
+    the reports' business, handed to them here."""
+
+    def verdict(result, under="cpu"):
+        return judge(result, under if isinstance(under, Policy) else load_policy(under))
+
+    return verdict
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from kvparity.suites.l1 import HYGIENE_CHECKS  # what no request can observe
+
 POLICIES = Path(__file__).parent / "policies"
 GATES = ("bit-exact", "ulp", "kl")
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
@@ -24,8 +26,6 @@ TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
 # and the cache bytes the model writes from them (L2, with a layer).
 LOGIT_CHECKS = ("logits", "tokens")
 MODEL_WRITTEN = ("bytes", "offset")
-# What no request can observe: reported, gating only under a strict policy.
-HYGIENE_CHECKS = ("pad", "alias")
 
 FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "calibration"}
 LOGIT_FIELDS = {"gate", "max_ulp", "tau"}

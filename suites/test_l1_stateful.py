@@ -8,8 +8,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvparity.impl import negative_controls
-from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.fuzz import make_machine
@@ -29,12 +27,8 @@ def fuzz_settings(examples, **overrides):
     )
 
 
-def cpu(result):
-    return judge(result, load_policy("cpu"))
-
-
-def test_generated_schedules(implementation, policy, tmp_path):
-    machine = make_machine(implementation, lambda r: judge(r, policy),
+def test_generated_schedules(implementation, policy, judged, tmp_path):
+    machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path))
     run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
     assert machine.schedules_started >= EXAMPLES
@@ -54,9 +48,9 @@ def test_generated_schedules(implementation, policy, tmp_path):
     ],
     ids=lambda v: v.__name__,
 )
-def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, tmp_path):
+def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judged, tmp_path):
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
-    machine = make_machine(broken, cpu, tmp_path)
+    machine = make_machine(broken, judged, tmp_path)
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
         run_state_machine_as_test(
             machine, settings=fuzz_settings(300, database=None, derandomize=True, print_blob=False)
@@ -64,7 +58,7 @@ def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, tmp_p
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
     assert len(schedule.events) <= 4, f"not shrunk: {[e.describe() for e in schedule.events]}"
-    replayed = cpu(run_l1(schedule, broken))
+    replayed = judged(run_l1(schedule, broken))
     assert replayed.verdict == FAIL
     assert variant.caught_by in {d.check for d in replayed.divergences}
-    assert cpu(run_l1(schedule, load_implementation())).verdict == PASS
+    assert judged(run_l1(schedule, load_implementation())).verdict == PASS

@@ -5,8 +5,6 @@ policy of whatever device the suite happens to run on."""
 
 import pytest
 
-from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL
 from kvparity.suites.l2 import run_l2
@@ -38,12 +36,12 @@ def test_l2_catalog_covers_models_and_settings():
         ("RopeOffsetIgnoresLeftPadding", 0, "offset"),
     ],
 )
-def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_check):
+def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_check, judged):
     """join-longer-joiner: rows a (6 tokens) and b (4 tokens, 2 pad columns)
     merge, then decode. Only b is padded, so b diverges first, and its first
     wrong logits come from its first batched call (step 1, event #1)."""
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
-    result = judge(run_l2(load(CATALOG / "join-longer-joiner.json"), broken), load_policy("cpu"))
+    result = judged(run_l2(load(CATALOG / "join-longer-joiner.json"), broken))
     assert result.verdict == FAIL
     first = result.first
     assert (first.request, first.event_index, first.check) == ("b", first_event, first_check), first.message()

@@ -9,8 +9,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.fuzz import make_machine
@@ -25,12 +23,8 @@ def fuzz_settings(examples, **overrides):
                     suppress_health_check=list(HealthCheck), **overrides)
 
 
-def cpu(result):
-    return judge(result, load_policy("cpu"))
-
-
-def test_generated_schedules_at_l2(implementation, policy, tmp_path):
-    machine = make_machine(implementation, lambda r: judge(r, policy),
+def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
+    machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path), level="L2", run_l2=run_l2)
     run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
     assert machine.schedules_started >= EXAMPLES
@@ -40,14 +34,14 @@ def test_generated_schedules_at_l2(implementation, policy, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["RopeOffsetIgnoresLeftPadding", "MaskIgnoresLeftPadding"])
-def test_l2_generator_finds_rope_and_mask_bugs(variant, tmp_path):
+def test_l2_generator_finds_rope_and_mask_bugs(variant, judged, tmp_path):
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
-    machine = make_machine(broken, cpu, tmp_path, level="L2", run_l2=run_l2)
+    machine = make_machine(broken, judged, tmp_path, level="L2", run_l2=run_l2)
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
         run_state_machine_as_test(machine, settings=fuzz_settings(60, database=None, derandomize=True,
                                                                    print_blob=False))
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
-    assert cpu(run_l2(schedule, broken)).verdict == FAIL
+    assert judged(run_l2(schedule, broken)).verdict == FAIL
     # The reference does not fail it (a shrunk schedule may leave a row without evidence).
-    assert cpu(run_l2(schedule, load_implementation())).verdict not in (FAIL, "refused")
+    assert judged(run_l2(schedule, load_implementation())).verdict not in (FAIL, "refused")

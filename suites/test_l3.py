@@ -8,8 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvparity.suites.adapter import load_implementation
-from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.arrivals import catalog_paths, load, parse
 from kvparity.suites.arrivals_strategy import arrival_documents, check_document
@@ -28,10 +26,6 @@ from kvparity.suites.l3 import (
 PATHS = catalog_paths()
 TEST_ENGINES = "kvparity.suites.l3_test_engines"
 CONTROLS = "kvparity.impl.negative_controls"
-
-
-def judged(outcome):
-    return judge(to_schedule_result(outcome), load_policy("cpu"))
 
 
 def small(name="tiny", engine=None, **requests):
@@ -91,12 +85,12 @@ def test_both_prefill_modes_are_bit_exact(name, implementation):
     assert outcomes["engine default"].batched_prefill_steps > 0  # several prompts in one padded call happened
 
 
-def test_divergence_names_request_token_and_engine_step():
+def test_divergence_names_request_token_and_engine_step(judged):
     mask_bug = load_implementation(f"{CONTROLS}:MaskIgnoresLeftPadding")
     schedule = load(next(p for p in PATHS if p.stem == "staggered"))
     outcome = run_l3(schedule, mask_bug)
     assert outcome.verdict == FAILED
-    result = judged(outcome)
+    result = judged(to_schedule_result(outcome))
     assert result.level == "L3" and result.verdict == FAIL
     first = result.divergences[0]
     assert first.request in schedule.requests
@@ -120,15 +114,15 @@ def test_chosen_logprob_engine_passes_on_values(implementation):
     assert [c.logprob_values_compared for c in outcome.comparisons.values()] == [4, 5]
 
 
-def test_engine_dropping_a_last_token_fails(implementation):
-    result = judged(run_l3(small(), implementation, f"{TEST_ENGINES}:drops_last_token"))
+def test_engine_dropping_a_last_token_fails(implementation, judged):
+    result = judged(to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:drops_last_token")))
     assert result.verdict == FAIL
     (divergence,) = result.divergences
     assert (divergence.check, divergence.request, divergence.step) == ("length", "a", 3)
 
 
-def test_engine_swapping_outputs_fails(implementation):
-    result = judged(run_l3(small(), implementation, f"{TEST_ENGINES}:swaps_outputs"))
+def test_engine_swapping_outputs_fails(implementation, judged):
+    result = judged(to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:swaps_outputs")))
     assert result.verdict == FAIL
     assert {d.request for d in result.divergences} == {"a", "b"}
     assert all(d.step == 0 for d in result.divergences if d.check == "logprobs")
@@ -162,14 +156,14 @@ def test_batch_generator_refuses_mixed_bit_widths(implementation):
     assert_passed(run_l3(schedule, implementation, f"{TEST_ENGINES}:serial"))
 
 
-def test_oracle_that_cannot_run_is_never_a_pass(implementation):
+def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
     # mlx-lm 0.32.2's QuantizedKVCache sizes its packed buffer as head_dim // (32 // bits):
     # wrong when bits does not divide 32 (6-bit, head_dim 128: 25 words for 24).
     doc = {"kind": "arrivals", "name": "six-bit-h128", "model": "llama-h128-f32", "kv": {"bits": 6, "group_size": 64},
            "requests": {"a": {"arrival": 0, "prompt_len": 4, "max_tokens": 2}}}
     outcome = run_l3(parse(doc), implementation)
     assert outcome.verdict == ORACLE_CANNOT_RUN
-    assert judged(outcome).verdict != PASS
+    assert judged(to_schedule_result(outcome)).verdict != PASS
 
 
 # -- negative controls ----------------------------------------------------------------

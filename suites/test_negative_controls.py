@@ -6,11 +6,9 @@ variants are reported there and fail under ``strict``."""
 import pytest
 
 from kvparity.impl import negative_controls
-from kvparity.reports.policy import HYGIENE_CHECKS, load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.l1 import run_l1
+from kvparity.suites.l1 import HYGIENE_CHECKS, run_l1
 from kvparity.suites.schedule import catalog_paths, load
 
 
@@ -20,19 +18,19 @@ def catalog():
 
 
 @pytest.mark.parametrize("variant", negative_controls.VARIANTS, ids=lambda v: v.__name__)
-def test_broken_variant_is_caught(variant, catalog):
+def test_broken_variant_is_caught(variant, catalog, judged):
     impl = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
     runs = [run_l1(s, impl) for s in catalog]
     hygiene = variant.caught_by in HYGIENE_CHECKS
-    gating = load_policy("strict" if hygiene else "cpu")
-    failed = [r for r in runs if judge(r, gating).verdict == FAIL]
+    gating = "strict" if hygiene else "cpu"
+    failed = [r for r in runs if judged(r, gating).verdict == FAIL]
     assert failed, f"{variant.__name__} survived the whole L1 catalog"
     checks = {d.check for r in failed for d in r.divergences}
     assert variant.caught_by in checks, (
         f"{variant.__name__} was caught, but by {sorted(checks)}, not {variant.caught_by!r}"
     )
     if hygiene:  # reported, yet it does not fail the default gate
-        default = [judge(r, load_policy("cpu")).verdict for r in runs]
+        default = [judged(r).verdict for r in runs]
         assert FAIL not in default and PASS in default
 
 

@@ -8,8 +8,6 @@ import mlx.core as mx
 import pytest
 
 from kvparity.oracle.models import load_model
-from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import judge
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import CATALOG, load
@@ -39,10 +37,9 @@ def one_ulp(logits):
     (lambda x: x + 0.5, "kl<=0.0001 and top-1 agree", FAIL),  # a shift: softmax unchanged, every value moved
     (lambda x: -x, "diverged", FAIL),  # the greedy token flips
 ], ids=["none", "one ulp", "shift", "negated"])
-def test_each_tier_is_reached_by_a_known_perturbation(implementation, change, tier, verdict):
+def test_each_tier_is_reached_by_a_known_perturbation(implementation, judged, change, tier, verdict):
     loaded = load_model("llama-h64-bf16")
     perturbed = dataclasses.replace(loaded, model=Perturbed(loaded.model, change))
-    result = judge(run_l2(load(CATALOG / "join-longer-joiner.json"), implementation, model=perturbed),
-                   load_policy("cpu"))
+    result = judged(run_l2(load(CATALOG / "join-longer-joiner.json"), implementation, model=perturbed))
     assert {row.tier for row in result.rows} == {tier}, [(r.request, r.tier, r.metrics) for r in result.rows]
     assert result.verdict == verdict
