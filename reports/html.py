@@ -16,7 +16,9 @@ from html import escape
 
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
 from kvparity.reports.writer import STATUS, flatten
-from kvparity.suites.evidence import FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
+from kvparity.suites.evidence import (
+    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
+)
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 # outcome -> (css class, what it means, shown on hover)
@@ -27,6 +29,7 @@ OUTCOME = {
     NO_EVIDENCE: ("noevidence", "nothing the policy requires was compared: not a pass"),
     NOT_SUPPORTED: ("muted", "needs an optional capability the implementation lacks"),
     ORACLE_CANNOT_RUN: ("oracle", "mlx-lm's own solo path cannot run on this backend"),
+    ORACLE_NONDETERMINISTIC: ("oracle", "mlx-lm's own solo path differs from itself between two runs"),
 }
 STATUS_CLASS = {EXIT_OK: "pass", EXIT_BROKEN: "fail"}  # anything else: cannot judge
 TIER_CLASS = (("bit-exact", "pass"), ("ulp", "warn"), ("kl", "warn"), ("diverged", "fail"))

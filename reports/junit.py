@@ -11,10 +11,12 @@ capability is not supported, or whose oracle cannot run on this backend, is
 import re
 import xml.etree.ElementTree as ET
 
-from kvparity.suites.evidence import FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
+from kvparity.suites.evidence import (
+    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
+)
 
 FAILED = (FAIL, REFUSED, NO_EVIDENCE)
-SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN)
+SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
 # Characters XML 1.0 cannot hold at all, even escaped.
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 # Environment keys worth repeating as <properties> on every suite; the model

@@ -22,7 +22,8 @@ from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_row
 from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import (
-    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, OUTCOMES, PASS, REFUSED, ScheduleResult,
+    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED,
+    ScheduleResult,
 )
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import CATALOG, load
@@ -117,6 +118,10 @@ def unjudged():
                             model_sha256="b" * 64)
     oracle.row("a")
     oracle.stop(ORACLE_CANNOT_RUN, "event #0 join [\"a\"]: quantized_matmul has no kernel here")
+    unstable = ScheduleResult("oracle-unstable", "L2", "Cache", ["join", "step"], model="other-model",
+                              model_sha256="b" * 64)
+    unstable.row("a")
+    unstable.stop(ORACLE_NONDETERMINISTIC, "mlx-lm's solo path for 'a' differs from itself between two runs")
     return [
         l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:MaskIgnoresLeftPadding")),
         l1("join-longer-joiner", reference),
@@ -127,6 +132,7 @@ def unjudged():
         earliest_across_rows(),
         l2_by_hand(),
         oracle,
+        unstable,
     ]
 
 
@@ -165,7 +171,7 @@ def validator():
 
 def test_each_outcome_is_shown_by_the_sample(results):
     assert [r.verdict for r in results] == [FAIL, PASS, PASS, NOT_SUPPORTED, REFUSED, NO_EVIDENCE, FAIL, FAIL,
-                                            ORACLE_CANNOT_RUN]
+                                            ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC]
     assert {row.verdict for r in results for row in r.rows} == set(OUTCOMES)
 
 
@@ -179,7 +185,7 @@ def test_a_report_directory_holds_four_files_and_the_record_validates(report, re
     assert record["exit_status"] == EXIT_BROKEN and record["passed"] is False
     assert record["headline"] == run_verdict.headline
     assert record["summary"]["schedules"] == {PASS: 2, FAIL: 3, REFUSED: 1, NO_EVIDENCE: 1, NOT_SUPPORTED: 1,
-                                              ORACLE_CANNOT_RUN: 1}
+                                              ORACLE_CANNOT_RUN: 1, ORACLE_NONDETERMINISTIC: 1}
     assert record["summary"]["rows"][NO_EVIDENCE] == 1 and record["summary"]["rows"][REFUSED] == 3
     l2 = record["results"][7]
     row = l2["rows"][0]
@@ -194,10 +200,10 @@ def test_a_report_directory_holds_four_files_and_the_record_validates(report, re
 def test_each_schedule_names_its_own_model_and_the_header_none(record):
     assert "model" not in record["environment"] and "model_sha256" not in record["environment"]
     assert record["probe_model"] == {"model": "probe-model", "model_sha256": "f" * 64}
-    assert [(r["model"], r["model_sha256"]) for r in record["results"][-2:]] == [
+    assert [(r["model"], r["model_sha256"]) for r in record["results"][7:9]] == [
         ("tiny-llama", "a" * 64), ("other-model", "b" * 64)]
     assert record["models"] == [{"model": "tiny-llama", "model_sha256": "a" * 64, "schedules": 1},
-                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 1}]
+                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 2}]
 
 
 def test_coverage_members_and_gaps_come_from_the_run(record, run_verdict):
@@ -342,7 +348,8 @@ def test_junit_has_a_testcase_per_schedule_and_row(report, results):
     rows = [row for r in results for row in r.rows]
     assert root.get("tests") == str(len(rows))
     assert root.get("failures") == str(sum(row.verdict in (FAIL, REFUSED, NO_EVIDENCE) for row in rows))
-    assert root.get("skipped") == str(sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN) for row in rows))
+    assert root.get("skipped") == str(sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
+                                          for row in rows))
 
 
 def test_each_outcome_maps_to_its_junit_element(report, results):
