@@ -228,7 +228,8 @@ def plan(args, selected):
             _, unfit = fit_to_model(schedule, model)
             if unfit:
                 raise UsageError(f"{schedule.path}: cannot run on {name}: {unfit}")
-            runs.append((f"L2 {schedule.name}", lambda impl, s=schedule: run_l2(s, impl, forced)))
+            runs.append((f"L2 {schedule.name}", lambda impl, s=schedule: run_l2(
+                s, impl, forced, repeat_oracle=getattr(args, "repeat_oracle", None))))
             continue
         unfit = check_fits(schedule, model.head_dim, model.vocab_size, model.tokenizer is not None)
         if unfit:
@@ -425,7 +426,7 @@ def cmd_record(args):
             continue
         if args.engine:
             capture = {}
-            run_l2(schedule, implementation, model.name, capture=capture)
+            run_l2(schedule, implementation, model.name, capture=capture, repeat_oracle=args.repeat_oracle)
             recorded[schedule.name] = capture
         else:
             recorded[schedule.name] = {
@@ -502,7 +503,7 @@ def cmd_bisect(args):
     forced = args.model if args.model != "smollm2" else None
     runs = {
         "L1": lambda s: run_l1(s, implementation),
-        "L2": lambda s: run_l2(s, implementation, args.model, use_cache=False),
+        "L2": lambda s: run_l2(s, implementation, args.model, use_cache=False, repeat_oracle=args.repeat_oracle),
         "L3": lambda s: to_schedule_result(run_l3(s, implementation, args.engine, forced)),
     }
     shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(lambda s: judge(runs[level](s), policy), schedule)
@@ -596,6 +597,10 @@ def build_parser():
             command.add_argument("--level", choices=levels, default=default_level,
                                  help="L1 cache bytes, L2 model per row, L3 a real engine serving arrivals "
                                  "(default: %(default)s)")
+        if levels is None or "L2" in levels:
+            command.add_argument("--repeat-oracle", action=argparse.BooleanOptionalAction, default=None,
+                                 help="run every solo trace twice and require equal bytes "
+                                 "(default: on when the device is a GPU)")
         if levels and "L3" in levels:
             command.add_argument("--engine", metavar="MODULE:FACTORY",
                                  help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
@@ -675,6 +680,16 @@ def build_parser():
     record.add_argument("--schedule", metavar="FILE", action="append", help="record these schedule files only")
     record.set_defaults(func=cmd_record)
 
+    calibrate = sub.add_parser("calibrate", help="measure batched-vs-solo logit distances on this device and "
+                               "propose GPU policy thresholds",
+                               description="Sweep batch sizes 1-16 and batch compositions of the reference against "
+                               "mlx-lm's own solo path on this device, measure the RoPE and mask negative controls, "
+                               "and propose a kl tier with its margin, or none where no setting qualifies.")
+    from kvparity.suites.calibration import add_arguments as calibration_arguments
+
+    calibration_arguments(calibrate)
+    calibrate.set_defaults(func=cmd_calibrate)
+
     compare = sub.add_parser("compare", help="compare a candidate trace directory with a golden one",
                              description="Compare two trace directories (from `kvparity record` or any engine "
                              "writing the same format) with the L2 metrics. Traces from another device, backend "
@@ -684,6 +699,21 @@ def build_parser():
     compare.add_argument("--policy", metavar="NAME|FILE", help="verdict policy (default: this backend's)")
     compare.set_defaults(func=cmd_compare)
     return parser
+
+
+def cmd_calibrate(args):
+    import json
+
+    from kvparity.suites.calibration import from_args
+
+    _use_device(args.device)
+    _writable_directory(Path(args.out).parent, "--out")
+    try:
+        data = from_args(args)
+    except ValueError as error:
+        raise UsageError(str(error))
+    print(json.dumps(data["proposal"], indent=1))
+    return EXIT_OK
 
 
 def _batch_sizes(text):

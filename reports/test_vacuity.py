@@ -208,3 +208,28 @@ def test_a_candidate_missing_a_schedule_has_no_evidence(golden, tmp_path, capsys
     assert code == EXIT_CANNOT_JUDGE, out + err
     assert "1 passed" in out and "1 no evidence" in out
     assert "the candidate has no trace of this schedule" in out
+
+
+def test_an_oracle_that_differs_from_itself_is_never_judged(monkeypatch, capsys, tmp_path):
+    """--repeat-oracle runs every solo trace twice; when mlx-lm's own path
+    differs from itself nothing can be judged: exit 125, never 0 nor 1."""
+    import mlx.core as mx
+
+    from kvparity.suites import l2
+
+    monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
+    real, runs = l2.run_solo, []
+
+    def every_other_run_differs(model, schedule, rid, *args, **kwargs):
+        trace = real(model, schedule, rid, *args, **kwargs)
+        runs.append(rid)
+        if len(runs) % 2 == 0:
+            last = trace.calls[-1]
+            last.logits = mx.concatenate([last.logits[:, :-1], last.logits[:, -1:] + 1], axis=1)
+        return trace
+
+    monkeypatch.setattr(l2, "run_solo", every_other_run_differs)
+    code, out, err = run(capsys, "check", "--level", "L2", "--schedule", str(CATALOG / "join-empty.json"),
+                         "--repeat-oracle")
+    assert code == EXIT_CANNOT_JUDGE, out + err
+    assert "oracle nondeterministic" in out

@@ -878,21 +878,23 @@ def calibrate(out: str, device: Optional[str] = None, deadline: float = 600, pha
 _compositions_of = compositions
 
 
+def from_args(args) -> dict:
+    """Calibrate as the parsed options of ``add_arguments`` say; ValueError
+    for options that cannot be used."""
+    return calibrate(args.out, device=args.device, deadline=args.deadline, phases=args.phases.split(","),
+                     models=args.models.split(",") if args.models else None,
+                     batch_sizes=[int(b) for b in args.batch_sizes.split(",")], settings=args.settings,
+                     compositions=args.compositions, margin=args.margin, resume=args.resume)
+
+
 def main(argv=None) -> int:
     """``kvparity calibrate``: measure, write ``--out``, print the proposal."""
     parser = add_arguments(argparse.ArgumentParser(prog="kvparity calibrate",
                                                    description=__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
     try:
-        data = calibrate(args.out, device=args.device, deadline=args.deadline, phases=args.phases.split(","),
-                         models=args.models.split(",") if args.models else None,
-                         batch_sizes=[int(b) for b in args.batch_sizes.split(",")], settings=args.settings,
-                         compositions=args.compositions, margin=args.margin, resume=args.resume)
+        data = from_args(args)
     except ValueError as error:
         parser.error(str(error))
     print(json.dumps(data["proposal"], indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

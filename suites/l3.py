@@ -43,6 +43,7 @@ from kvparity.oracle.solo import prompt_tokens
 from kvparity.oracle.trace import oracle_cache
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
+from kvparity.suites.adapter import MemberRaised
 from kvparity.suites.compare import Divergence, first_difference
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.engines import (
@@ -55,7 +56,7 @@ from kvparity.suites.engines import (
 
 SOLO_FORMAT = "kvparity.l3-solo/1"
 
-PASSED, FAILED, UNSUPPORTED, SKIPPED_HERE = "pass", "fail", "not supported", "skipped"
+PASSED, FAILED, UNSUPPORTED, SKIPPED_HERE, REFUSED = "pass", "fail", "not supported", "skipped", "refused"
 ORACLE_CANNOT_RUN = "oracle cannot run here"  # mlx-lm's own solo path raised
 
 
@@ -255,6 +256,17 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
         outcome.verdict, outcome.reason = SKIPPED_HERE, unfit
         return outcome
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
+    # The oracle first: where mlx-lm's own path cannot run (a backend without
+    # the kernel), the engine, built on the same path, says nothing either.
+    solos = {}
+    for request in requests:
+        try:
+            solos[request.id] = cached_run_solo(loaded.model, request, loaded.sha256, use_cache)
+        except Exception as error:
+            outcome.verdict = ORACLE_CANNOT_RUN
+            outcome.reason = (f"request {request.id!r}: mlx-lm's solo generate_step raised "
+                              f"{type(error).__name__}: {error}")
+            return outcome
     settings = EngineSettings(**vars(schedule.engine))
     # The watched class counts the members the engine calls and names what raises.
     calls_before = dict(implementation.calls)
@@ -265,21 +277,17 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     except EngineUnsupported as error:
         outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
         return outcome
-    except Exception as error:  # the cache under test (or the engine) broke
+    except MemberRaised as raised:  # the cache under test declined or broke
+        outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
+        outcome.reason = f"the engine's call of {raised}"
+        return outcome
+    except Exception as error:  # the engine itself broke
         outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
         return outcome
     outcome.members = implementation.calls_since(calls_before)
     for request in requests:
-        try:
-            solo = cached_run_solo(loaded.model, request, loaded.sha256, use_cache)
-        except Exception as error:
-            outcome.verdict = ORACLE_CANNOT_RUN
-            outcome.reason = (f"request {request.id!r}: mlx-lm's solo generate_step raised "
-                              f"{type(error).__name__}: {error}")
-            outcome.comparisons.clear()
-            return outcome
         outcome.comparisons[request.id] = compare_request(
-            request.id, solo, outcome.run.outputs.get(request.id), request)
+            request.id, solos[request.id], outcome.run.outputs.get(request.id), request)
     found = [m for c in outcome.comparisons.values() for m in c.mismatches]
     if found:
         outcome.verdict = FAILED
@@ -309,7 +317,8 @@ def describe_timeline(run: EngineRun) -> List[str]:
 
 def to_schedule_result(outcome: L3Outcome):
     """The one conversion from an L3 outcome to the harness's evidence."""
-    from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN as CANNOT, ScheduleResult
+    from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN as CANNOT, REFUSED as REFUSED_OUTCOME
+    from kvparity.suites.evidence import ScheduleResult
 
     result = ScheduleResult(outcome.schedule, "L3", outcome.implementation, ["serve"], path=outcome.path,
                             model=outcome.model, model_sha256=outcome.model_sha256, seconds=outcome.seconds,
@@ -326,6 +335,8 @@ def to_schedule_result(outcome: L3Outcome):
         result.stop(NOT_SUPPORTED, outcome.reason)
     elif outcome.verdict == ORACLE_CANNOT_RUN:
         result.stop(CANNOT, outcome.reason)
+    elif outcome.verdict == REFUSED:
+        result.stop(REFUSED_OUTCOME, outcome.reason)
     elif outcome.verdict == FAILED and not outcome.comparisons:  # the engine raised
         result.stop(FAIL, outcome.reason)
         result.note(0, "raised", outcome.requests, 0, [Divergence("raised", "#0 serve", detail=outcome.reason)])

@@ -161,9 +161,18 @@ def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
     # wrong when bits does not divide 32 (6-bit, head_dim 128: 25 words for 24).
     doc = {"kind": "arrivals", "name": "six-bit-h128", "model": "llama-h128-f32", "kv": {"bits": 6, "group_size": 64},
            "requests": {"a": {"arrival": 0, "prompt_len": 4, "max_tokens": 2}}}
+    calls_before = dict(implementation.calls)
     outcome = run_l3(parse(doc), implementation)
     assert outcome.verdict == ORACLE_CANNOT_RUN
     assert judged(to_schedule_result(outcome)).verdict != PASS
+    # The oracle runs first: where it cannot, the engine is not asked (it rides the same path).
+    assert outcome.run is None and implementation.calls_since(calls_before) == {}
+
+
+def test_a_cache_that_refuses_a_required_member_is_refused_at_l3(judged):
+    refuses = load_implementation(f"{CONTROLS}:RefusesUpdateAndFetch")
+    result = judged(to_schedule_result(run_l3(small(), refuses)))
+    assert result.verdict == "refused" and "update_and_fetch" in result.reason
 
 
 # -- negative controls ----------------------------------------------------------------
