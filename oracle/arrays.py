@@ -30,6 +30,132 @@ def raw_many(arrays) -> List[np.ndarray]:
     return [np.array(memoryview(v), copy=False) for v in views]
 
 
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_POINT = np.zeros((), dtype=np.uint8)
+
+
+def _snapshot(x: mx.array) -> mx.array:
+    """``x`` as it is now: a new handle on its current graph node (free), so
+    that an in-place update of ``x`` afterwards does not change what is read.
+    Booleans are converted as ``_bits`` converts them (a copy)."""
+    return x.astype(mx.uint8) if x.dtype == mx.bool_ else x.view(x.dtype)
+
+
+def _numpy_bits(x: mx.array) -> Optional[np.ndarray]:
+    """The raw unsigned view of an evaluated array, made by numpy over the
+    array's own buffer (what viewing it in MLX gives, without a graph node);
+    None for a strided or empty bfloat16 array, whose format numpy cannot read."""
+    m = memoryview(x)
+    if x.dtype == mx.bfloat16:
+        if not m.c_contiguous or not m.nbytes:  # numpy cannot cast these: MLX views them
+            return None
+        return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(m.shape)
+    a = np.array(m, copy=False)
+    return a if a.dtype.kind == "u" else a.view(_NP_UINT[a.itemsize])
+
+
+class Reading:
+    """The bits of many arrays, read in one evaluation.
+
+    ``take`` fixes what the arrays hold now and returns a ticket; ``parts``
+    does the same for slices of arrays, sliced by numpy once read (basic
+    slices: numpy slices as MLX does). ``evaluate`` runs one ``mx.eval``
+    for everything taken since the last one; ``reading[ticket]`` is then the
+    raw views, as ``raw_many`` gives them. One evaluation per event instead
+    of one per comparison, and no graph node per slice, is most of what a
+    generated schedule costs.
+    """
+
+    def __init__(self):
+        self._views: List[mx.array] = []
+        self._bits: List[np.ndarray] = []
+
+    def take(self, arrays, known=None) -> List[int]:
+        """Indices of the arrays' bits; ``known``: {id(array): (array, index)}
+        of arrays taken at this same moment (no call in between), read once."""
+        if not known:
+            start = len(self._views)
+            self._views += [_snapshot(x) for x in arrays]
+            return list(range(start, len(self._views)))
+        ticket = []
+        for x in arrays:
+            hit = known.get(id(x))
+            if hit is not None and hit[0] is x:
+                ticket.append(hit[1])
+            else:
+                self._views.append(_snapshot(x))
+                ticket.append(len(self._views) - 1)
+        return ticket
+
+    def parts(self, arrays, index, known=None) -> list:
+        """``x[index]`` for each array, as a ``Part``; anything that is not an
+        MLX array is sliced as it is. ``known`` as for ``take``, and it
+        learns the arrays taken here."""
+        out = []
+        for x in arrays:
+            if not isinstance(x, mx.array):
+                out.append(x[index])
+                continue
+            hit = known.get(id(x)) if known else None
+            if hit is not None and hit[0] is x:
+                k = hit[1]
+            else:
+                self._views.append(_snapshot(x))
+                k = len(self._views) - 1
+                if known is not None:
+                    known[id(x)] = (x, k)
+            out.append(Part(self, k, index, x.dtype))
+        return out
+
+    def evaluate(self):
+        done = len(self._bits)
+        new = self._views[done:]
+        if not new:
+            return
+        mx.eval(new)
+        bits = [_numpy_bits(v) for v in new]
+        strided = [k for k, b in enumerate(bits) if b is None]
+        if strided:  # read through a view in MLX, as raw_many does
+            views = [_bits(new[k]) for k in strided]
+            mx.eval(views)
+            for k, v in zip(strided, views):
+                bits[k] = np.array(memoryview(v), copy=False)
+        self._bits += bits
+
+    def __getitem__(self, ticket: List[int]) -> List[np.ndarray]:
+        return [self._bits[k] for k in ticket]
+
+
+class Part:
+    """A basic slice of an array taken into a ``Reading``: dtype and shape
+    at once, bits (and values) once the reading was evaluated."""
+
+    __slots__ = ("reading", "k", "index", "dtype", "_bits")
+
+    def __init__(self, reading: Reading, k: int, index, dtype):
+        self.reading, self.k, self.index, self.dtype = reading, k, index, dtype
+        self._bits = None
+
+    @property
+    def bits(self) -> np.ndarray:
+        if self._bits is None:
+            self._bits = self.reading._bits[self.k][self.index]
+        return self._bits
+
+    @property
+    def shape(self) -> tuple:
+        if self.k < len(self.reading._bits):
+            return self.bits.shape
+        return np.broadcast_to(_POINT, self.reading._views[self.k].shape)[self.index].shape
+
+    def value(self, flat_index: int):
+        """The element as ``.item()`` gives it."""
+        u = np.ascontiguousarray(self.bits.reshape(-1)[flat_index : flat_index + 1])
+        if self.dtype == mx.bool_:
+            return bool(u[0])
+        return mx.array(u).view(self.dtype).item()
+
+
 def raw(x: mx.array) -> np.ndarray:
     return raw_many([x])[0]
 
@@ -61,14 +187,31 @@ def owned_arrays(cache) -> List[mx.array]:
 def shared_memory(a_arrays, b_arrays):
     """(x, y, bytes of y's buffer) for the first pair, one array from each
     list, whose memory overlaps; None when the lists own disjoint memory."""
+    return shared_memory_later(Reading(), a_arrays, b_arrays)()
+
+
+def shared_memory_later(reading: Reading, a_arrays, b_arrays, known=None, b_known=None):
+    """``shared_memory`` with its arrays taken into ``reading`` now
+    (``known``: as for ``Reading.take``, for ``a_arrays``; ``b_known``
+    learns what was taken of ``b_arrays``): the returned function answers
+    once ``reading`` was evaluated."""
     a_arrays = [x for x in a_arrays if x.size]
+    a_ticket = reading.take(a_arrays, known)
     b_arrays = [y for y in b_arrays if y.size]
-    b_bits = raw_many(b_arrays)
-    for x, x_bits in zip(a_arrays, raw_many(a_arrays)):
-        for y, y_bits in zip(b_arrays, b_bits):
-            if np.may_share_memory(x_bits, y_bits):
-                return x, y, _buffer_bytes(y_bits)
-    return None
+    b_ticket = reading.take(b_arrays)
+    if b_known is not None:
+        b_known.update((id(y), (y, k)) for y, k in zip(b_arrays, b_ticket))
+
+    def answer():
+        reading.evaluate()
+        b_bits = reading[b_ticket]
+        for x, x_bits in zip(a_arrays, reading[a_ticket]):
+            for y, y_bits in zip(b_arrays, b_bits):
+                if np.may_share_memory(x_bits, y_bits):
+                    return x, y, _buffer_bytes(y_bits)
+        return None
+
+    return answer
 
 
 def _buffer_bytes(view: np.ndarray) -> int:

@@ -7,45 +7,59 @@ slice is cheap and identical for the engine and the oracle.
 """
 
 import zlib
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 BLOCK = 256
+_UINT = {2: np.uint16, 4: np.uint32}
+
+
+@lru_cache(maxsize=512)
+def _block_bits(seeds: tuple, shape: tuple, dtype: str) -> np.ndarray:
+    """One block of a stream, [2 (keys, values), H, BLOCK, D], converted to
+    ``dtype`` by MLX and kept as its raw bits. Blocks depend only on their
+    seeds, so every run (and every generated schedule) shares them."""
+    heads, dim = shape
+    x = np.random.default_rng(list(seeds)).standard_normal((2, heads, BLOCK, dim), dtype=np.float32)
+    # A few loud channels, as real keys have, so groups differ in range.
+    x[0, :, :, :: max(dim // 8, 1)] *= 6.0
+    converted = mx.array(x).astype(getattr(mx, dtype))
+    bits = converted.view(getattr(mx, f"uint{converted.dtype.size * 8}"))
+    bits = np.array(bits)  # a copy: the cache must not keep MLX memory alive
+    bits.flags.writeable = False
+    return bits
 
 
 class SyntheticKV:
     def __init__(self, kv_heads: int, head_dim: int, dtype: str, seed: int = 0):
         self.shape = (kv_heads, head_dim)
         self.dtype = getattr(mx, dtype)
+        self.dtype_name = dtype
         self.seed = seed
-        self._blocks = {}
 
     def _block(self, stream: str, seed: int, b: int) -> np.ndarray:
-        key = (stream, seed, b)
-        if key not in self._blocks:
-            rng = np.random.default_rng([self.seed, seed, zlib.crc32(stream.encode()), b])
-            heads, dim = self.shape
-            x = rng.standard_normal((2, heads, BLOCK, dim), dtype=np.float32)
-            # A few loud channels, as real keys have, so groups differ in range.
-            x[0, :, :, :: max(dim // 8, 1)] *= 6.0
-            self._blocks[key] = x
-        return self._blocks[key]
+        return _block_bits((self.seed, seed, zlib.crc32(stream.encode()), b), self.shape, self.dtype_name)
 
     def tokens(self, stream: str, start: int, n: int, seed: int = 0):
         """Keys and values for tokens [start, start + n) of a stream: [1, H, n, D]."""
-        heads, dim = self.shape
-        parts = [np.zeros((2, heads, 0, dim), dtype=np.float32)]
+        parts = []
         t = start
         while t < start + n:
             b, i = divmod(t, BLOCK)
             take = min(BLOCK - i, start + n - t)
             parts.append(self._block(stream, seed, b)[:, :, i : i + take])
             t += take
+        if not parts:
+            heads, dim = self.shape
+            parts.append(np.zeros((2, heads, 0, dim), dtype=_UINT[self.dtype.size]))
         x = np.concatenate(parts, axis=2)[:, None]
-        keys = mx.array(x[0]).astype(self.dtype)
-        values = mx.array(x[1]).astype(self.dtype)
-        return keys, values
+        if self.dtype != mx.bfloat16:  # numpy has the type: no view in MLX
+            x = x.view(np.float16 if self.dtype == mx.float16 else np.float32)
+            return mx.array(x[0]), mx.array(x[1])
+        # Fresh MLX memory per draw (mx.array copies), as converting each draw did.
+        return mx.array(x[0]).view(self.dtype), mx.array(x[1]).view(self.dtype)
 
     def draw(self, written: dict, request, n: int):
         """The next n tokens of a request's stream; ``written`` counts what each

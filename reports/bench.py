@@ -96,8 +96,10 @@ def _met(value: float, target) -> str:
 def ratio_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
     """(headers, rows): one row per ratio and case, grouped by ratio in run order.
 
-    A row's measured value is None ("n/a") when one side of the ratio did not
-    run (skipped, failed or deselected).
+    A ratio without a denominator is a rate measured on its own (generated
+    schedules per second): its row shows the quantity itself. A row's
+    measured value is None ("n/a") when one side of the ratio did not run
+    (skipped, failed or deselected).
     """
     benchmarks = _load(benchmark_json_path)
     found: Dict[tuple, dict] = {}
@@ -114,15 +116,19 @@ def ratio_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
             if key in seen:
                 continue
             seen.add(key)
-            sides = [
-                found.get((info["metric"], info["case"], ratio[side]))
-                for side in ("numerator", "denominator")
-            ]
             target = ratio["target"]
             value = None
-            if all(sides):
-                num, den = (_value(b, ratio["quantity"]) for b in sides)
-                value = num / den if den else None
+            if ratio["denominator"] is None:  # a rate: the measured quantity itself
+                side = found.get((info["metric"], info["case"], ratio["numerator"]))
+                value = None if side is None else _value(side, ratio["quantity"])
+            else:
+                sides = [
+                    found.get((info["metric"], info["case"], ratio[side]))
+                    for side in ("numerator", "denominator")
+                ]
+                if all(sides):
+                    num, den = (_value(b, ratio["quantity"]) for b in sides)
+                    value = num / den if den else None
             rows.append([
                 ratio["name"],
                 info["case"],
@@ -174,7 +180,8 @@ def render_markdown(
         "Each ratio is numerator / denominator, both measured in this run "
         "(median times, or bytes): `re-merge / extend` 4 means extend is 4x "
         "cheaper than re-merging; `batched / solo tokens per second` is the "
-        "solo step time over the batched one.",
+        "solo step time over the batched one. A rate (`schedules per second`) "
+        "is the measured value itself.",
         "",
     ]
     headers, rows = ratio_table(benchmark_json_path)

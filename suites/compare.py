@@ -11,7 +11,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from kvparity.oracle.arrays import raw_many
+from kvparity.oracle.arrays import Part, Reading, raw_many
 
 TRIPLE = ("packed", "scales", "biases")
 
@@ -69,6 +69,8 @@ def first_difference(expected: mx.array, actual: mx.array, bits=None):
     if tuple(expected.shape) != tuple(actual.shape):
         return None, tuple(expected.shape), tuple(actual.shape)
     e, a = bits if bits is not None else raw_many([expected, actual])
+    if e.tobytes() == a.tobytes():  # same shape and element size: equal bytes are equal elements
+        return None
     differ = np.flatnonzero(e != a)
     if differ.size == 0:
         return None
@@ -77,6 +79,8 @@ def first_difference(expected: mx.array, actual: mx.array, bits=None):
 
 
 def _value(x: mx.array, flat_index: int):
+    if isinstance(x, Part):
+        return x.value(flat_index)
     return x.reshape(-1)[flat_index].item()
 
 
@@ -89,9 +93,27 @@ def compare_named(expected: dict, actual: dict, prefix: str = "", **where) -> Li
 def compare_all(jobs) -> List[List[Divergence]]:
     """Many ``(expected, actual, prefix, where)`` comparisons with one
     evaluation of every array involved: MLX work is batched, not per array."""
+    return compare_later(Reading(), jobs)()
+
+
+def compare_later(reading: Reading, jobs):
+    """``compare_all`` with its arrays taken into ``reading`` now: the
+    returned function gives the divergences once ``reading`` was evaluated."""
     pairs = [(e[name], a[name]) for e, a, _, _ in jobs for name in e if a.get(name) is not None]
-    bits = raw_many([x for pair in pairs for x in pair])
-    bits = iter(zip(bits[0::2], bits[1::2]))
+    arrays = [x for pair in pairs for x in pair]
+    # Parts were taken when they were sliced; everything else is taken here.
+    ticket = reading.take([x for x in arrays if not isinstance(x, Part)])
+
+    def answer() -> List[List[Divergence]]:
+        reading.evaluate()
+        taken = iter(reading[ticket])
+        bits = [x.bits if isinstance(x, Part) else next(taken) for x in arrays]
+        return _compare(jobs, iter(zip(bits[0::2], bits[1::2])))
+
+    return answer
+
+
+def _compare(jobs, bits) -> List[List[Divergence]]:
     results = []
     for expected, actual, prefix, where in jobs:
         found = []
@@ -122,12 +144,7 @@ def triple_job(expected, actual, name: str, **where):
     return dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", where
 
 
-def batch_row(triple, i: int, start: int, stop: int):
-    """Row ``i`` of a batch triple on token columns [start, stop)."""
-    return tuple(x[i : i + 1, :, start:stop] for x in triple)
-
-
 def _shapes(triple):
     if triple is None:
         return None
-    return [tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__ for x in triple]
+    return [tuple(x.shape) if isinstance(x, (mx.array, Part)) else type(x).__name__ for x in triple]

@@ -31,12 +31,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.oracle.arrays import describe_shared, owned_arrays, raw, raw_many, shared_memory
+from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
 from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
-from kvparity.suites.compare import Divergence, batch_row, compare_all, triple_job
+from kvparity.suites.compare import TRIPLE, Divergence, compare_later, triple_job
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult, drive
 from kvparity.suites.replay import Replay
 
@@ -181,17 +181,28 @@ def run_l1(schedule, implementation: Implementation) -> ScheduleResult:
     return run.finish()
 
 
-class ByteChecks:
-    """The byte comparisons of one event, evaluated together in one go."""
+class EventChecks:
+    """The checks of one event. Every array they read is taken when the
+    check is made and evaluated with all the others in one go at the end;
+    notes are queued in the order the checks are made and written then, so
+    the evidence reads as if each check had been noted at once."""
 
     def __init__(self, result: ScheduleResult, at: int):
         self.result, self.at = result, at
+        self.reading = Reading()
+        self.queue = []  # what to note, in order: (args of note) or a function that notes
         self.jobs = []  # (request, (expected, actual, prefix, where), comparisons it counts for)
+
+    def note(self, *args):
+        self.queue.append(args)
+
+    def later(self, fn):
+        self.queue.append(fn)
 
     def triples(self, rid, expected, actual, name, where):
         job = triple_job(expected, actual, name, **where)
         if isinstance(job, Divergence):
-            self.result.note(self.at, "layout", [rid], 1, [job])
+            self.note(self.at, "layout", [rid], 1, [job])
         else:
             self.jobs.append((rid, job, 1))
 
@@ -199,18 +210,45 @@ class ByteChecks:
         self.jobs.append((rid, (expected, actual, prefix, where), made))
 
     def flush(self):
-        found = compare_all([job for _, job, _ in self.jobs])
-        for (rid, _, made), divergences in zip(self.jobs, found):
-            self.result.note(self.at, "bytes", [rid], made, divergences)
-        self.jobs = []
+        """The byte comparisons queued so far are noted here, in order."""
+        jobs, self.jobs = self.jobs, []
+        compared = compare_later(self.reading, [job for _, job, _ in jobs])
+
+        def note_bytes():
+            for (rid, _, made), divergences in zip(jobs, compared()):
+                self.result.note(self.at, "bytes", [rid], made, divergences)
+
+        self.later(note_bytes)
+
+    def done(self):
+        self.reading.evaluate()
+        queue, self.queue = self.queue, []
+        for item in queue:
+            if callable(item):
+                item()
+            else:
+                self.result.note(*item)
 
 
 def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, result: ScheduleResult, event):
     """Every check after one event, each noting the comparisons it made."""
+    checks = EventChecks(result, event.index)
+    try:
+        _check_event(replay, backend, solo, checks, event)
+    except BaseException:
+        # What was checked before the implementation raised stays noted.
+        try:
+            checks.done()
+        except Exception:
+            pass  # the implementation's error is what the run reports
+        raise
+    checks.done()
+
+
+def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, checks: EventChecks, event):
     label, at = event.describe(), event.index
-    note = result.note
-    check_sources(replay, backend, result, event)
-    checks = ByteChecks(result, at)
+    note = checks.note
+    check_sources(replay, backend, checks, event)
     for rid, alone in replay.preempted.items():
         expected = solo.solo[rid].cache
         # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
@@ -225,8 +263,10 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
         return
     before = owned_arrays(batch)
     size = batch.size()
-    offsets = _ints(batch.offset)
-    pads = _ints(batch.left_padding)
+    offset, left_padding = batch.offset, batch.left_padding
+    mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
+    offsets = _ints(offset)
+    pads = _ints(left_padding)
     rows = replay.rows
     if len(offsets) != len(rows) or len(pads) != len(rows):
         note(at, "layout", rows, 1, [Divergence("layout", label, detail=f"offset has {len(offsets)} and "
@@ -244,6 +284,7 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
     if backend.fetched is not None and backend.fetched[0] == replay.version:
         fetched = _state_triples(backend.fetched[1])
     pad_slices = []
+    batch_known = {}  # the batch's arrays as last taken, while no member was called since
     for i, rid in enumerate(rows):
         expected_cache = solo.solo[rid].cache
         where = dict(event=label, request=rid)
@@ -259,63 +300,84 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
             continue  # the row's columns are unknown: bytes would only echo this
         note(at, "left_padding", [rid], 1)
         lp = pads[i]
-        expected = {name: _solo_tokens(expected_cache, name) for name in ("keys", "values")}
+        reading = checks.reading
+        expected = {name: _solo_tokens(reading, expected_cache, name) for name in ("keys", "values")}
+        row = (slice(i, i + 1), slice(None))
         for name, triple in triples.items():
-            checks.triples(rid, expected[name], batch_row(triple, i, lp, size), f"batch.{name}", where)
-            pad_slices += [(rid, where, f"batch.{name}.{part}", lp, x[i : i + 1, :, :lp])
-                           for part, x in zip(("packed", "scales", "biases"), triple)]
+            checks.triples(rid, expected[name], _parts(reading, triple, row + (slice(lp, size),), batch_known),
+                           f"batch.{name}", where)
+            pad_slices += [(rid, where, f"batch.{name}.{part}", lp, x) for part, x in
+                           zip(TRIPLE, _parts(reading, triple, row + (slice(None, lp),), batch_known))]
             if fetched is not None:
-                checks.triples(rid, expected[name], batch_row(fetched[name], i, lp, size), f"fetched.{name}", where)
-        check_extract(batch, i, expected_cache, result, checks, where)
+                checks.triples(rid, expected[name], _parts(reading, fetched[name], row + (slice(lp, size),)),
+                               f"fetched.{name}", where)
+        batch_known = check_extract(batch, i, expected_cache, expected, checks, where)
     checks.flush()
-    check_pad(pad_slices, result, at)
+    check_pad(pad_slices, checks)
     if any(x is not y for x, y in zip(before, owned_arrays(batch))):
         note(at, "extract", rows, 0, [Divergence("extract", label, detail="extract changed the batch")])
-    check_nbytes(batch, triples, result, at, rows, label)
-    check_mask(batch, rows, size, pads, result, event)
+    check_nbytes(batch, triples, checks, rows, label)
+    check_mask(batch, rows, size, pads, checks, event)
 
 
-def check_pad(pad_slices, result, at):
-    """Hygiene: pad columns hold zeros (one evaluation for all rows)."""
-    for (rid, where, tensor, lp, _), bits in zip(pad_slices, raw_many([p[-1] for p in pad_slices])):
-        nonzero = np.flatnonzero(bits)
-        result.note(at, "pad", [rid], 1, [] if not nonzero.size else [Divergence(
-            "pad", tensor=tensor, index=int(nonzero[0]), expected=0, actual=int(bits.reshape(-1)[nonzero[0]]),
-            detail=f"pad columns [0, {lp})", **where)])
+def check_pad(pad_slices, checks: EventChecks):
+    """Hygiene: pad columns hold zeros."""
+
+    def note_pad():
+        for rid, where, tensor, lp, part in pad_slices:
+            bits = part.bits
+            nonzero = np.flatnonzero(bits)
+            checks.result.note(checks.at, "pad", [rid], 1, [] if not nonzero.size else [Divergence(
+                "pad", tensor=tensor, index=int(nonzero[0]), expected=0, actual=int(bits.reshape(-1)[nonzero[0]]),
+                detail=f"pad columns [0, {lp})", **where)])
+
+    checks.later(note_pad)
 
 
-def check_nbytes(batch, triples, result, at, rows, label):
+def check_nbytes(batch, triples, checks: EventChecks, rows, label):
     """``nbytes`` counts at least the bytes the rows' own columns occupy."""
     live = sum(x.nbytes for triple in triples.values() for x in triple)
     held = batch.nbytes
     ok = isinstance(held, int) and not isinstance(held, bool) and held >= live
-    result.note(at, "nbytes", rows, 1, [] if ok else [Divergence(
+    checks.note(checks.at, "nbytes", rows, 1, [] if ok else [Divergence(
         "nbytes", label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
 
 
-def check_extract(batch, i, solo, result, checks: ByteChecks, where):
+def check_extract(batch, i, solo, expected, checks: EventChecks, where) -> dict:
+    """``expected``: the solo row's keys and values triples, already taken.
+    Returns the batch's arrays taken after ``extract`` (``Reading.take``'s
+    ``known``), or nothing when extract was not checked further."""
     extracted = batch.extract(i)
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
-        result.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
+        checks.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
                                                           detail="offset of the extracted cache", **where)])
-        return
+        return {}
     found = []
     if (getattr(extracted, "bits", None), getattr(extracted, "group_size", None)) != (solo.bits, solo.group_size):
         found.append(Divergence("extract", expected=(solo.bits, solo.group_size),
                                 actual=(getattr(extracted, "bits", None), getattr(extracted, "group_size", None)),
                                 detail="bits, group_size", **where))
-    result.note(at, "extract", [rid], 1, found)
+    checks.note(at, "extract", [rid], 1, found)
+    known = {}
     for name in ("keys", "values"):
-        checks.triples(rid, _solo_tokens(solo, name), _solo_tokens(extracted, name), f"extracted.{name}", where)
-    shared = shared_memory(owned_arrays(extracted), owned_arrays(batch))
-    result.note(at, "alias", [rid], 1, [] if shared is None else [
-        Divergence("alias", tensor="extract", actual=shared[2],
-                   detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of batch buffer alive", **where)])
+        checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
+                       f"extracted.{name}", where)
+    batch_known = {}
+    shared = shared_memory_later(checks.reading, owned_arrays(extracted), owned_arrays(batch), known, batch_known)
+    checks.later(lambda: _note_alias(checks, at, [rid], shared(), dict(tensor="extract", **where),
+                                     "batch buffer"))
+    return batch_known
 
 
-def check_sources(replay: Replay, backend: SyntheticBackend, result: ScheduleResult, event):
+def _note_alias(checks, at, rows, shared, where, whose):
+    checks.result.note(at, "alias", rows, 1, [] if shared is None else [
+        Divergence("alias", actual=shared[2],
+                   detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of {whose} alive", **where)])
+
+
+def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks, event):
     """merge/extend left their sources' bytes unchanged (parity); merge keeps
     none of their buffers (hygiene)."""
     label, at = event.describe(), event.index
@@ -324,62 +386,78 @@ def check_sources(replay: Replay, backend: SyntheticBackend, result: ScheduleRes
     for member, caches, before in backend.sources:
         after = [x for c in caches for x in owned_arrays(c)]
         same = len(after) == len(before) and all(x is y for x, y in zip(before, after))
-        if not same:  # the source holds other arrays now: are their bytes the same?
+        if same:
+            checks.note(at, "source", rows, 1, [])
+        else:  # the source holds other arrays now: are their bytes the same?
             named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
-            same = not compare_all([(named(before), named(after), "", {"event": label})])[0]
-        result.note(at, "source", rows, 1,
-                    [] if same else [Divergence("source", label, detail=f"{member} modified its source")])
+            compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
+            checks.later(lambda member=member, compared=compared: checks.result.note(
+                at, "source", rows, 1,
+                [] if not compared()[0] else [Divergence("source", label, detail=f"{member} modified its source")]))
         if member == "merge":
-            shared = shared_memory(batch_arrays, after)
-            result.note(at, "alias", rows, 1, [] if shared is None else [
-                Divergence("alias", label, tensor="merge", actual=shared[2],
-                           detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of source buffer alive")])
+            shared = shared_memory_later(checks.reading, batch_arrays, after)
+            checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
+                                                           dict(event=label, tensor="merge"), "source buffer"))
 
 
-def check_mask(batch, rows, size, pads, result, event):
+def check_mask(batch, rows, size, pads, checks: EventChecks, event):
     label = event.describe()
     for N in MASK_WIDTHS:
-        mask = _boolean_mask(batch.make_mask(N, return_array=True), len(rows), N, size + N)
-        columns = np.arange(size + N)[None, :]
-        queries = np.arange(N)[:, None]
-        for i, rid in enumerate(rows):
-            expected = (columns >= pads[i]) & (columns <= size + queries)
-            found = []
-            if mask is None or not np.array_equal(mask[i], expected):
-                got = None if mask is None else mask[i]
-                index = None
-                if got is not None and got.shape == expected.shape:
-                    index = int(np.flatnonzero(got != expected)[0])
-                found.append(Divergence(
-                    "mask", label, rid, tensor=f"make_mask({N})", index=index,
-                    expected=None if index is None else bool(expected.reshape(-1)[index]),
-                    actual=None if index is None else bool(got.reshape(-1)[index]),
-                    detail=f"row has {pads[i]} pad columns of {size}"))
-            result.note(event.index, "mask", [rid], 1, found)
+        mask = _boolean_mask_later(checks.reading, batch.make_mask(N, return_array=True), len(rows), N, size + N)
+        checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask()))
 
 
-def _boolean_mask(mask, B, N, S):
-    """Normalise a mask to bool [B, N, S]: None means attend everywhere,
+def _note_mask(checks, rows, size, pads, label, at, N, mask):
+    columns = np.arange(size + N)[None, :]
+    queries = np.arange(N)[:, None]
+    # Row i may see column c for query q when c >= pads[i] and c <= size + q.
+    expected_rows = (columns[None] >= np.array(pads, dtype=np.int64)[:, None, None]) & (columns <= size + queries)
+    equal = None if mask is None else (mask == expected_rows).all(axis=(1, 2))
+    for i, rid in enumerate(rows):
+        expected = expected_rows[i]
+        found = []
+        if mask is None or not equal[i]:
+            got = None if mask is None else mask[i]
+            index = None
+            if got is not None and got.shape == expected.shape:
+                index = int(np.flatnonzero(got != expected)[0])
+            found.append(Divergence(
+                "mask", label, rid, tensor=f"make_mask({N})", index=index,
+                expected=None if index is None else bool(expected.reshape(-1)[index]),
+                actual=None if index is None else bool(got.reshape(-1)[index]),
+                detail=f"row has {pads[i]} pad columns of {size}"))
+        checks.result.note(at, "mask", [rid], 1, found)
+
+
+def _boolean_mask_later(reading: Reading, mask, B, N, S):
+    """A function giving the mask as bool [B, N, S] once ``reading`` was
+    evaluated (its bits are taken now): None means attend everywhere,
     "causal" means causal, additive masks attend where they are 0."""
     if mask is None:
-        return np.ones((B, N, S), dtype=bool)
+        return lambda: np.ones((B, N, S), dtype=bool)
     if isinstance(mask, str):
         if mask != "causal":
-            return None
+            return lambda: None
         columns, queries = np.arange(S)[None, :], np.arange(N)[:, None]
-        return np.broadcast_to(columns <= S - N + queries, (B, N, S))
+        return lambda: np.broadcast_to(columns <= S - N + queries, (B, N, S))
     if not isinstance(mask, mx.array):
-        return None
-    if mask.dtype == mx.bool_:
-        mask = raw(mask).astype(bool)
-    else:
-        mask = np.array(mask.astype(mx.float32)) == 0
-    if mask.ndim == 4:  # [B, heads, N, S]: one mask for every head
-        mask = mask[:, 0]
-    try:
-        return np.broadcast_to(mask, (B, N, S))
-    except ValueError:
-        return None
+        return lambda: None
+    boolean = mask.dtype == mx.bool_
+    ticket = reading.take([mask if boolean else mask.astype(mx.float32)])
+
+    def answer():
+        reading.evaluate()
+        (bits,) = reading[ticket]
+        # Boolean masks attend where true; additive ones where they are 0.
+        value = bits.astype(bool) if boolean else bits.view(np.float32) == 0
+        if value.ndim == 4:  # [B, heads, N, S]: one mask for every head
+            value = value[:, 0]
+        try:
+            return np.broadcast_to(value, (B, N, S))
+        except ValueError:
+            return None
+
+    return answer
 
 
 def _state_triples(state):
@@ -399,11 +477,18 @@ def _kind(value):
     return type(value).__name__
 
 
-def _solo_tokens(cache, name):
+def _parts(reading: Reading, triple, index, known=None):
+    """``x[index]`` of each array, read with the event's other arrays;
+    ``known`` collects what was taken, so a second slice of the same arrays
+    at the same moment reads them once."""
+    return tuple(reading.parts(triple, index, known))
+
+
+def _solo_tokens(reading: Reading, cache, name, known=None):
     triple = getattr(cache, name, None)
     if triple is None:
         return None
-    return tuple(x[..., : cache.offset, :] for x in triple)
+    return _parts(reading, list(triple), (Ellipsis, slice(None, cache.offset), slice(None)), known)
 
 
 def _ints(x) -> List[int]:

@@ -20,12 +20,18 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, make_prompt_cache
 
 from kvparity.oracle.models import ModelUnavailable, load_model
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import judge
+from kvparity.suites.fuzz import make_machine
 
 pytestmark = pytest.mark.benchmark_suite
 
@@ -54,7 +60,7 @@ class Ratio:
 
     name: str
     numerator: str
-    denominator: str
+    denominator: Optional[str]  # None: no ratio, the numerator's quantity itself (a rate)
     quantity: str = "time"  # "time": median seconds; otherwise an extra_info key
     targets: tuple = ()  # (case, ">=" or "<=", value)
 
@@ -363,6 +369,40 @@ def test_bytes_per_token(benchmark, implementation, variant, bits, head_dim):
 
 
 # -- the harness itself ------------------------------------------------------------
+
+# Generated L1 schedules per second: Hypothesis's state machine on the cache
+# under test, each event applied and checked as it is generated (the default
+# stateful_step_count, derandomized, so every round runs the same schedules).
+GENERATED = 50 if QUICK else 200
+GENERATED_ROUNDS = 2 if QUICK else 3
+GENERATOR = Ratio(
+    "generator: L1 schedules per second", "generated", None, quantity="schedules_per_second",
+    targets=((f"{GENERATED} examples", ">=", 34.5),),
+)
+
+
+def test_generated_schedules_per_second(benchmark, implementation, tmp_path):
+    """``GENERATED`` examples of the L1 state machine with the cpu policy;
+    a failing schedule fails the benchmark (it measures a broken cache)."""
+    policy = load_policy("cpu")
+    started = []
+
+    def generate():
+        machine = make_machine(implementation, lambda result: judge(result, policy), tmp_path)
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=GENERATED, stateful_step_count=10, derandomize=True, database=None, deadline=None,
+            suppress_health_check=list(HealthCheck), print_blob=False,
+        ))
+        started.append(machine.schedules_started)
+
+    generate()  # warm-up: imports, the synthetic blocks' cache
+    benchmark.pedantic(generate, rounds=GENERATED_ROUNDS, iterations=1)
+    _record(benchmark, "generator", f"{GENERATED} examples", "generated", [GENERATOR],
+            examples=GENERATED, stateful_step_count=10,
+            schedules_per_second=GENERATED / benchmark.stats.stats.median,
+            # Hypothesis also starts schedules it abandons (overruns): counted here, not in the rate.
+            schedules_started=started[-1])
+
 
 HARNESS = Ratio(
     "harness: cold / warm wall time", "cold", "warm", quantity="seconds",
