@@ -4,7 +4,7 @@ shrinks real bugs into replayable files."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvparity.impl import negative_controls
@@ -23,6 +23,8 @@ def fuzz_settings(examples, **overrides):
         stateful_step_count=10,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
+        phases=[p for p in Phase if p != Phase.explain],
         **overrides,
     )
 

@@ -6,7 +6,7 @@ past 256 tokens, each replayed through the model against the solo oracle."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvparity.suites.adapter import load_implementation
@@ -19,8 +19,10 @@ EXAMPLES = int(os.environ.get("KVPARITY_L2_FUZZ_EXAMPLES", "30"))
 
 
 def fuzz_settings(examples, **overrides):
+    # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
     return settings(max_examples=examples, stateful_step_count=6, deadline=None,
-                    suppress_health_check=list(HealthCheck), **overrides)
+                    suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p != Phase.explain],
+                    **overrides)
 
 
 def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
