@@ -146,9 +146,8 @@ class ScheduleMachine(RuleBasedStateMachine):
     def join(self, data, count):
         self.add({"join": self.new_requests(data, count)})
 
-    @precondition(lambda self: self.level == "L1")
     @rule(data=st.data(), count=st.integers(1, 3))
-    def batched_join(self, data, count):
+    def batched_join(self, data, count):  # L1 only: L2 machines drop this rule (make_machine)
         self.add({"batched_join": self.new_requests(data, count, join_unquantized=False)})
 
     @precondition(has_batch)
@@ -210,10 +209,9 @@ class ScheduleMachine(RuleBasedStateMachine):
 def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None):
     """A state machine class bound to one implementation, verdict and output folder."""
     found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
-    return type(
-        "ScheduleMachine",
-        (ScheduleMachine,),
-        {"implementation": implementation, "found_dir": found_dir, "level": level,
-         "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
-         "outcomes": {}, "row_outcomes": {}},
-    )
+    namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
+                 "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
+                 "outcomes": {}, "row_outcomes": {}}
+    if level == "L2":
+        namespace["batched_join"] = None  # padded batched prefill is an L1 event: not a rule here
+    return type("ScheduleMachine", (ScheduleMachine,), namespace)
