@@ -86,6 +86,22 @@ class MergeRequantizes(BatchQuantizedKVCache):
         return super().merge(requantized)
 
 
+class MergeWritesItsSources(BatchQuantizedKVCache):
+    """merge is right, then zeroes each source's first token in place (as a
+    cache that reuses the buffers it consumed would): the request's own
+    prompt cache changes under it."""
+
+    caught_by = "source"
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        for cache in caches:
+            if cache.keys is not None:
+                cache.keys[0][..., :1, :] = 0
+        return batch
+
+
 class MaskIgnoresLeftPadding(BatchQuantizedKVCache):
     """make_mask is causal but lets rows attend to their pad columns."""
 
@@ -169,6 +185,7 @@ VARIANTS = [
     ExtractReturnsViews,
     RollbackByLargest,
     MergeRequantizes,
+    MergeWritesItsSources,
     MaskIgnoresLeftPadding,
     ExtendForgetsExistingPadding,
     RopeOffsetIgnoresLeftPadding,

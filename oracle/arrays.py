@@ -34,6 +34,13 @@ _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _POINT = np.zeros((), dtype=np.uint8)
 
 
+def handles(arrays) -> List[mx.array]:
+    """New handles on the arrays' current graph nodes (free): what the arrays
+    hold now, whatever is later written into the originals in place
+    (``x[...] = y`` rebinds ``x`` itself to a new node)."""
+    return [x.view(x.dtype) for x in arrays]
+
+
 def _snapshot(x: mx.array) -> mx.array:
     """``x`` as it is now: a new handle on its current graph node (free), so
     that an in-place update of ``x`` afterwards does not change what is read.

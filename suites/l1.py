@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
+from kvparity.oracle.arrays import Reading, describe_shared, handles, owned_arrays, shared_memory_later
 from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
@@ -64,8 +64,8 @@ class SyntheticBackend:
         self.fetched, self.sources = None, []
 
     def watch(self, member, caches):
-        # MLX arrays are immutable: holding them is holding the bytes as they were.
-        self.sources.append((member, caches, [x for c in caches for x in owned_arrays(c)]))
+        # Handles, not the arrays: a member may write a source's arrays in place.
+        self.sources.append((member, caches, handles([x for c in caches for x in owned_arrays(c)])))
 
     def prefill(self, rid, j):
         return SoloCache.prefilled(self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
@@ -383,17 +383,14 @@ def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks
     label, at = event.describe(), event.index
     batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
     rows = replay.rows or list(replay.running())
+    named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
     for member, caches, before in backend.sources:
         after = [x for c in caches for x in owned_arrays(c)]
-        same = len(after) == len(before) and all(x is y for x, y in zip(before, after))
-        if same:
-            checks.note(at, "source", rows, 1, [])
-        else:  # the source holds other arrays now: are their bytes the same?
-            named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
-            compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
-            checks.later(lambda member=member, compared=compared: checks.result.note(
-                at, "source", rows, 1,
-                [] if not compared()[0] else [Divergence("source", label, detail=f"{member} modified its source")]))
+        # Always by bytes: an array written in place is still the same object.
+        compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
+        checks.later(lambda member=member, compared=compared: checks.result.note(
+            at, "source", rows, 1,
+            [] if not compared()[0] else [Divergence("source", label, detail=f"{member} modified its source")]))
         if member == "merge":
             shared = shared_memory_later(checks.reading, batch_arrays, after)
             checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
