@@ -303,7 +303,7 @@ class BatchQuantizedKVCache(_BaseCache):
         if not 0 <= idx < self.batch_size:
             raise ValueError(f"extract({idx}) out of range for {self.batch_size} rows")
         cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
-        start = self.left_padding[idx].item()
+        start = self.left_padding.tolist()[idx]  # one host read; no graph node
         cache.offset = self._idx - start
         if self.keys is not None:
             # mx.array copies: the solo cache must not keep the batch alive.

@@ -79,8 +79,9 @@ class Reading:
 
     def take(self, arrays, known=None) -> List[int]:
         """Indices of the arrays' bits; ``known``: {id(array): (array, index)}
-        of arrays taken at this same moment (no call in between), read once."""
-        if not known:
+        of arrays taken at this same moment (no call in between), read once;
+        it learns the arrays taken here."""
+        if known is None:
             start = len(self._views)
             self._views += [_snapshot(x) for x in arrays]
             return list(range(start, len(self._views)))
@@ -92,6 +93,7 @@ class Reading:
             else:
                 self._views.append(_snapshot(x))
                 ticket.append(len(self._views) - 1)
+                known[id(x)] = (x, ticket[-1])
         return ticket
 
     def parts(self, arrays, index, known=None) -> list:
@@ -151,9 +153,15 @@ class Part:
 
     @property
     def shape(self) -> tuple:
-        if self.k < len(self.reading._bits):
+        if self._bits is not None or self.k < len(self.reading._bits):
             return self.bits.shape
         return np.broadcast_to(_POINT, self.reading._views[self.k].shape)[self.index].shape
+
+    def kept(self) -> "Part":
+        """This part, evaluated, no longer holding the rest of its reading."""
+        self.bits
+        self.reading = None
+        return self
 
     def value(self, flat_index: int):
         """The element as ``.item()`` gives it."""
@@ -199,15 +207,13 @@ def shared_memory(a_arrays, b_arrays):
 
 def shared_memory_later(reading: Reading, a_arrays, b_arrays, known=None, b_known=None):
     """``shared_memory`` with its arrays taken into ``reading`` now
-    (``known``: as for ``Reading.take``, for ``a_arrays``; ``b_known``
-    learns what was taken of ``b_arrays``): the returned function answers
-    once ``reading`` was evaluated."""
+    (``known`` and ``b_known``: as for ``Reading.take``, for ``a_arrays``
+    and ``b_arrays``): the returned function answers once ``reading`` was
+    evaluated."""
     a_arrays = [x for x in a_arrays if x.size]
     a_ticket = reading.take(a_arrays, known)
     b_arrays = [y for y in b_arrays if y.size]
-    b_ticket = reading.take(b_arrays)
-    if b_known is not None:
-        b_known.update((id(y), (y, k)) for y, k in zip(b_arrays, b_ticket))
+    b_ticket = reading.take(b_arrays, b_known)
 
     def answer():
         reading.evaluate()

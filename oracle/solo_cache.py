@@ -6,8 +6,14 @@ would convert it (offset >= quantized_kv_start); from then on mlx-lm's
 ``QuantizedKVCache`` stores it.
 """
 
+import copy
+
+import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache
+
+from kvparity.oracle.arrays import handles
 
 
 class SoloCache:
@@ -26,6 +32,15 @@ class SoloCache:
         for n in request.prefill_chunks(prompt_len):
             solo.append(*draw(n))
         return solo
+
+    def fork(self) -> "SoloCache":
+        """The same request holding the same bytes through handles of its own
+        (no copy): mlx-lm writes a cache's arrays in place, so appending to
+        one of the two leaves the other as it was."""
+        cache = copy.copy(self.cache)
+        for name, value in vars(cache).items():
+            setattr(cache, name, tree_map(lambda x: handles([x])[0] if isinstance(x, mx.array) else x, value))
+        return SoloCache(self.bits, self.group_size, self.quantized_kv_start, cache)
 
     @property
     def cache(self):

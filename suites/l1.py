@@ -25,6 +25,7 @@ Hygiene, what no request can observe (reported; gating under ``strict``):
 """
 
 import time
+from collections import OrderedDict
 from typing import Dict, List
 
 import mlx.core as mx
@@ -43,6 +44,36 @@ from kvparity.suites.replay import Replay
 MASK_WIDTHS = (1, 3)
 # What no request can observe: reported, and gating only under a strict policy.
 HYGIENE_CHECKS = ("pad", "alias")
+
+
+class Prefills:
+    """Prompts prefilled alone by mlx-lm, each computed once and handed out
+    as forks: a joining request's merge source and its oracle are the same
+    computation, and generated schedules repeat their requests. The kept
+    cache is never handed out, so nothing done to a fork reaches another."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self.kept: "OrderedDict[tuple, SoloCache]" = OrderedDict()
+
+    def fork(self, kv: SyntheticKV, written: Dict[str, int], request, bits: int, group_size: int, n: int):
+        """``request``'s first ``n`` prompt tokens of its stream, drawn from
+        ``written`` on (which advances by ``n``), in generate_step's chunks."""
+        start = written.get(request.id, 0)
+        key = (kv.identity, request.id, request.seed, start, n, request.prefill_step_size,
+               request.quantized_kv_start, bits, group_size)
+        solo = self.kept.pop(key, None)
+        if solo is None:
+            solo = SoloCache.prefilled(request, bits, group_size, lambda m: kv.draw(written, request, m), n)
+            if len(self.kept) >= self.size:
+                self.kept.popitem(last=False)
+        else:
+            written[request.id] = start + n
+        self.kept[key] = solo
+        return solo.fork()
+
+
+PREFILLS = Prefills()
 
 
 class SyntheticBackend:
@@ -68,8 +99,9 @@ class SyntheticBackend:
         self.sources.append((member, caches, handles([x for c in caches for x in owned_arrays(c)])))
 
     def prefill(self, rid, j):
-        return SoloCache.prefilled(self.schedule.requests[rid], self.schedule.bits, self.schedule.group_size,
-                                   lambda n: self.draw(rid, n))
+        request = self.schedule.requests[rid]
+        return PREFILLS.fork(self.kv, self.written, request, self.schedule.bits, self.schedule.group_size,
+                             request.prompt_len)
 
     def resume(self, rid, caches):
         start = self.schedule.requests[rid].quantized_kv_start
@@ -110,19 +142,32 @@ class SoloCaches:
         self.kv = kv
         self.solo: Dict[str, SoloCache] = {}
         self.written: Dict[str, int] = {}
+        self.read: Dict[str, tuple] = {}  # (reading, keys and values triples) as last read, until a call
 
     def draw(self, rid, n):
         return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
+    def expected(self, rid, reading: Reading) -> dict:
+        """The row's keys and values triples on ``[0, offset)``, taken into
+        ``reading``; read again only after a call changed the row."""
+        taken_by, triples = self.read.get(rid, (None, None))
+        if triples is None:
+            cache = self.solo[rid].cache
+            triples = {name: _solo_tokens(reading, cache, name) for name in ("keys", "values")}
+            self.read[rid] = (reading, triples)
+        elif taken_by not in (None, reading):  # read at an earlier event, evaluated since
+            triples = {name: triple and tuple(part.kept() for part in triple) for name, triple in triples.items()}
+            self.read[rid] = (None, triples)
+        return triples
+
     def apply(self, calls_at: Dict[str, list]):
         for rid, calls in calls_at.items():
+            self.read.pop(rid, None)
             request = self.schedule.requests[rid]
             for call in calls:
                 if call.op == "prefill":
-                    self.solo[rid] = SoloCache.prefilled(
-                        request, self.schedule.bits, self.schedule.group_size,
-                        lambda n, rid=rid: self.draw(rid, n), call.n,
-                    )
+                    self.solo[rid] = PREFILLS.fork(self.kv, self.written, request, self.schedule.bits,
+                                                   self.schedule.group_size, call.n)
                 elif call.op == "append":
                     self.solo[rid].append(*self.draw(rid, call.n))
                 else:
@@ -261,7 +306,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     if batch is None:
         checks.flush()
         return
-    before = owned_arrays(batch)
+    before = handles(owned_arrays(batch))
     size = batch.size()
     offset, left_padding = batch.offset, batch.left_padding
     mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
@@ -284,7 +329,11 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     if backend.fetched is not None and backend.fetched[0] == replay.version:
         fetched = _state_triples(backend.fetched[1])
     pad_slices = []
-    batch_known = {}  # the batch's arrays as last taken, while no member was called since
+    # Every array is read once per event: the batch before any extract (a later
+    # in-place change is caught below), what update_and_fetch returned, and each
+    # oracle row while its cache is untouched.
+    batch_known, fetched_known = {}, {}
+    reading = checks.reading
     for i, rid in enumerate(rows):
         expected_cache = solo.solo[rid].cache
         where = dict(event=label, request=rid)
@@ -300,8 +349,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
             continue  # the row's columns are unknown: bytes would only echo this
         note(at, "left_padding", [rid], 1)
         lp = pads[i]
-        reading = checks.reading
-        expected = {name: _solo_tokens(reading, expected_cache, name) for name in ("keys", "values")}
+        expected = solo.expected(rid, reading)
         row = (slice(i, i + 1), slice(None))
         for name, triple in triples.items():
             checks.triples(rid, expected[name], _parts(reading, triple, row + (slice(lp, size),), batch_known),
@@ -309,13 +357,13 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
             pad_slices += [(rid, where, f"batch.{name}.{part}", lp, x) for part, x in
                            zip(TRIPLE, _parts(reading, triple, row + (slice(None, lp),), batch_known))]
             if fetched is not None:
-                checks.triples(rid, expected[name], _parts(reading, fetched[name], row + (slice(lp, size),)),
+                checks.triples(rid, expected[name],
+                               _parts(reading, fetched[name], row + (slice(lp, size),), fetched_known),
                                f"fetched.{name}", where)
-        batch_known = check_extract(batch, i, expected_cache, expected, checks, where)
+        check_extract(batch, i, expected_cache, expected, checks, where, batch_known)
     checks.flush()
     check_pad(pad_slices, checks)
-    if any(x is not y for x, y in zip(before, owned_arrays(batch))):
-        note(at, "extract", rows, 0, [Divergence("extract", label, detail="extract changed the batch")])
+    check_unchanged(before, owned_arrays(batch), checks, rows, label)
     check_nbytes(batch, triples, checks, rows, label)
     check_mask(batch, rows, size, pads, checks, event)
 
@@ -343,17 +391,16 @@ def check_nbytes(batch, triples, checks: EventChecks, rows, label):
         "nbytes", label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
 
 
-def check_extract(batch, i, solo, expected, checks: EventChecks, where) -> dict:
-    """``expected``: the solo row's keys and values triples, already taken.
-    Returns the batch's arrays taken after ``extract`` (``Reading.take``'s
-    ``known``), or nothing when extract was not checked further."""
+def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_known):
+    """``expected``: the solo row's keys and values triples, already taken;
+    ``batch_known``: the batch's arrays as taken before the extracts."""
     extracted = batch.extract(i)
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
         checks.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
                                                           detail="offset of the extracted cache", **where)])
-        return {}
+        return
     found = []
     if (getattr(extracted, "bits", None), getattr(extracted, "group_size", None)) != (solo.bits, solo.group_size):
         found.append(Divergence("extract", expected=(solo.bits, solo.group_size),
@@ -364,11 +411,21 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where) -> dict:
     for name in ("keys", "values"):
         checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
                        f"extracted.{name}", where)
-    batch_known = {}
     shared = shared_memory_later(checks.reading, owned_arrays(extracted), owned_arrays(batch), known, batch_known)
     checks.later(lambda: _note_alias(checks, at, [rid], shared(), dict(tensor="extract", **where),
                                      "batch buffer"))
-    return batch_known
+
+
+def check_unchanged(before, after, checks: EventChecks, rows, label):
+    """``extract`` left the batch as it was: its arrays, by bytes (an array
+    written in place is still the same object)."""
+    changed = [Divergence("extract", label, detail="extract changed the batch")]
+    if len(before) != len(after):
+        checks.note(checks.at, "extract", rows, 0, changed)
+        return
+    named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
+    compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
+    checks.later(lambda: compared()[0] and checks.result.note(checks.at, "extract", rows, 0, changed))
 
 
 def _note_alias(checks, at, rows, shared, where, whose):
