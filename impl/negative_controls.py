@@ -102,6 +102,20 @@ class MergeWritesItsSources(BatchQuantizedKVCache):
         return batch
 
 
+class ExtractWritesTheBatch(BatchQuantizedKVCache):
+    """extract is right, then zeroes the row's first token in the batch in
+    place (as an extract that recycles the row's columns would)."""
+
+    caught_by = "extract"
+
+    def extract(self, idx):
+        cache = super().extract(idx)
+        if self.keys is not None:
+            start = self.left_padding.tolist()[idx]
+            self.keys[0][idx : idx + 1, :, start : start + 1] = 0
+        return cache
+
+
 class MaskIgnoresLeftPadding(BatchQuantizedKVCache):
     """make_mask is causal but lets rows attend to their pad columns."""
 
@@ -186,6 +200,7 @@ VARIANTS = [
     RollbackByLargest,
     MergeRequantizes,
     MergeWritesItsSources,
+    ExtractWritesTheBatch,
     MaskIgnoresLeftPadding,
     ExtendForgetsExistingPadding,
     RopeOffsetIgnoresLeftPadding,
