@@ -30,7 +30,6 @@ def raw_many(arrays) -> List[np.ndarray]:
     return [np.array(memoryview(v), copy=False) for v in views]
 
 
-_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _POINT = np.zeros((), dtype=np.uint8)
 
 
@@ -42,23 +41,13 @@ def handles(arrays) -> List[mx.array]:
 
 
 def _snapshot(x: mx.array) -> mx.array:
-    """``x`` as it is now: a new handle on its current graph node (free), so
-    that an in-place update of ``x`` afterwards does not change what is read.
-    Booleans are converted as ``_bits`` converts them (a copy)."""
-    return x.astype(mx.uint8) if x.dtype == mx.bool_ else x.view(x.dtype)
-
-
-def _numpy_bits(x: mx.array) -> Optional[np.ndarray]:
-    """The raw unsigned view of an evaluated array, made by numpy over the
-    array's own buffer (what viewing it in MLX gives, without a graph node);
-    None for a strided or empty bfloat16 array, whose format numpy cannot read."""
-    m = memoryview(x)
-    if x.dtype == mx.bfloat16:
-        if not m.c_contiguous or not m.nbytes:  # numpy cannot cast these: MLX views them
-            return None
-        return np.frombuffer(m.cast("B"), dtype=np.uint16).reshape(m.shape)
-    a = np.array(m, copy=False)
-    return a if a.dtype.kind == "u" else a.view(_NP_UINT[a.itemsize])
+    """The bits of ``x`` as it is now: a new handle on its current graph node
+    viewed as unsigned integers (free, strides kept), so that an in-place
+    update of ``x`` afterwards does not change what is read. Booleans are
+    converted as ``_bits`` converts them (a copy)."""
+    if x.dtype == mx.bool_:
+        return x.astype(mx.uint8)
+    return x.view(_UINT[x.dtype.size])
 
 
 class Reading:
@@ -122,14 +111,7 @@ class Reading:
         if not new:
             return
         mx.eval(new)
-        bits = [_numpy_bits(v) for v in new]
-        strided = [k for k, b in enumerate(bits) if b is None]
-        if strided:  # read through a view in MLX, as raw_many does
-            views = [_bits(new[k]) for k in strided]
-            mx.eval(views)
-            for k, v in zip(strided, views):
-                bits[k] = np.array(memoryview(v), copy=False)
-        self._bits += bits
+        self._bits += [np.array(memoryview(v), copy=False) for v in new]
 
     def __getitem__(self, ticket: List[int]) -> List[np.ndarray]:
         return [self._bits[k] for k in ticket]

@@ -96,13 +96,14 @@ def compare_all(jobs) -> List[List[Divergence]]:
     return compare_later(Reading(), jobs)()
 
 
-def compare_later(reading: Reading, jobs):
-    """``compare_all`` with its arrays taken into ``reading`` now: the
-    returned function gives the divergences once ``reading`` was evaluated."""
+def compare_later(reading: Reading, jobs, known=None):
+    """``compare_all`` with its arrays taken into ``reading`` now (``known``:
+    as for ``Reading.take``): the returned function gives the divergences
+    once ``reading`` was evaluated."""
     pairs = [(e[name], a[name]) for e, a, _, _ in jobs for name in e if a.get(name) is not None]
     arrays = [x for pair in pairs for x in pair]
     # Parts were taken when they were sliced; everything else is taken here.
-    ticket = reading.take([x for x in arrays if not isinstance(x, Part)])
+    ticket = reading.take([x for x in arrays if not isinstance(x, Part)], known)
 
     def answer() -> List[List[Divergence]]:
         reading.evaluate()

@@ -33,7 +33,6 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.oracle.arrays import Reading, describe_shared, handles, owned_arrays, shared_memory_later
-from kvparity.oracle.solo import layer_bytes
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
@@ -142,23 +141,22 @@ class SoloCaches:
         self.kv = kv
         self.solo: Dict[str, SoloCache] = {}
         self.written: Dict[str, int] = {}
-        self.read: Dict[str, tuple] = {}  # (reading, keys and values triples) as last read, until a call
+        self.read: Dict[str, tuple] = {}  # (reading, layer parts) as last read, until a call
 
     def draw(self, rid, n):
         return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
     def expected(self, rid, reading: Reading) -> dict:
-        """The row's keys and values triples on ``[0, offset)``, taken into
-        ``reading``; read again only after a call changed the row."""
-        taken_by, triples = self.read.get(rid, (None, None))
-        if triples is None:
-            cache = self.solo[rid].cache
-            triples = {name: _solo_tokens(reading, cache, name) for name in ("keys", "values")}
-            self.read[rid] = (reading, triples)
+        """The row's cache on ``[0, offset)`` as ``_layer_parts`` gives it,
+        taken into ``reading``; read again only after a call changed the row."""
+        taken_by, layer = self.read.get(rid, (None, None))
+        if layer is None:
+            layer = _layer_parts(reading, self.solo[rid].cache)
+            self.read[rid] = (reading, layer)
         elif taken_by not in (None, reading):  # read at an earlier event, evaluated since
-            triples = {name: triple and tuple(part.kept() for part in triple) for name, triple in triples.items()}
-            self.read[rid] = (None, triples)
-        return triples
+            layer = {name: part.kept() for name, part in layer.items()}
+            self.read[rid] = (None, layer)
+        return layer
 
     def apply(self, calls_at: Dict[str, list]):
         for rid, calls in calls_at.items():
@@ -293,20 +291,21 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
 def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, checks: EventChecks, event):
     label, at = event.describe(), event.index
     note = checks.note
-    check_sources(replay, backend, checks, event)
+    batch_known = {}  # the batch's arrays as taken before any extract
+    check_sources(replay, backend, checks, event, batch_known)
     for rid, alone in replay.preempted.items():
         expected = solo.solo[rid].cache
         # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
         made = 1 if rid in replay.extracted else 0
         note(at, "offset", [rid], made, [] if alone.cache.offset == expected.offset else [
             Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset)])
-        checks.named(rid, layer_bytes(expected), layer_bytes(alone.cache), "extracted.",
-                     dict(event=label, request=rid), made)
+        checks.named(rid, solo.expected(rid, checks.reading), _layer_parts(checks.reading, alone.cache),
+                     "extracted.", dict(event=label, request=rid), made)
     batch = replay.layers[0] if replay.layers else None
     if batch is None:
         checks.flush()
         return
-    before = handles(owned_arrays(batch))
+    before = checks.reading.take(owned_arrays(batch), batch_known)
     size = batch.size()
     offset, left_padding = batch.offset, batch.left_padding
     mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
@@ -332,7 +331,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     # Every array is read once per event: the batch before any extract (a later
     # in-place change is caught below), what update_and_fetch returned, and each
     # oracle row while its cache is untouched.
-    batch_known, fetched_known = {}, {}
+    fetched_known = {}
     reading = checks.reading
     for i, rid in enumerate(rows):
         expected_cache = solo.solo[rid].cache
@@ -349,7 +348,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
             continue  # the row's columns are unknown: bytes would only echo this
         note(at, "left_padding", [rid], 1)
         lp = pads[i]
-        expected = solo.expected(rid, reading)
+        expected = _triples(solo.expected(rid, reading))
         row = (slice(i, i + 1), slice(None))
         for name, triple in triples.items():
             checks.triples(rid, expected[name], _parts(reading, triple, row + (slice(lp, size),), batch_known),
@@ -417,15 +416,22 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
 
 
 def check_unchanged(before, after, checks: EventChecks, rows, label):
-    """``extract`` left the batch as it was: its arrays, by bytes (an array
+    """``extract`` left the batch as it was: ``before``, the ticket of its
+    arrays taken before the extracts, against ``after`` by bytes (an array
     written in place is still the same object)."""
     changed = [Divergence("extract", label, detail="extract changed the batch")]
     if len(before) != len(after):
         checks.note(checks.at, "extract", rows, 0, changed)
         return
-    named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
-    compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
-    checks.later(lambda: compared()[0] and checks.result.note(checks.at, "extract", rows, 0, changed))
+    reading = checks.reading
+    after = reading.take(after)
+
+    def note_changed():
+        reading.evaluate()
+        if any(a.shape != b.shape or a.tobytes() != b.tobytes() for a, b in zip(reading[before], reading[after])):
+            checks.result.note(checks.at, "extract", rows, 0, changed)
+
+    checks.later(note_changed)
 
 
 def _note_alias(checks, at, rows, shared, where, whose):
@@ -434,7 +440,7 @@ def _note_alias(checks, at, rows, shared, where, whose):
                    detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of {whose} alive", **where)])
 
 
-def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks, event):
+def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks, event, batch_known):
     """merge/extend left their sources' bytes unchanged (parity); merge keeps
     none of their buffers (hygiene)."""
     label, at = event.describe(), event.index
@@ -443,13 +449,14 @@ def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks
     named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
     for member, caches, before in backend.sources:
         after = [x for c in caches for x in owned_arrays(c)]
+        after_known = {}
         # Always by bytes: an array written in place is still the same object.
-        compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})])
+        compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})], after_known)
         checks.later(lambda member=member, compared=compared: checks.result.note(
             at, "source", rows, 1,
             [] if not compared()[0] else [Divergence("source", label, detail=f"{member} modified its source")]))
         if member == "merge":
-            shared = shared_memory_later(checks.reading, batch_arrays, after)
+            shared = shared_memory_later(checks.reading, batch_arrays, after, batch_known, after_known)
             checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
                                                            dict(event=label, tensor="merge"), "source buffer"))
 
@@ -536,6 +543,26 @@ def _parts(reading: Reading, triple, index, known=None):
     ``known`` collects what was taken, so a second slice of the same arrays
     at the same moment reads them once."""
     return tuple(reading.parts(triple, index, known))
+
+
+def _layer_parts(reading: Reading, cache) -> dict:
+    """``layer_bytes`` of a cache as parts of ``reading`` (sliced by numpy,
+    no graph node): {"keys.packed": ..., ...}, or {"keys", "values"} unquantized."""
+    index = (Ellipsis, slice(None, cache.offset), slice(None))
+    layer = {}
+    for name in ("keys", "values"):
+        stored = getattr(cache, name, None)
+        if isinstance(stored, (tuple, list)):
+            layer.update(zip((f"{name}.{part}" for part in TRIPLE), reading.parts(list(stored), index)))
+        elif stored is not None:
+            layer[name] = reading.parts([stored], index)[0]
+    return layer
+
+
+def _triples(layer: dict) -> dict:
+    """{"keys": triple, "values": triple} of a quantized layer; None where one is missing."""
+    return {name: tuple(layer[f"{name}.{part}"] for part in TRIPLE) if f"{name}.packed" in layer else None
+            for name in ("keys", "values")}
 
 
 def _solo_tokens(reading: Reading, cache, name, known=None):
