@@ -258,8 +258,13 @@ class EventChecks:
         compared = compare_later(self.reading, [job for _, job, _ in jobs])
 
         def note_bytes():
+            rows = {}  # request -> [comparisons, divergences], noted once per row
             for (rid, _, made), divergences in zip(jobs, compared()):
-                self.result.note(self.at, "bytes", [rid], made, divergences)
+                row = rows.setdefault(rid, [0, []])
+                row[0] += made
+                row[1] += divergences
+            for rid, (made, found) in rows.items():
+                self.result.note(self.at, "bytes", [rid], made, found)
 
         self.later(note_bytes)
 
@@ -371,12 +376,18 @@ def check_pad(pad_slices, checks: EventChecks):
     """Hygiene: pad columns hold zeros."""
 
     def note_pad():
+        rows = {}  # request -> [comparisons, divergences], noted once per row
         for rid, where, tensor, lp, part in pad_slices:
+            row = rows.setdefault(rid, [0, []])
+            row[0] += 1
             bits = part.bits
-            nonzero = np.flatnonzero(bits)
-            checks.result.note(checks.at, "pad", [rid], 1, [] if not nonzero.size else [Divergence(
-                "pad", tensor=tensor, index=int(nonzero[0]), expected=0, actual=int(bits.reshape(-1)[nonzero[0]]),
-                detail=f"pad columns [0, {lp})", **where)])
+            if bits.any():
+                first = int(np.flatnonzero(bits)[0])
+                row[1].append(Divergence("pad", tensor=tensor, index=first, expected=0,
+                                         actual=int(bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
+                                         **where))
+        for rid, (made, found) in rows.items():
+            checks.result.note(checks.at, "pad", [rid], made, found)
 
     checks.later(note_pad)
 
