@@ -175,6 +175,13 @@ def test_a_module_that_does_not_even_parse_exits_125(module_dir, capsys):
     assert "importing halfway_cache raised SyntaxError" in err and "Traceback" not in err
 
 
+def test_a_factory_that_raises_exits_125(module_dir, capsys):
+    (module_dir / "failing_factory.py").write_text("def make():\n    raise RuntimeError('no kernels here')\n")
+    assert main(["check", *ONE_L1, "--impl", "failing_factory:make"]) == EXIT_CANNOT_JUDGE
+    err = outcome(capsys)[1]
+    assert "the factory raised RuntimeError: no kernels here" in err and "Traceback" not in err
+
+
 def test_missing_backend_exits_125(capsys):
     import mlx.core as mx
 

@@ -200,7 +200,10 @@ def load_implementation(spec: str = None) -> Implementation:
 def _call_factory(spec: str, factory: Callable) -> type:
     if not callable(factory):
         raise ImplementationError(f"--impl {spec!r}: not a class or a factory")
-    batch_class = factory()
+    try:
+        batch_class = factory()
+    except Exception as error:  # the implementation's own code fails: this commit cannot be judged
+        raise ImplementationUnavailable(f"--impl {spec!r}: the factory raised {type(error).__name__}: {error}")
     if not inspect.isclass(batch_class):
         raise ImplementationError(
             f"--impl {spec!r}: the factory returned {type(batch_class).__name__}, not a batch cache class"
