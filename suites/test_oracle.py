@@ -9,7 +9,11 @@ from kvparity.oracle.models import load_model
 from kvparity.suites.compare import first_difference
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
-from kvparity.suites.schedule import parse
+from kvparity.oracle.arrays import digest
+from kvparity.oracle.solo_cache import SoloCache
+from kvparity.oracle.synthetic import SyntheticKV
+from kvparity.suites.l1 import Prefills
+from kvparity.suites.schedule import Request, parse
 
 TOKENS = 10
 
@@ -229,3 +233,34 @@ def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, imple
     runs.clear()
     gate(l2.run_l2(schedule, implementation, use_cache=False))
     assert len(runs) == 2 * len(schedule.requests)
+
+
+# -- L1: prompts prefilled once, handed out as forks --------------------------------------
+
+
+def _cache_digest(solo):
+    cache = solo.cache
+    arrays = [x for name in ("keys", "values") for x in
+              (getattr(cache, name) if isinstance(getattr(cache, name), (tuple, list)) else (getattr(cache, name),))]
+    return type(cache).__name__, cache.offset, digest(arrays)
+
+
+@pytest.mark.parametrize("start", [0, 9, 40], ids=["quantized", "converts mid-prompt", "waits unquantized"])
+def test_a_prefilled_prompt_is_computed_once_and_forks_are_independent(start):
+    kv = SyntheticKV(2, 64, "bfloat16")
+    request = Request("a", prompt_len=23, quantized_kv_start=start, prefill_step_size=5)
+    prefills = Prefills()
+    first_written, second_written, fresh_written = {}, {}, {}
+    first = prefills.fork(kv, first_written, request, 4, 64, 23)
+    second = prefills.fork(kv, second_written, request, 4, 64, 23)
+    fresh = SoloCache.prefilled(request, 4, 64, lambda n: kv.draw(fresh_written, request, n))
+    assert first_written == second_written == fresh_written == {"a": 23} and len(prefills.kept) == 1
+    assert _cache_digest(first) == _cache_digest(second) == _cache_digest(fresh)
+    # What one holder writes in place (mlx-lm's appends, a member that writes
+    # its source) reaches neither the other fork nor the kept cache.
+    before = _cache_digest(second)
+    first.append(*kv.draw(first_written, request, 3))
+    keys = first.cache.keys[0] if isinstance(first.cache.keys, (tuple, list)) else first.cache.keys
+    keys[..., :1, :] = 0
+    assert _cache_digest(second) == before
+    assert _cache_digest(prefills.fork(kv, {}, request, 4, 64, 23)) == before
