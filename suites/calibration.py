@@ -60,7 +60,6 @@ proposal is data for a person writing a policy file, never applied by itself.
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -80,7 +79,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.oracle import models as _models
-from kvparity.oracle.arrays import raw
+from kvparity.oracle.arrays import digest, raw
 from kvparity.oracle.machine import machine
 from kvparity.oracle.models import SMOLLM2, available_models
 from kvparity.oracle.solo import greedy, log_probs, run_solo
@@ -490,10 +489,17 @@ def spread(sizes) -> List[int]:
     return first + [b for b in sizes if b not in first]
 
 
-def sweep(model_name, bits, group_size, implementation, batch_sizes, deadline, seed=0, mode="as-is"):
+def _reading(mode, implementation, run, *args) -> dict:
+    """``run(*args)`` with attention reading its keys as ``mode`` says; the
+    result records the mode."""
     with reads(mode, implementation):
-        result = _sweep(model_name, bits, group_size, implementation, batch_sizes, deadline, seed)
+        result = run(*args)
     return {**result, "reads": mode}
+
+
+def sweep(model_name, bits, group_size, implementation, batch_sizes, deadline, seed=0, mode="as-is"):
+    return _reading(mode, implementation, _sweep, model_name, bits, group_size, implementation, batch_sizes,
+                    deadline, seed)
 
 
 def _sweep(model_name, bits, group_size, implementation, batch_sizes, deadline, seed=0):
@@ -554,9 +560,8 @@ def composition_docs(model, bits, group_size, n, seed=0, steps=6):
 
 
 def compositions(model_name, bits, group_size, implementation, n, deadline, seed=0, mode="as-is"):
-    with reads(mode, implementation):
-        result = _compositions(model_name, bits, group_size, implementation, n, deadline, seed)
-    return {**result, "reads": mode}
+    return _reading(mode, implementation, _compositions, model_name, bits, group_size, implementation, n,
+                    deadline, seed)
 
 
 def _compositions(model_name, bits, group_size, implementation, n, deadline, seed=0):
@@ -576,9 +581,9 @@ def _compositions(model_name, bits, group_size, implementation, n, deadline, see
         solo = traces["t"]
         decode = [c.logits for c in solo.calls if c.op == "append"]
         if solo_hash is None:
-            solo_hash = _hash(decode)
+            solo_hash = digest(decode)
             solo_tokens = [greedy(x[-1]) for x in decode]
-        elif _hash(decode) != solo_hash:
+        elif digest(decode) != solo_hash:
             errors.append({"kind": kind, "error": "the target's solo run differs between compositions"})
         mine = [logits for kind_, _, _, logits in rows["t"] if kind_ not in ("join", "alone")]
         positions = [p for kind_, _, ps, _ in rows["t"] if kind_ not in ("join", "alone") for p in ps]
@@ -586,7 +591,7 @@ def _compositions(model_name, bits, group_size, implementation, n, deadline, see
             "kind": kind,
             "batch_size": size,
             "tokens": [p["token"] for p in positions],
-            "logits_sha256": _hash(mine),
+            "logits_sha256": digest(mine),
             "kl_max": max((p["kl"] for p in positions), default=0.0),
             "top1_agree": sum(p["top1"] for p in positions),
             "positions": len(positions),
@@ -607,14 +612,6 @@ def _compositions(model_name, bits, group_size, implementation, n, deadline, see
     }
 
 
-def _hash(arrays) -> str:
-    h = hashlib.sha256()
-    for x in arrays:
-        h.update(str(x.dtype).encode())
-        h.update(raw(x).tobytes())
-    return h.hexdigest()
-
-
 def controls(model_name, bits, group_size, batch_sizes, deadline, seed=0, mode="as-is"):
     """Each control through the sweep's schedules: per padded row, its KL
     max and whether every greedy token agreed."""
@@ -622,9 +619,8 @@ def controls(model_name, bits, group_size, batch_sizes, deadline, seed=0, mode="
     out = {}
     for spec in CONTROLS:
         implementation = load_implementation(spec)
-        with reads(mode, implementation):
-            result = _control(model, model_name, bits, group_size, implementation, batch_sizes, deadline, seed)
-        out[spec.rpartition(":")[2]] = {**result, "reads": mode}
+        out[spec.rpartition(":")[2]] = _reading(mode, implementation, _control, model, model_name, bits,
+                                                group_size, implementation, batch_sizes, deadline, seed)
     return out
 
 
