@@ -11,11 +11,13 @@ file per machine, so the last one written is the shrunk one Hypothesis
 reports) in the catalog's format, with the command that replays it.
 """
 
+import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from kvparity.suites.evidence import FAILURES
 from kvparity.suites.l1 import L1Run
@@ -217,3 +219,37 @@ def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None)
     if level == "L2":
         namespace["batched_join"] = None  # padded batched prefill is an L1 event: not a rule here
     return type("ScheduleMachine", (ScheduleMachine,), namespace)
+
+
+def generate(machine, settings):
+    """Run ``machine`` as a test under ``settings``, as Hypothesis's
+    ``run_state_machine_as_test`` does, with the garbage collector tuned for
+    the run (``fewer_collections``)."""
+    with fewer_collections():
+        run_state_machine_as_test(machine, settings=settings)
+
+
+# Objects allocated before a young collection: CPython's default is 700.
+YOUNG_THRESHOLD = 5000
+
+
+@contextmanager
+def fewer_collections():
+    """Each example keeps its schedule's run and Hypothesis's bookkeeping alive
+    across several young collections at CPython's defaults, so they are
+    promoted, and a full collection follows about every 40 examples, each one
+    scanning every object the imports made (mlx-lm brings transformers): a
+    tenth of a generated run. For the run, what exists before it is frozen
+    (never scanned) and young collections wait for ``YOUNG_THRESHOLD`` new
+    objects. Both are undone after."""
+    threshold = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(YOUNG_THRESHOLD, *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if freeze:
+            gc.unfreeze()

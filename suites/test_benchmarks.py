@@ -25,13 +25,12 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
 from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, make_prompt_cache
 
 from kvparity.oracle.models import ModelUnavailable, load_model
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.fuzz import make_machine
+from kvparity.suites.fuzz import generate, make_machine
 
 pytestmark = pytest.mark.benchmark_suite
 
@@ -388,16 +387,16 @@ def test_generated_schedules_per_second(benchmark, implementation, tmp_path):
     policy = load_policy("cpu")
     started = []
 
-    def generate():
+    def run_once():
         machine = make_machine(implementation, lambda result: judge(result, policy), tmp_path)
-        run_state_machine_as_test(machine, settings=settings(
+        generate(machine, settings=settings(
             max_examples=GENERATED, stateful_step_count=10, derandomize=True, database=None, deadline=None,
             suppress_health_check=list(HealthCheck), print_blob=False,
         ))
         started.append(machine.schedules_started)
 
-    generate()  # warm-up: imports, the synthetic blocks' cache
-    benchmark.pedantic(generate, rounds=GENERATED_ROUNDS, iterations=1)
+    run_once()  # warm-up: imports, the synthetic blocks' cache
+    benchmark.pedantic(run_once, rounds=GENERATED_ROUNDS, iterations=1)
     _record(benchmark, "generator", f"{GENERATED} examples", "generated", [GENERATOR],
             examples=GENERATED, stateful_step_count=10,
             schedules_per_second=GENERATED / benchmark.stats.stats.median,

@@ -1,16 +1,16 @@
 """L1 over generated schedules, and proof that the generator finds and
 shrinks real bugs into replayable files."""
 
+import gc
 import os
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvparity.impl import negative_controls
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import make_machine
+from kvparity.suites.fuzz import YOUNG_THRESHOLD, fewer_collections, generate, make_machine
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import load
 
@@ -32,7 +32,7 @@ def fuzz_settings(examples, **overrides):
 def test_generated_schedules(implementation, policy, judged, tmp_path):
     machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path))
-    run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
+    generate(machine, settings=fuzz_settings(EXAMPLES))
     assert machine.schedules_started >= EXAMPLES
     # Most generated rows go through the batch; waiting-only ones have no evidence.
     assert machine.row_outcomes.get(PASS, 0) >= EXAMPLES, machine.row_outcomes
@@ -54,7 +54,7 @@ def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judge
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
     machine = make_machine(broken, judged, tmp_path)
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
-        run_state_machine_as_test(
+        generate(
             machine, settings=fuzz_settings(300, database=None, derandomize=True, print_blob=False)
         )
     (path,) = tmp_path.glob("*.json")
@@ -64,3 +64,15 @@ def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judge
     assert replayed.verdict == FAIL
     assert variant.caught_by in {d.check for d in replayed.divergences}
     assert judged(run_l1(schedule, load_implementation())).verdict == PASS
+
+
+def test_the_collector_is_tuned_for_a_generated_run_only():
+    """``fewer_collections`` changes the process's garbage collector: it must
+    be as it was after the run, also when the run fails."""
+    before = gc.get_threshold(), gc.get_freeze_count()
+    with pytest.raises(RuntimeError):
+        with fewer_collections():
+            assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+            assert gc.get_freeze_count() > 0
+            raise RuntimeError("a failing run")
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before

@@ -7,11 +7,10 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import make_machine
+from kvparity.suites.fuzz import generate, make_machine
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import load
 
@@ -28,7 +27,7 @@ def fuzz_settings(examples, **overrides):
 def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
     machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path), level="L2", run_l2=run_l2)
-    run_state_machine_as_test(machine, settings=fuzz_settings(EXAMPLES))
+    generate(machine, settings=fuzz_settings(EXAMPLES))
     assert machine.schedules_started >= EXAMPLES
     # Rows that leave before any batched call have no evidence, and are counted so.
     assert machine.row_outcomes.get(PASS, 0) >= EXAMPLES, machine.row_outcomes
@@ -40,7 +39,7 @@ def test_l2_generator_finds_rope_and_mask_bugs(variant, judged, tmp_path):
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
     machine = make_machine(broken, judged, tmp_path, level="L2", run_l2=run_l2)
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
-        run_state_machine_as_test(machine, settings=fuzz_settings(60, database=None, derandomize=True,
+        generate(machine, settings=fuzz_settings(60, database=None, derandomize=True,
                                                                    print_blob=False))
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
