@@ -169,16 +169,29 @@ def digest(arrays: Iterable[mx.array]) -> str:
 
 def owned_arrays(cache) -> List[mx.array]:
     """Every array a cache's state holds (triples flattened)."""
+    return arrays_in(cache.state)
+
+
+def arrays_in(value) -> List[mx.array]:
+    """The arrays of a state-like value: its items that are arrays, and the
+    arrays of items that are tuples or lists (triples flattened). Anything
+    else holds none: the checks report a malformed layout."""
     out = []
-    state = cache.state
-    if not isinstance(state, (tuple, list)):
-        return out  # nothing owned to inspect; the checks report the layout
-    for item in state:
+    if not isinstance(value, (tuple, list)):
+        return out
+    for item in value:
         if isinstance(item, mx.array):
             out.append(item)
         elif isinstance(item, (tuple, list)):
             out.extend(x for x in item if isinstance(x, mx.array))
     return out
+
+
+def start_evaluating(arrays: Iterable[mx.array]) -> None:
+    """Begin evaluating ``arrays`` without waiting. MLX runs CPU kernels on a
+    thread of its own, so they compute while Python goes on building the
+    next graph; whatever reads them later waits for them."""
+    mx.async_eval(list(arrays))
 
 
 def shared_memory(a_arrays, b_arrays):

@@ -32,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.oracle.arrays import Reading, describe_shared, handles, owned_arrays, shared_memory_later
+from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, handles, owned_arrays,
+                                    shared_memory_later, start_evaluating)
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
@@ -64,6 +65,7 @@ class Prefills:
         solo = self.kept.pop(key, None)
         if solo is None:
             solo = SoloCache.prefilled(request, bits, group_size, lambda m: kv.draw(written, request, m), n)
+            start_evaluating(owned_arrays(solo.cache))
             if len(self.kept) >= self.size:
                 self.kept.popitem(last=False)
         else:
@@ -111,6 +113,16 @@ class SyntheticBackend:
         fetched = layers[0].update_and_fetch(mx.concatenate(keys), mx.concatenate(values))
         self.fetched = (self.replay.version, fetched)
 
+    def computed(self) -> list:
+        """Arrays the implementation computed in this event that the checks
+        read, taken without calling a member: what ``update_and_fetch``
+        returned, and the batch's offsets and left padding."""
+        arrays = arrays_in(self.fetched[1]) if self.fetched is not None else []
+        if self.replay.layers:
+            batch = self.replay.layers[0]
+            arrays += arrays_in((getattr(batch, "offset", None), getattr(batch, "left_padding", None)))
+        return arrays
+
     def append_alone(self, rid, solo, n, j):
         solo.append(*self.draw(rid, n))
 
@@ -127,7 +139,7 @@ class SyntheticBackend:
             pad_k, pad_v = self.kv.padding(width - r.prompt_len)
             keys.append(mx.concatenate([k, pad_k], axis=2))
             values.append(mx.concatenate([v, pad_v], axis=2))
-        batch.update_and_fetch(mx.concatenate(keys), mx.concatenate(values))
+        start_evaluating(arrays_in(batch.update_and_fetch(mx.concatenate(keys), mx.concatenate(values))))
         batch.finalize()
         return [batch]
 
@@ -203,7 +215,12 @@ class L1Run:
         return self.running
 
     def check(self, event):
-        self.solo.apply(self.replay.calls_at(event.index))
+        # The implementation's kernels run while mlx-lm's graph is built, and
+        # mlx-lm's while the checks build theirs (two cores: Python and MLX).
+        start_evaluating(self.backend.computed())
+        calls = self.replay.calls_at(event.index)
+        self.solo.apply(calls)
+        start_evaluating(x for rid in calls for x in owned_arrays(self.solo.solo[rid].cache))
         check_event(self.replay, self.backend, self.solo, self.result, event)
 
     def finish(self) -> ScheduleResult:
@@ -405,6 +422,8 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
     """``expected``: the solo row's keys and values triples, already taken;
     ``batch_known``: the batch's arrays as taken before the extracts."""
     extracted = batch.extract(i)
+    # Its copies compute while the next rows are checked.
+    start_evaluating(arrays_in(tuple(getattr(extracted, name, None) for name in ("keys", "values"))))
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
