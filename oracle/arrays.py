@@ -14,20 +14,13 @@ import numpy as np
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
-def _bits(x: mx.array) -> mx.array:
-    if x.dtype == mx.bool_:
-        return x.astype(mx.uint8)
-    if x.dtype in _UINT.values():
-        return x
-    return x.view(_UINT[x.dtype.size])
-
-
 def raw_many(arrays) -> List[np.ndarray]:
     """The bits of each array as unsigned numpy arrays, evaluated together,
     without copies (views keep the strides and buffer of the MLX array)."""
-    views = [_bits(x) for x in arrays]
-    mx.eval(views)
-    return [np.array(memoryview(v), copy=False) for v in views]
+    reading = Reading()
+    ticket = reading.take(arrays)
+    reading.evaluate()
+    return reading[ticket]
 
 
 _POINT = np.zeros((), dtype=np.uint8)
@@ -44,7 +37,7 @@ def _snapshot(x: mx.array) -> mx.array:
     """The bits of ``x`` as it is now: a new handle on its current graph node
     viewed as unsigned integers (free, strides kept), so that an in-place
     update of ``x`` afterwards does not change what is read. Booleans are
-    converted as ``_bits`` converts them (a copy)."""
+    converted to uint8 (a copy)."""
     if x.dtype == mx.bool_:
         return x.astype(mx.uint8)
     return x.view(_UINT[x.dtype.size])
@@ -194,17 +187,12 @@ def start_evaluating(arrays: Iterable[mx.array]) -> None:
     mx.async_eval(list(arrays))
 
 
-def shared_memory(a_arrays, b_arrays):
-    """(x, y, bytes of y's buffer) for the first pair, one array from each
-    list, whose memory overlaps; None when the lists own disjoint memory."""
-    return shared_memory_later(Reading(), a_arrays, b_arrays)()
-
-
 def shared_memory_later(reading: Reading, a_arrays, b_arrays, known=None, b_known=None):
-    """``shared_memory`` with its arrays taken into ``reading`` now
-    (``known`` and ``b_known``: as for ``Reading.take``, for ``a_arrays``
-    and ``b_arrays``): the returned function answers once ``reading`` was
-    evaluated."""
+    """Whether the two lists of arrays share memory, with the arrays taken
+    into ``reading`` now (``known`` and ``b_known``: as for ``Reading.take``,
+    for ``a_arrays`` and ``b_arrays``). The returned function answers once
+    ``reading`` was evaluated: (x, y, bytes of y's buffer) for the first pair,
+    one array from each list, whose memory overlaps, or None."""
     a_arrays = [x for x in a_arrays if x.size]
     a_ticket = reading.take(a_arrays, known)
     b_arrays = [y for y in b_arrays if y.size]

@@ -273,17 +273,19 @@ class EventChecks:
         """The byte comparisons queued so far are noted here, in order."""
         jobs, self.jobs = self.jobs, []
         compared = compare_later(self.reading, [job for _, job, _ in jobs])
+        self.later(lambda: self.note_per_row(
+            "bytes", ((rid, made, divergences) for (rid, _, made), divergences in zip(jobs, compared()))))
 
-        def note_bytes():
-            rows = {}  # request -> [comparisons, divergences], noted once per row
-            for (rid, _, made), divergences in zip(jobs, compared()):
-                row = rows.setdefault(rid, [0, []])
-                row[0] += made
-                row[1] += divergences
-            for rid, (made, found) in rows.items():
-                self.result.note(self.at, "bytes", [rid], made, found)
-
-        self.later(note_bytes)
+    def note_per_row(self, check, entries):
+        """``check`` noted once per request; ``entries``: (request,
+        comparisons, divergences), several per request."""
+        rows = {}  # request -> [comparisons, divergences]
+        for rid, made, found in entries:
+            row = rows.setdefault(rid, [0, []])
+            row[0] += made
+            row[1] += found
+        for rid, (made, found) in rows.items():
+            self.result.note(self.at, check, [rid], made, found)
 
     def done(self):
         self.reading.evaluate()
@@ -392,21 +394,18 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
 def check_pad(pad_slices, checks: EventChecks):
     """Hygiene: pad columns hold zeros."""
 
-    def note_pad():
-        rows = {}  # request -> [comparisons, divergences], noted once per row
+    def entries():
         for rid, where, tensor, lp, part in pad_slices:
-            row = rows.setdefault(rid, [0, []])
-            row[0] += 1
             bits = part.bits
-            if bits.any():
-                first = int(np.flatnonzero(bits)[0])
-                row[1].append(Divergence("pad", tensor=tensor, index=first, expected=0,
-                                         actual=int(bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
-                                         **where))
-        for rid, (made, found) in rows.items():
-            checks.result.note(checks.at, "pad", [rid], made, found)
+            if not bits.any():
+                yield rid, 1, []
+                continue
+            first = int(np.flatnonzero(bits)[0])
+            yield rid, 1, [Divergence("pad", tensor=tensor, index=first, expected=0,
+                                      actual=int(bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
+                                      **where)]
 
-    checks.later(note_pad)
+    checks.later(lambda: checks.note_per_row("pad", entries()))
 
 
 def check_nbytes(batch, triples, checks: EventChecks, rows, label):

@@ -9,7 +9,7 @@ from kvparity.oracle.models import load_model
 from kvparity.suites.compare import first_difference
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
-from kvparity.oracle.arrays import digest
+from kvparity.oracle.arrays import digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.l1 import Prefills
@@ -240,9 +240,7 @@ def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, imple
 
 def _cache_digest(solo):
     cache = solo.cache
-    arrays = [x for name in ("keys", "values") for x in
-              (getattr(cache, name) if isinstance(getattr(cache, name), (tuple, list)) else (getattr(cache, name),))]
-    return type(cache).__name__, cache.offset, digest(arrays)
+    return type(cache).__name__, cache.offset, digest(owned_arrays(cache))
 
 
 @pytest.mark.parametrize("start", [0, 9, 40], ids=["quantized", "converts mid-prompt", "waits unquantized"])
