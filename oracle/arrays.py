@@ -127,8 +127,12 @@ class Part:
         return self._bits
 
     @property
+    def evaluated(self) -> bool:
+        return self._bits is not None or self.k < len(self.reading._bits)
+
+    @property
     def shape(self) -> tuple:
-        if self._bits is not None or self.k < len(self.reading._bits):
+        if self.evaluated:
             return self.bits.shape
         return np.broadcast_to(_POINT, self.reading._views[self.k].shape)[self.index].shape
 

@@ -46,35 +46,94 @@ MASK_WIDTHS = (1, 3)
 HYGIENE_CHECKS = ("pad", "alias")
 
 
-class Prefills:
-    """Prompts prefilled alone by mlx-lm, each computed once and handed out
-    as forks: a joining request's merge source and its oracle are the same
-    computation, and generated schedules repeat their requests. The kept
-    cache is never handed out, so nothing done to a fork reaches another."""
+class SoloState:
+    """One request alone after some of its calls: mlx-lm's cache, never
+    written (a further call works on a fork), and its bytes once read."""
 
-    def __init__(self, size: int = 64):
+    __slots__ = ("key", "solo", "layer")
+
+    def __init__(self, key: tuple, solo: SoloCache):
+        self.key, self.solo = key, solo
+        self.layer = None  # its parts on [0, offset), once read
+
+    def parts(self, reading: Reading) -> dict:
+        """The cache on ``[0, offset)`` as ``_layer_parts`` gives it, taken
+        into ``reading`` the first time and the same parts after."""
+        if self.layer is None:
+            self.layer = _layer_parts(reading, self.solo.cache)
+        return self.layer
+
+    def keep(self):
+        """The parts read, evaluated, no longer holding their reading; parts
+        of a reading that was never evaluated (its checks raised) are
+        dropped, to be read again."""
+        if self.layer is not None:
+            evaluated = all(part.evaluated for part in self.layer.values())
+            self.layer = {name: part.kept() for name, part in self.layer.items()} if evaluated else None
+
+
+class SoloStates:
+    """Requests alone in mlx-lm's caches, each state computed once.
+
+    A state is named by all that made it: the synthetic stream, the request,
+    the quantization and the request's calls so far, each at its place in
+    the stream. Generated schedules repeat requests and calls, so most
+    states were computed before: a joining request's merge source and its
+    oracle are one computation, and so are the same calls in two schedules.
+    Kept caches are never written: a further call works on a fork, and so
+    does every holder that may write (the implementation's merge sources).
+    """
+
+    def __init__(self, size: int = 256):
         self.size = size
-        self.kept: "OrderedDict[tuple, SoloCache]" = OrderedDict()
+        self.kept: "OrderedDict[tuple, SoloState]" = OrderedDict()
 
-    def fork(self, kv: SyntheticKV, written: Dict[str, int], request, bits: int, group_size: int, n: int):
+    def prefilled(self, kv: SyntheticKV, written: Dict[str, int], request, bits: int, group_size: int,
+                  n: int) -> SoloState:
         """``request``'s first ``n`` prompt tokens of its stream, drawn from
         ``written`` on (which advances by ``n``), in generate_step's chunks."""
-        start = written.get(request.id, 0)
-        key = (kv.identity, request.id, request.seed, start, n, request.prefill_step_size,
-               request.quantized_kv_start, bits, group_size)
-        solo = self.kept.pop(key, None)
-        if solo is None:
-            solo = SoloCache.prefilled(request, bits, group_size, lambda m: kv.draw(written, request, m), n)
-            start_evaluating(owned_arrays(solo.cache))
+        start = _advance(written, request.id, n)
+        key = (kv.identity, request.id, request.seed, request.prefill_step_size, request.quantized_kv_start,
+               bits, group_size, start, n)
+        drawn = {request.id: start}
+        return self._state(key, lambda: SoloCache.prefilled(request, bits, group_size,
+                                                            lambda m: kv.draw(drawn, request, m), n))
+
+    def after(self, state: SoloState, kv: SyntheticKV, written: Dict[str, int], request, op: str,
+              n: int) -> SoloState:
+        """``state`` after one more call: ``append`` the next ``n`` tokens
+        from ``written`` (which advances), or ``trim`` ``n``."""
+        start = _advance(written, request.id, n if op == "append" else 0)
+
+        def compute():
+            solo = state.solo.fork()
+            if op == "append":
+                solo.append(*kv.tokens(request.id, start, n, seed=request.seed))
+            else:
+                solo.trim(n)
+            return solo
+
+        return self._state(state.key + ((op, start, n),), compute)
+
+    def _state(self, key: tuple, compute) -> SoloState:
+        state = self.kept.pop(key, None)
+        if state is None:
+            state = SoloState(key, compute())
+            start_evaluating(owned_arrays(state.solo.cache))
             if len(self.kept) >= self.size:
                 self.kept.popitem(last=False)
-        else:
-            written[request.id] = start + n
-        self.kept[key] = solo
-        return solo.fork()
+        self.kept[key] = state
+        return state
 
 
-PREFILLS = Prefills()
+def _advance(written: Dict[str, int], rid: str, n: int) -> int:
+    """Where ``rid``'s next ``n`` tokens start in its stream; counts them drawn."""
+    start = written.get(rid, 0)
+    written[rid] = start + n
+    return start
+
+
+SOLO_STATES = SoloStates()
 
 
 class SyntheticBackend:
@@ -101,8 +160,8 @@ class SyntheticBackend:
 
     def prefill(self, rid, j):
         request = self.schedule.requests[rid]
-        return PREFILLS.fork(self.kv, self.written, request, self.schedule.bits, self.schedule.group_size,
-                             request.prompt_len)
+        return SOLO_STATES.prefilled(self.kv, self.written, request, self.schedule.bits, self.schedule.group_size,
+                                     request.prompt_len).solo.fork()
 
     def resume(self, rid, caches):
         start = self.schedule.requests[rid].quantized_kv_start
@@ -151,37 +210,37 @@ class SoloCaches:
     def __init__(self, schedule, kv: SyntheticKV):
         self.schedule = schedule
         self.kv = kv
-        self.solo: Dict[str, SoloCache] = {}
+        self.states: Dict[str, SoloState] = {}
         self.written: Dict[str, int] = {}
-        self.read: Dict[str, tuple] = {}  # (reading, layer parts) as last read, until a call
+        self.taken: List[SoloState] = []  # states first read at this event
 
-    def draw(self, rid, n):
-        return self.kv.draw(self.written, self.schedule.requests[rid], n)
+    def cache(self, rid):
+        return self.states[rid].solo.cache
 
     def expected(self, rid, reading: Reading) -> dict:
         """The row's cache on ``[0, offset)`` as ``_layer_parts`` gives it,
         taken into ``reading``; read again only after a call changed the row."""
-        taken_by, layer = self.read.get(rid, (None, None))
-        if layer is None:
-            layer = _layer_parts(reading, self.solo[rid].cache)
-            self.read[rid] = (reading, layer)
-        elif taken_by not in (None, reading):  # read at an earlier event, evaluated since
-            layer = {name: part.kept() for name, part in layer.items()}
-            self.read[rid] = (None, layer)
-        return layer
+        state = self.states[rid]
+        if state.layer is None:
+            self.taken.append(state)
+        return state.parts(reading)
+
+    def keep(self):
+        """After an event's checks: what they read stays, not their reading."""
+        taken, self.taken = self.taken, []
+        for state in taken:
+            state.keep()
 
     def apply(self, calls_at: Dict[str, list]):
+        bits, group_size = self.schedule.bits, self.schedule.group_size
         for rid, calls in calls_at.items():
-            self.read.pop(rid, None)
             request = self.schedule.requests[rid]
             for call in calls:
                 if call.op == "prefill":
-                    self.solo[rid] = PREFILLS.fork(self.kv, self.written, request, self.schedule.bits,
-                                                   self.schedule.group_size, call.n)
-                elif call.op == "append":
-                    self.solo[rid].append(*self.draw(rid, call.n))
+                    state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
                 else:
-                    self.solo[rid].trim(call.n)
+                    state = SOLO_STATES.after(self.states[rid], self.kv, self.written, request, call.op, call.n)
+                self.states[rid] = state
 
 
 class L1Run:
@@ -218,10 +277,11 @@ class L1Run:
         # The implementation's kernels run while mlx-lm's graph is built, and
         # mlx-lm's while the checks build theirs (two cores: Python and MLX).
         start_evaluating(self.backend.computed())
-        calls = self.replay.calls_at(event.index)
-        self.solo.apply(calls)
-        start_evaluating(x for rid in calls for x in owned_arrays(self.solo.solo[rid].cache))
-        check_event(self.replay, self.backend, self.solo, self.result, event)
+        self.solo.apply(self.replay.calls_at(event.index))
+        try:
+            check_event(self.replay, self.backend, self.solo, self.result, event)
+        finally:
+            self.solo.keep()
 
     def finish(self) -> ScheduleResult:
         result = self.result
@@ -318,7 +378,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     batch_known = {}  # the batch's arrays as taken before any extract
     check_sources(replay, backend, checks, event, batch_known)
     for rid, alone in replay.preempted.items():
-        expected = solo.solo[rid].cache
+        expected = solo.cache(rid)
         # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
         made = 1 if rid in replay.extracted else 0
         note(at, "offset", [rid], made, [] if alone.cache.offset == expected.offset else [
@@ -358,7 +418,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     fetched_known = {}
     reading = checks.reading
     for i, rid in enumerate(rows):
-        expected_cache = solo.solo[rid].cache
+        expected_cache = solo.cache(rid)
         where = dict(event=label, request=rid)
         if not hasattr(expected_cache, "bits"):
             note(at, "layout", [rid], 1, [Divergence("layout", detail="an unquantized row is in the batch", **where)])

@@ -12,7 +12,7 @@ from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.l1 import Prefills
+from kvparity.suites.l1 import SoloStates
 from kvparity.suites.schedule import Request, parse
 
 TOKENS = 10
@@ -235,7 +235,7 @@ def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, imple
     assert len(runs) == 2 * len(schedule.requests)
 
 
-# -- L1: prompts prefilled once, handed out as forks --------------------------------------
+# -- L1: each solo state computed once, handed out as forks ------------------------------
 
 
 def _cache_digest(solo):
@@ -244,21 +244,38 @@ def _cache_digest(solo):
 
 
 @pytest.mark.parametrize("start", [0, 9, 40], ids=["quantized", "converts mid-prompt", "waits unquantized"])
-def test_a_prefilled_prompt_is_computed_once_and_forks_are_independent(start):
+def test_a_solo_state_is_computed_once_and_forks_are_independent(start):
     kv = SyntheticKV(2, 64, "bfloat16")
     request = Request("a", prompt_len=23, quantized_kv_start=start, prefill_step_size=5)
-    prefills = Prefills()
+    states = SoloStates()
     first_written, second_written, fresh_written = {}, {}, {}
-    first = prefills.fork(kv, first_written, request, 4, 64, 23)
-    second = prefills.fork(kv, second_written, request, 4, 64, 23)
+    first = states.prefilled(kv, first_written, request, 4, 64, 23)
+    second = states.prefilled(kv, second_written, request, 4, 64, 23)
     fresh = SoloCache.prefilled(request, 4, 64, lambda n: kv.draw(fresh_written, request, n))
-    assert first_written == second_written == fresh_written == {"a": 23} and len(prefills.kept) == 1
-    assert _cache_digest(first) == _cache_digest(second) == _cache_digest(fresh)
-    # What one holder writes in place (mlx-lm's appends, a member that writes
-    # its source) reaches neither the other fork nor the kept cache.
-    before = _cache_digest(second)
-    first.append(*kv.draw(first_written, request, 3))
-    keys = first.cache.keys[0] if isinstance(first.cache.keys, (tuple, list)) else first.cache.keys
+    assert first is second and len(states.kept) == 1
+    assert first_written == second_written == fresh_written == {"a": 23}
+    assert _cache_digest(first.solo) == _cache_digest(fresh)
+    # Later calls: the same calls at the same place in the stream are the
+    # same state; each equals mlx-lm run on the request by hand.
+    appended = states.after(first, kv, first_written, request, "append", 3)
+    assert states.after(second, kv, second_written, request, "append", 3) is appended
+    assert first_written == second_written == {"a": 26}
+    fresh.append(*kv.draw(fresh_written, request, 3))
+    assert _cache_digest(appended.solo) == _cache_digest(fresh)
+    trimmed = states.after(appended, kv, first_written, request, "trim", 2)
+    assert first_written == {"a": 26}  # a trim draws nothing: rewritten positions get new bytes
+    fresh.trim(2)
+    assert _cache_digest(trimmed.solo) == _cache_digest(fresh)
+    rewritten = states.after(trimmed, kv, first_written, request, "append", 3)
+    assert rewritten is not appended and len(states.kept) == 4
+    fresh.append(*kv.draw(fresh_written, request, 3))
+    assert _cache_digest(rewritten.solo) == _cache_digest(fresh)
+    # What a holder of a fork writes in place (mlx-lm's appends, a member
+    # that writes its source) reaches neither another fork nor the kept state.
+    before = _cache_digest(first.solo)
+    fork, other = first.solo.fork(), first.solo.fork()
+    fork.append(*kv.draw({"a": 23}, request, 3))
+    keys = fork.cache.keys[0] if isinstance(fork.cache.keys, (tuple, list)) else fork.cache.keys
     keys[..., :1, :] = 0
-    assert _cache_digest(second) == before
-    assert _cache_digest(prefills.fork(kv, {}, request, 4, 64, 23)) == before
+    assert _cache_digest(other) == _cache_digest(first.solo) == before
+    assert _cache_digest(states.prefilled(kv, {}, request, 4, 64, 23).solo) == before
