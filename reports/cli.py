@@ -518,7 +518,7 @@ def cmd_bisect(args):
         return verdict_of_run([original]).exit_status
     first = shrinker.first
     if level != "L3":
-        print(f"first event after which parity breaks: {schedule.events[first.event_index].describe()}")
+        print(f"first event after which parity breaks: {schedule.events[first.event_index].label}")
     print(f"  {first.message()}")
     doc = shrinker.shrink(schedule)
     minimal = shrinker.parse(doc)

@@ -94,8 +94,11 @@ class ScheduleResult:
         """``made`` comparisons of ``check`` for each of ``requests`` after an
         event; divergences for the batch as a whole go to every row named."""
         for rid in requests:
-            row = self.row(rid)
-            row.counts.setdefault(event_index, Counter())[check] += made
+            counts = self.row(rid).counts
+            at = counts.get(event_index)
+            if at is None:
+                at = counts[event_index] = Counter()
+            at[check] += made
         for divergence in found:
             targets = [divergence.request] if divergence.request is not None else requests
             for rid in targets:
@@ -139,7 +142,7 @@ def drive(result: ScheduleResult, replay, events, check) -> bool:
     False once the run stopped. Anything else that raises is the harness's
     own failure and propagates."""
     for event in events:
-        label = event.describe()
+        label = event.label
         try:
             replay.apply(event)
             check(event)

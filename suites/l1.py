@@ -373,7 +373,7 @@ def check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, res
 
 
 def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, checks: EventChecks, event):
-    label, at = event.describe(), event.index
+    label, at = event.label, event.index
     note = checks.note
     batch_known = {}  # the batch's arrays as taken before any extract
     check_sources(replay, backend, checks, event, batch_known)
@@ -456,6 +456,9 @@ def check_pad(pad_slices, checks: EventChecks):
 
     def entries():
         for rid, where, tensor, lp, part in pad_slices:
+            if lp == 0:  # no pad columns: nothing can be non-zero
+                yield rid, 1, []
+                continue
             bits = part.bits
             if not bits.any():
                 yield rid, 1, []
@@ -540,7 +543,7 @@ def _note_alias(checks, at, rows, shared, where, whose):
 def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks, event, batch_known):
     """merge/extend left their sources' bytes unchanged (parity); merge keeps
     none of their buffers (hygiene)."""
-    label, at = event.describe(), event.index
+    label, at = event.label, event.index
     batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
     rows = replay.rows or list(replay.running())
     named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
@@ -559,7 +562,7 @@ def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks
 
 
 def check_mask(batch, rows, size, pads, checks: EventChecks, event):
-    label = event.describe()
+    label = event.label
     for N in MASK_WIDTHS:
         mask = _boolean_mask_later(checks.reading, batch.make_mask(N, return_array=True), len(rows), N, size + N)
         checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask()))

@@ -241,7 +241,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
 
     def check(event):
-        label, at = event.describe(), event.index
+        label, at = event.label, event.index
         for out in backend.outputs:
             expected = traces[out.request].calls[out.step].logits
             if out.from_implementation:
@@ -285,7 +285,7 @@ def row_bytes(replay: Replay, rid: str):
 def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
     """Every layer of every row, batched or alone, against its solo bytes;
     only rows whose bytes came from the implementation count as evidence."""
-    label, at = event.describe(), event.index
+    label, at = event.label, event.index
     for rid in replay.running() + list(replay.preempted):
         from_implementation = rid in replay.rows or rid in replay.extracted
         made = 1 if from_implementation else 0

@@ -80,7 +80,7 @@ class Replay:
     # -- validation ------------------------------------------------------------------
 
     def fail(self, reason):
-        raise ScheduleError(f"{self.schedule.path}: event {self.event.describe()}: {reason}")
+        raise ScheduleError(f"{self.schedule.path}: event {self.event.label}: {reason}")
 
     def known(self, rid):
         if rid not in self.schedule.requests:

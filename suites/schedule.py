@@ -23,6 +23,7 @@ A bad file gets a ``ScheduleError`` naming the file, the event and the reason.
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
@@ -104,7 +105,9 @@ class Event:
     def to_json(self) -> dict:
         return {self.kind: self.args}
 
-    def describe(self) -> str:
+    @cached_property
+    def label(self) -> str:
+        """How reports name the event: ``#3 step 2``."""
         return f"#{self.index} {self.kind} {json.dumps(self.args, separators=(',', ':'))}"
 
 
