@@ -9,10 +9,10 @@ from kvparity.oracle.models import load_model
 from kvparity.suites.compare import first_difference
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
-from kvparity.oracle.arrays import digest, owned_arrays
+from kvparity.oracle.arrays import Reading, digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.l1 import SoloStates
+from kvparity.suites.l1 import SoloStates, _layer_parts
 from kvparity.suites.schedule import Request, parse
 
 TOKENS = 10
@@ -279,3 +279,27 @@ def test_a_solo_state_is_computed_once_and_forks_are_independent(start):
     keys[..., :1, :] = 0
     assert _cache_digest(other) == _cache_digest(first.solo) == before
     assert _cache_digest(states.prefilled(kv, {}, request, 4, 64, 23).solo) == before
+
+
+def test_a_solo_state_keeps_what_was_read_and_rereads_what_never_was():
+    """A state's bytes are read once and kept for later events; bytes taken
+    into a reading that was never evaluated (its checks raised) are dropped
+    and read again, not served unread."""
+    kv = SyntheticKV(1, 64, "float16")
+    request = Request("a", prompt_len=9, quantized_kv_start=0, prefill_step_size=4)
+    state = SoloStates().prefilled(kv, {}, request, 4, 64, 9)
+    fresh = Reading()
+    expected = _layer_parts(fresh, state.solo.cache)
+    fresh.evaluate()
+    state.parts(Reading())  # never evaluated
+    state.keep()
+    assert state.layer is None
+    reading = Reading()
+    parts = state.parts(reading)
+    assert state.parts(Reading()) is parts  # the same parts until kept
+    reading.evaluate()
+    state.keep()
+    kept = state.layer
+    assert state.parts(Reading()) is kept and all(part.reading is None for part in kept.values())
+    assert {name: (part.bits.shape, part.bits.tobytes()) for name, part in kept.items()} == {
+        name: (part.bits.shape, part.bits.tobytes()) for name, part in expected.items()}
