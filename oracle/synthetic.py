@@ -65,9 +65,15 @@ class SyntheticKV:
     def draw(self, written: dict, request, n: int):
         """The next n tokens of a request's stream; ``written`` counts what each
         reader (the engine, the oracle) has drawn so far, per request."""
+        return self.tokens(request.id, self.advance(written, request, n), n, seed=request.seed)
+
+    @staticmethod
+    def advance(written: dict, request, n: int) -> int:
+        """Where the request's next n tokens start in its stream; counts them
+        in ``written`` as drawn (by a reader that may not need their bytes)."""
         start = written.get(request.id, 0)
         written[request.id] = start + n
-        return self.tokens(request.id, start, n, seed=request.seed)
+        return start
 
     def padding(self, n: int):
         """Bytes for pad positions of a padded prefill: junk, never zeros."""

@@ -92,7 +92,7 @@ class SoloStates:
                   n: int) -> SoloState:
         """``request``'s first ``n`` prompt tokens of its stream, drawn from
         ``written`` on (which advances by ``n``), in generate_step's chunks."""
-        start = _advance(written, request.id, n)
+        start = kv.advance(written, request, n)
         key = (kv.identity, request.id, request.seed, request.prefill_step_size, request.quantized_kv_start,
                bits, group_size, start, n)
         drawn = {request.id: start}
@@ -103,7 +103,7 @@ class SoloStates:
               n: int) -> SoloState:
         """``state`` after one more call: ``append`` the next ``n`` tokens
         from ``written`` (which advances), or ``trim`` ``n``."""
-        start = _advance(written, request.id, n if op == "append" else 0)
+        start = kv.advance(written, request, n if op == "append" else 0)
 
         def compute():
             solo = state.solo.fork()
@@ -124,13 +124,6 @@ class SoloStates:
                 self.kept.popitem(last=False)
         self.kept[key] = state
         return state
-
-
-def _advance(written: Dict[str, int], rid: str, n: int) -> int:
-    """Where ``rid``'s next ``n`` tokens start in its stream; counts them drawn."""
-    start = written.get(rid, 0)
-    written[rid] = start + n
-    return start
 
 
 SOLO_STATES = SoloStates()
@@ -456,16 +449,13 @@ def check_pad(pad_slices, checks: EventChecks):
 
     def entries():
         for rid, where, tensor, lp, part in pad_slices:
-            if lp == 0:  # no pad columns: nothing can be non-zero
+            # No pad columns (lp == 0): nothing to read, nothing can be non-zero.
+            if lp == 0 or not part.bits.any():
                 yield rid, 1, []
                 continue
-            bits = part.bits
-            if not bits.any():
-                yield rid, 1, []
-                continue
-            first = int(np.flatnonzero(bits)[0])
+            first = int(np.flatnonzero(part.bits)[0])
             yield rid, 1, [Divergence("pad", tensor=tensor, index=first, expected=0,
-                                      actual=int(bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
+                                      actual=int(part.bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
                                       **where)]
 
     checks.later(lambda: checks.note_per_row("pad", entries()))

@@ -39,8 +39,7 @@ def test_l2_generator_finds_rope_and_mask_bugs(variant, judged, tmp_path):
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
     machine = make_machine(broken, judged, tmp_path, level="L2", run_l2=run_l2)
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
-        generate(machine, settings=fuzz_settings(60, database=None, derandomize=True,
-                                                                   print_blob=False))
+        generate(machine, settings=fuzz_settings(60, database=None, derandomize=True, print_blob=False))
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
     assert judged(run_l2(schedule, broken)).verdict == FAIL
