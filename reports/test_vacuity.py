@@ -142,6 +142,44 @@ def test_a_request_that_never_joins_is_a_usage_error(tmp_path, capsys):
     assert "request 'b': never joins" in err
 
 
+# -- events judged by what comes after them ----------------------------------------------
+
+
+def schedule_file(tmp_path, name, levels, events, prompts=(6, 9, 4)):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({
+        "name": name, "levels": levels,
+        "requests": {rid: {"prompt_len": n} for rid, n in zip("abc", prompts)},
+        "events": events,
+    }))
+    return str(path)
+
+
+REFILL = [{"join": ["a"]}, {"step": 2}, {"leave": ["a"]}, {"join": ["b", "c"]}, {"step": 3}, {"trim": 1},
+          {"step": 1}]
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_a_leave_that_empties_the_batch_is_judged_by_the_refill_after_it(tmp_path, capsys, verdict_of, level):
+    # Nothing is compared right after the leave (no row is left), but every
+    # row of the refill is: the leave's effects were observed.
+    code, out, err = run(capsys, "check", "--level", level,
+                         "--schedule", schedule_file(tmp_path, "refill", [level], REFILL))
+    assert code == EXIT_OK, out + err
+    (results, run_verdict), = verdict_of
+    assert not run_verdict.gaps
+    assert not sum(run_verdict.coverage.get("leave", Counter()).values())  # none right after it
+
+
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_a_leave_that_nothing_is_compared_after_is_never_judged(tmp_path, capsys, level):
+    ends = [{"join": ["a"]}, {"step": 2}, {"leave": ["a"]}]
+    code, out, err = run(capsys, "check", "--level", level,
+                         "--schedule", schedule_file(tmp_path, "ends-with-leave", [level], ends, prompts=(6,)))
+    assert code == EXIT_CANNOT_JUDGE, out + err
+    assert "no comparison was made after any leave event" in out + err
+
+
 # -- candidate traces that hold less than the golden -----------------------------------
 
 SCHEDULES = ["rollback-uneven", "join-longer-joiner"]

@@ -100,6 +100,16 @@ def coverage(results: List[ScheduleResult]) -> Dict[str, Counter]:
     return table
 
 
+def observed_kinds(result: ScheduleResult) -> set:
+    """Event kinds whose effects some comparison saw: a comparison at an
+    event, or at any later event of the same schedule, observes what the
+    event did (a leave that empties the batch is judged by the refill after
+    it). An event followed by no comparison at all was never judged."""
+    compared_at = {index for row in result.rows for index, checks in row.counts.items() if sum(checks.values())}
+    last = max(compared_at, default=-1)
+    return {kind for index, kind in enumerate(result.event_kinds) if index <= last and kind != "trace"}
+
+
 def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False) -> RunVerdict:
     """``whole_catalog``: the default selection, which must exercise every
     required member of the protocol."""
@@ -115,7 +125,8 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False) -
     # Event kinds of schedules that ran: one stopped before it began compares nothing by design.
     ran = [r for r in results if r.verdict not in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)]
     kinds = {k for r in ran for k in r.event_kinds if k != "trace"}
-    silent = sorted(k for k in kinds if not sum(table.get(k, Counter()).values()))
+    observed = {k for r in ran for k in observed_kinds(r)}
+    silent = sorted(kinds - observed)
     if silent:
         gaps.append(f"no comparison was made after any {', '.join(silent)} event")
     if whole_catalog and any(r.level == "L1" for r in results):
