@@ -22,8 +22,10 @@ import functools
 import importlib
 import inspect
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
 
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
@@ -63,12 +65,21 @@ class ImplementationUnavailable(ImplementationError):
 
 
 class MemberRaised(Exception):
-    """A protocol member of the implementation under test raised."""
+    """A protocol member of the implementation under test raised. ``layer``
+    and ``at`` say where, once the model's forward that called it is known."""
 
     def __init__(self, member: str, error: BaseException):
-        super().__init__(f"{member} raised {type(error).__name__}: {error}")
+        super().__init__(member, error)
         self.member = member
         self.error = error
+        self.layer: Optional[int] = None
+        self.at = raised_at(error)
+
+    def __str__(self):
+        where = [f"layer {self.layer}"] if self.layer is not None else []
+        where += [f"at {self.at}"] if self.at else []
+        return (f"{self.member} raised {type(self.error).__name__}: {self.error}"
+                + (f" ({', '.join(where)})" if where else ""))
 
     @property
     def capability(self):
@@ -81,6 +92,70 @@ class MemberRaised(Exception):
     def refused(self) -> bool:
         """A required member declined with NotImplementedError."""
         return isinstance(self.error, NotImplementedError) and self.member not in OPTIONAL_MEMBERS
+
+
+class ForwardRaised(MemberRaised):
+    """The model's forward raised outside every protocol member while it ran
+    on the cache under test (a mask it built, an attention wrapper its
+    package installs): the implementation's path, so a failure, never a
+    refusal or a missing capability."""
+
+    FRAME = "the model's forward"
+
+    def __init__(self, error: BaseException, frame: str = FRAME):
+        super().__init__(frame, error)
+
+    capability = None
+    refused = False
+
+
+def raised_at(error: BaseException) -> str:
+    """The innermost Python frame of ``error``: ``models/llama.py:83 in __call__``."""
+    tb = error.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{'/'.join(Path(code.co_filename).parts[-2:])}:{tb.tb_lineno} in {code.co_name}"
+
+
+def layer_of(error: BaseException, layers) -> Optional[int]:
+    """The index in ``layers`` (a model's transformer blocks) of the innermost
+    block whose call the traceback of ``error`` passes through."""
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        for i, layer in enumerate(layers):
+            if owner is layer:
+                found = i
+        tb = tb.tb_next
+    return found
+
+
+def in_forward(error: BaseException, model) -> bool:
+    """Whether the traceback of ``error`` passes through a call of ``model``."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is model:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextmanager
+def forward_of(model, frame: str = ForwardRaised.FRAME):
+    """Run a forward of ``model`` on the cache under test: what raises in it
+    is the implementation's path, named with the layer it was in."""
+    try:
+        yield
+    except MemberRaised as raised:
+        raised.layer = layer_of(raised, getattr(model, "layers", ()))
+        raise
+    except Exception as error:
+        raised = ForwardRaised(error, frame)
+        raised.layer = layer_of(error, getattr(model, "layers", ()))
+        raise raised from error
 
 
 def _watched(name: str, fn: Callable, calls: Counter) -> Callable:

@@ -136,6 +136,13 @@ class OracleNondeterministic(Exception):
                          + (f" ({detail})" if detail else ""))
 
 
+def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests):
+    """The implementation's path raised where mlx-lm's solo path did not: a
+    failure, worded the same at every level."""
+    result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {raised}")
+    result.note(event_index, "raised", requests, made=0, found=[Divergence("raised", label, detail=str(raised))])
+
+
 def drive(result: ScheduleResult, replay, events, check) -> bool:
     """Apply ``events`` through ``replay``, calling ``check(event)`` after
     each; stop at what the implementation refuses or cannot do. Returns
@@ -156,9 +163,7 @@ def drive(result: ScheduleResult, replay, events, check) -> bool:
             elif raised.refused:
                 result.stop(REFUSED, f"event {label}: required member {raised.member} refused: {raised.error}")
             else:
-                result.stop(FAIL, f"event {label}: {raised}")
-                result.note(event.index, "raised", replay.running() or list(replay.schedule.requests), made=0,
-                            found=[Divergence("raised", label, detail=str(raised))])
+                note_raised(result, event.index, label, raised, replay.running() or list(replay.schedule.requests))
             return False
         except OracleFailed as error:
             result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")

@@ -35,7 +35,7 @@ import mlx.core as mx
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
-from kvparity.suites.adapter import Implementation
+from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference
 from kvparity.suites.evidence import (
     NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
@@ -121,12 +121,21 @@ class ModelBackend:
 
     def forward(self, layers, rows, n, calls):
         inputs = mx.array([self.inputs(rid, calls[rid]) for rid in rows])
-        logits = self.model.model(inputs, cache=layers)
+        with forward_of(self.model.model):
+            logits = self.model.model(inputs, cache=layers)
+            mx.eval(logits)  # what raises while it runs, too, is the forward's
         self.outputs += [Output(rid, calls[rid], logits[i], True) for i, rid in enumerate(rows)]
 
     def append_alone(self, rid, solo, n, j):
         # A row extracted from the batch decodes on the implementation's bytes: evidence.
-        self.outputs.append(Output(rid, j, solo.append(self.inputs(rid, j)), rid in self.replay.extracted))
+        extracted = rid in self.replay.extracted
+        if not extracted:  # mlx-lm alone on its own cache: the oracle's path
+            self.outputs.append(Output(rid, j, solo.append(self.inputs(rid, j)), False))
+            return
+        with forward_of(self.model.model, "the model's forward on the extracted cache"):
+            logits = solo.append(self.inputs(rid, j))
+            mx.eval(logits)
+        self.outputs.append(Output(rid, j, logits, True))
 
     def batched_prefill(self, rids):
         raise AssertionError("the dry run refuses batched_join at L2")

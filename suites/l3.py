@@ -43,7 +43,7 @@ from kvparity.oracle.solo import prompt_tokens
 from kvparity.oracle.trace import oracle_cache
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
-from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
 from kvparity.suites.compare import Divergence, first_difference
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.engines import (
@@ -213,6 +213,7 @@ class L3Outcome:
     requests: List[str] = field(default_factory=list)
     verdict: str = PASSED
     reason: str = ""
+    raised: str = ""  # what the implementation's path raised, where mlx-lm alone did not
     run: Optional[EngineRun] = None
     comparisons: Dict[str, RequestComparison] = field(default_factory=dict)
     seconds: float = 0.0
@@ -278,11 +279,16 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
         outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
         return outcome
     except MemberRaised as raised:  # the cache under test declined or broke
+        raised.layer = layer_of(raised, loaded.model.layers)
         outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
-        outcome.reason = f"the engine's call of {raised}"
+        outcome.raised = f"the engine's call of {raised}"
+        outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
         return outcome
-    except Exception as error:  # the engine itself broke
-        outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
+    except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
+        raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")
+        raised.layer = layer_of(error, loaded.model.layers)
+        outcome.verdict, outcome.raised = FAILED, str(raised)
+        outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
         return outcome
     outcome.members = implementation.calls_since(calls_before)
     for request in requests:
@@ -339,7 +345,7 @@ def to_schedule_result(outcome: L3Outcome):
         result.stop(REFUSED_OUTCOME, outcome.reason)
     elif outcome.verdict == FAILED and not outcome.comparisons:  # the engine raised
         result.stop(FAIL, outcome.reason)
-        result.note(0, "raised", outcome.requests, 0, [Divergence("raised", "#0 serve", detail=outcome.reason)])
+        result.note(0, "raised", outcome.requests, 0, [Divergence("raised", "#0 serve", detail=outcome.raised or outcome.reason)])
     for rid, comparison in outcome.comparisons.items():
         row = result.row(rid)
         row.metrics = {"tokens compared": comparison.tokens_compared,

@@ -1,0 +1,83 @@
+"""One rule for exceptions, at every level.
+
+Raised on the implementation's path and not on mlx-lm's solo path: a FAIL
+naming the level, schedule, event, layer and frame. Raised on both: the
+oracle cannot run. Exit 128 only for kvparity's own bugs.
+"""
+
+import pytest
+from mlx_lm.models import llama
+
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_HARNESS_ERROR, main
+from kvparity.suites.schedule import CATALOG
+
+L2_SCHEDULE = CATALOG / "join-longer-joiner.json"
+L3_SCHEDULE = CATALOG / "l3" / "staggered.json"
+FORWARD = "the model's forward raised RuntimeError: this attention takes no batch"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def fresh_oracle(tmp_path, monkeypatch):
+    """Solo runs computed now, under whatever this test patched, not read from disk."""
+    monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path / "oracle"))
+
+
+def wrap_attention(monkeypatch, refuses):
+    """An attention wrapper of the kind a cache's package installs into mlx-lm."""
+    plain = llama.scaled_dot_product_attention
+
+    def attention(queries, keys, values, cache, *args, **kwargs):
+        if refuses(cache):
+            raise RuntimeError("this attention takes no batch")
+        return plain(queries, keys, values, cache, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", attention)
+
+
+def batched(cache):
+    return hasattr(cache, "left_padding")
+
+
+@pytest.mark.parametrize("level, schedule, event", [
+    ("L2", L2_SCHEDULE, "event #1 step"),
+    ("L3", L3_SCHEDULE, "event #0 serve"),
+])
+def test_the_models_forward_raising_on_the_batch_is_a_failure_worded_alike(
+        capsys, monkeypatch, fresh_oracle, level, schedule, event):
+    wrap_attention(monkeypatch, batched)
+    code, out, err = run(capsys, "replay", schedule, "--level", level)
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert code == EXIT_BROKEN, out + err
+    assert f"{level} {schedule.stem}" in out and event in out, out
+    assert f"{FORWARD} (layer 0, at " in out and "in attention" in out, out
+
+
+@pytest.mark.parametrize("level, schedule", [("L2", L2_SCHEDULE), ("L3", L3_SCHEDULE)])
+def test_raising_on_the_solo_path_too_means_the_oracle_cannot_run(capsys, monkeypatch, fresh_oracle, level,
+                                                                   schedule):
+    wrap_attention(monkeypatch, lambda cache: True)
+    code, out, err = run(capsys, "check", "--level", level, "--schedule", schedule)
+    assert "Traceback" not in err, err
+    assert code == EXIT_CANNOT_JUDGE, out + err
+    assert "oracle cannot run" in out and "FAIL" not in out, out
+
+
+@pytest.mark.parametrize("level, schedule, harness_part", [
+    ("L1", CATALOG / "join-longer-joiner.json", "kvparity.suites.l1.check_mask"),
+    ("L2", L2_SCHEDULE, "kvparity.suites.l2.compare_caches"),
+    ("L3", L3_SCHEDULE, "kvparity.suites.l3.compare_request"),
+])
+def test_only_a_bug_of_kvparity_itself_exits_128(capsys, monkeypatch, level, schedule, harness_part):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the harness")
+
+    monkeypatch.setattr(harness_part, broken)
+    code, out, err = run(capsys, "check", "--level", level, "--schedule", schedule)
+    assert code == EXIT_HARNESS_ERROR, out + err
+    assert "a bug in the harness" in err and "internal error (a bug in kvparity" in err
