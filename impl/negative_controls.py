@@ -309,3 +309,15 @@ class ExtractReturnsBfloat16(BatchQuantizedKVCache):
             cache.keys, cache.values = dequantize(row.keys), dequantize(row.values)
         cache.offset = row.offset
         return cache
+
+
+class ExtractReturnsBfloat16TrimForgetsOffset(ExtractReturnsBfloat16):
+    """The designed difference above, and a bug beside it: trim forgets the
+    RoPE offsets, as ``TrimForgetsOffset``. Declaring ``extract`` must not
+    hide it."""
+
+    def trim(self, n):
+        return TrimForgetsOffset.trim(self, n)
+
+
+DESIGNED_DIFFERENCES = [ExtractReturnsBfloat16]

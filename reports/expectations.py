@@ -23,6 +23,7 @@ from kvparity.suites.evidence import CHECKS
 from kvparity.suites.schedule import EVENT_KINDS
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "expectations.schema.json"
+EXAMPLES = Path(__file__).parent / "examples" / "expectations"  # shipped expectations files
 LEVELS = ("L1", "L2", "L3")  # the levels verdicts.REQUIRED_EVIDENCE judges
 # What became of a declaration in a run.
 MATCHED = "matched"
