@@ -319,5 +319,3 @@ class ExtractReturnsBfloat16TrimForgetsOffset(ExtractReturnsBfloat16):
     def trim(self, n):
         return TrimForgetsOffset.trim(self, n)
 
-
-DESIGNED_DIFFERENCES = [ExtractReturnsBfloat16]
