@@ -15,10 +15,10 @@ import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
 from kvparity.reports.expectations import (
-    EXAMPLES, MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING, ExpectationsError, load_expectations,
+    EXAMPLES, LEVELS, MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING, ExpectationsError, load_expectations,
 )
 from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import DIVERGED, HELD, judge, verdict_of_run
+from kvparity.reports.verdicts import DIVERGED, HELD, REQUIRED_EVIDENCE, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import CHECKS, EXPECTED_DIVERGENCE, FAIL, PASS
@@ -139,7 +139,8 @@ def test_the_shipped_file_and_the_schema_agree_with_the_harness():
     jsonschema.Draft202012Validator.check_schema(schema)
     loaded = load_expectations(EXAMPLE)
     assert [d.check for d in loaded.declarations] == ["extract", "bytes"]
-    assert all(check in CHECKS for check in ("bytes", "offset", "left_padding", "mask", "extract", "logits"))
+    assert set(LEVELS) == set(REQUIRED_EVIDENCE)
+    assert {c for required in REQUIRED_EVIDENCE.values() for c in required} <= set(CHECKS)
 
 
 # -- matching --------------------------------------------------------------------------
