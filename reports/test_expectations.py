@@ -223,6 +223,7 @@ def test_messages_name_what_was_returned_in_words():
 # -- pytest ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two pytest processes
 def test_the_pytest_gate_takes_expectations():
     def pytest_run(*extra):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
