@@ -4,10 +4,11 @@ and the gate that turns a run's evidence into a pytest outcome."""
 import pytest
 
 from kvparity.oracle.models import ModelUnavailable, load_model
+from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import Policy, PolicyError, load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.adapter import ImplementationError, load_implementation
-from kvparity.suites.evidence import NOT_SUPPORTED, PASS
+from kvparity.suites.evidence import EXPECTED_DIVERGENCE, NOT_SUPPORTED, PASS
 
 SHOWN = 5  # divergences quoted in a failure
 
@@ -17,6 +18,8 @@ def pytest_addoption(parser):
                      help="batch cache implementation under test (default: the reference)")
     parser.addoption("--policy", default="cpu", metavar="NAME|FILE",
                      help="verdict policy for the parity suites (default: cpu, bit-exact)")
+    parser.addoption("--expectations", default=None, metavar="FILE",
+                     help="declared divergences (JSON) of the implementation: they do not gate (see README)")
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +35,15 @@ def policy(pytestconfig):
     try:
         return load_policy(pytestconfig.getoption("--policy"))
     except PolicyError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def expectations(pytestconfig):
+    path = pytestconfig.getoption("--expectations")
+    try:
+        return None if path is None else load_expectations(path)
+    except ExpectationsError as error:
         pytest.exit(str(error), returncode=4)
 
 
@@ -69,16 +81,16 @@ def judged():
 
 
 @pytest.fixture(scope="session")
-def gate(policy):
+def gate(policy, expectations):
     """``gate(result)``: pass with evidence, skip as not supported, or fail
     saying why; a missing capability is never a pass, and neither is a run
-    that compared nothing."""
+    that compared nothing. Divergences --expectations declares do not gate."""
 
     def check(result, under=None):
-        judge(result, under or policy)
+        judge(result, under or policy, expectations)
         if result.verdict == NOT_SUPPORTED:
             pytest.skip(f"not supported: {result.reason}")
-        assert result.verdict == PASS, describe(result)
+        assert result.verdict in (PASS, EXPECTED_DIVERGENCE), describe(result)
         return result
 
     return check

@@ -8,7 +8,7 @@ each and fails if any survives. They are also valid ``--impl`` targets, e.g.
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 
@@ -284,3 +284,38 @@ class RollbackRaisesNotImplemented(BatchQuantizedKVCache):
 
 
 VACUITY = [RefusesUpdateAndFetch, ZeroesMergeRefusesFilter, StateReturnsNone, ZeroWidthState]
+
+
+# -- designed differences: caches that differ on purpose ----------------------------
+# Each names the check its difference shows in. Without an expectations file
+# the gate fails them; with one declaring that check, every other check still
+# gates (reports/expectations/).
+
+
+class ExtractReturnsBfloat16(BatchQuantizedKVCache):
+    """extract hands out the row dequantized, in mlx-lm's unquantized
+    ``KVCache`` (bfloat16), as a cache that publishes rows for reuse by
+    unquantized readers would: the rest of the protocol is the reference's."""
+
+    differs_by = "extract"
+
+    def extract(self, idx):
+        row = super().extract(idx)
+        cache = KVCache()
+        if row.keys is not None:
+            dequantize = lambda triple: mx.dequantize(
+                *triple, group_size=self.group_size, bits=self.bits
+            ).astype(mx.bfloat16)
+            cache.keys, cache.values = dequantize(row.keys), dequantize(row.values)
+        cache.offset = row.offset
+        return cache
+
+
+class ExtractReturnsBfloat16TrimForgetsOffset(ExtractReturnsBfloat16):
+    """The designed difference above, and a bug beside it: trim forgets the
+    RoPE offsets, as ``TrimForgetsOffset``. Declaring ``extract`` must not
+    hide it."""
+
+    def trim(self, n):
+        return TrimForgetsOffset.trim(self, n)
+

@@ -156,6 +156,19 @@ def _policy(args):
         raise UsageError(str(error))
 
 
+def _expectations(args):
+    """The --expectations file, checked whole before anything runs; None without one."""
+    from kvparity.reports.expectations import ExpectationsError, load_expectations
+
+    path = getattr(args, "expectations", None)
+    if path is None:
+        return None
+    try:
+        return load_expectations(path)
+    except ExpectationsError as error:
+        raise UsageError(str(error))
+
+
 def _levels(args):
     return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
 
@@ -265,7 +278,7 @@ def prepare(args, files=None):
     return policy, runs, _implementation(args.impl)
 
 
-def run_all(runs, implementation, policy, progress=None):
+def run_all(runs, implementation, policy, progress=None, expectations=None):
     """Run and judge each planned schedule."""
     from kvparity.oracle.models import ModelUnavailable
     from kvparity.reports.verdicts import judge
@@ -273,7 +286,7 @@ def run_all(runs, implementation, policy, progress=None):
     results = []
     for label, run in runs:
         try:
-            results.append(judge(run(implementation), policy))
+            results.append(judge(run(implementation), policy, expectations))
         except ModelUnavailable as error:
             raise CannotRun(str(error))
         if progress:
@@ -284,7 +297,7 @@ def run_all(runs, implementation, policy, progress=None):
 def _print_summary(results, verdict, policy, out=None, quiet=False):
     from tabulate import tabulate
 
-    from kvparity.reports.writer import summary_rows
+    from kvparity.reports.writer import check_rows, declaration_rows, summary_rows
     from kvparity.suites.evidence import PASS
 
     out = out or sys.stdout
@@ -292,6 +305,15 @@ def _print_summary(results, verdict, policy, out=None, quiet=False):
     if quiet:  # only what did not pass
         rows = [row for row, r in zip(rows, results) if r.verdict != PASS]
     if rows:
+        print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    # What held beside what diverged: one diverging check never hides the rest.
+    if verdict.checks and (not quiet or rows):
+        print("\nper check, schedule runs (rows):", file=out)
+        headers, rows = check_rows(verdict)
+        print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    if verdict.declarations:
+        print("\ndeclared divergences:", file=out)
+        headers, rows = declaration_rows(verdict)
         print(tabulate(rows, headers, tablefmt="simple"), file=out)
     print(f"\n{verdict.headline}", file=out)
     for gap in verdict.gaps:
@@ -301,11 +323,13 @@ def _print_summary(results, verdict, policy, out=None, quiet=False):
 def _select_and_run(args, files):
     from kvparity.reports.verdicts import verdict_of_run
 
+    expectations = _expectations(args)  # a bad file is refused before anything else
     policy, runs, implementation = prepare(args, files)
     progress = Progress(len(runs))
-    results = run_all(runs, implementation, policy, progress)
+    results = run_all(runs, implementation, policy, progress, expectations)
     progress.close()
-    return implementation, policy, results, verdict_of_run(results, whole_catalog=not files)
+    verdict = verdict_of_run(results, whole_catalog=not files, expectations=expectations, policy=policy)
+    return implementation, policy, results, verdict, expectations
 
 
 def cmd_run(args):
@@ -314,7 +338,7 @@ def cmd_run(args):
 
     if not args.no_report:
         _writable_directory(args.out, "--out")
-    implementation, policy, results, verdict = _select_and_run(args, args.schedule)
+    implementation, policy, results, verdict, expectations = _select_and_run(args, args.schedule)
     _print_summary(results, verdict, policy)
     status = verdict.exit_status
     if not args.no_report:
@@ -331,6 +355,7 @@ def cmd_run(args):
         path = write_report(
             results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
             probes=_probes(model, args.device), capabilities=implementation.capabilities,
+            expectations=expectations,
             extra=bench if args.bench else None,
         )
         print(f"report: {path}")
@@ -363,13 +388,13 @@ def _probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_siz
 
 def cmd_check(args):
     """Like run, for scripts and git bisect: the summary and an exit status."""
-    _, policy, results, verdict = _select_and_run(args, args.schedule)
+    _, policy, results, verdict, _ = _select_and_run(args, args.schedule)
     _print_summary(results, verdict, policy, quiet=True)
     return verdict.exit_status
 
 
 def cmd_replay(args):
-    _, policy, results, verdict = _select_and_run(args, [args.file])
+    _, policy, results, verdict, _ = _select_and_run(args, [args.file])
     _print_summary(results, verdict, policy)
     for result in results:
         print(f"\n{result.level} {result.schedule}: {result.verdict}" + (f" ({result.reason})" if result.reason else ""))
@@ -574,6 +599,12 @@ def cmd_bench(args):
     return EXIT_OK
 
 
+def expectations_option(command):
+    command.add_argument("--expectations", metavar="FILE",
+                         help="declared divergences (JSON): what matches one is an expected divergence and does not "
+                         "gate; every other check still gates (see README)")
+
+
 def build_parser():
     from kvparity.oracle.models import available_models
 
@@ -618,6 +649,7 @@ def build_parser():
     run.add_argument("--out", metavar="DIR", default="reports/out",
                      help="where report directories go (default: %(default)s)")
     run.add_argument("--no-report", action="store_true", help="print the summary only")
+    expectations_option(run)
     run.add_argument("--bench", action="store_true",
                      help="also run the benchmarks into the report directory (minutes)")
     run.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
@@ -641,12 +673,14 @@ def build_parser():
                            "bisection). Made for `git bisect run kvparity check ...`.")
     common(check)
     check.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
+    expectations_option(check)
     check.set_defaults(func=cmd_check)
 
     replay = sub.add_parser("replay", help="replay one schedule file and show each row's first divergences",
                             description="Replay one schedule file row by row.")
     replay.add_argument("file", metavar="FILE", help="schedule file (JSON)")
     common(replay)
+    expectations_option(replay)
     replay.set_defaults(func=cmd_replay)
 
     bisect = sub.add_parser("bisect", help="find the first breaking event of a schedule and shrink it",

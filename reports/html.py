@@ -16,8 +16,10 @@ from html import escape
 
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
 from kvparity.reports.writer import STATUS, flatten
+from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
+from kvparity.reports.verdicts import DIVERGED, HELD, NOT_COMPARED
 from kvparity.suites.evidence import (
-    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
+    EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
@@ -30,7 +32,10 @@ OUTCOME = {
     NOT_SUPPORTED: ("muted", "needs an optional capability the implementation lacks"),
     ORACLE_CANNOT_RUN: ("oracle", "mlx-lm's own solo path cannot run on this backend"),
     ORACLE_NONDETERMINISTIC: ("oracle", "mlx-lm's own solo path differs from itself between two runs"),
+    EXPECTED_DIVERGENCE: ("expected", "every divergence was declared in the expectations file; evidence complete"),
 }
+# Columns of the per-check table: a non-zero count is coloured as its state.
+CHECK_CLASS = {HELD: "pass", DIVERGED: "fail", EXPECTED_DIVERGENCE: "expected", NOT_COMPARED: "muted"}
 STATUS_CLASS = {EXIT_OK: "pass", EXIT_BROKEN: "fail"}  # anything else: cannot judge
 TIER_CLASS = (("bit-exact", "pass"), ("ulp", "warn"), ("kl", "warn"), ("diverged", "fail"))
 SHOWN = 25  # divergences listed per row; report.json has them all
@@ -47,6 +52,7 @@ h2{margin:28px 0 8px;font-size:18px}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;margin-right:6px;font-weight:600;background:#445}
 .badge.pass{background:#2e7d32}.badge.fail{background:#c62828}.badge.muted{background:#666}
 .badge.refused{background:#6a1b9a}.badge.noevidence{background:#b26a00}.badge.oracle{background:#37618a}
+.badge.expected{background:#00796b}
 .status{font-weight:600}.status.pass{color:#8fd694}.status.fail{color:#ff8a80}.status.cannot{color:#ffcc80}
 .scroll{overflow-x:auto}
 table{border-collapse:collapse;font-size:12px;background:#fff}
@@ -56,7 +62,8 @@ th{background:#eef0f3;position:sticky;top:0}
 td.pass{color:#2e7d32;font-weight:600}td.fail{color:#c62828;font-weight:600}
 td.warn{color:#b26a00;font-weight:600}td.muted{color:#777}
 td.refused{color:#6a1b9a;font-weight:600}td.noevidence{color:#b26a00;font-weight:600}td.oracle{color:#37618a}
-li.hygiene{color:#777}
+td.expected{color:#00796b;font-weight:600}
+li.hygiene{color:#777}li.declared{color:#00796b}
 details.schedule{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 0;padding:6px 12px}
 details.schedule>summary{cursor:pointer;font-weight:600}
 details.row>summary{cursor:pointer;font-size:13px}
@@ -102,7 +109,8 @@ def render(record: dict, tables) -> str:
 
 def _anchor(title, index) -> str:
     """Stable ids for the sections tests and readers link to."""
-    for name in ("Coverage gaps", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits"):
+    for name in ("Coverage gaps", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits", "Checks",
+                 "Declared divergences"):
         if title.startswith(name):
             return _slug(name.lower()).replace("_", "-")
     return f"table-{index}"
@@ -120,11 +128,16 @@ def _table_section(table, anchor) -> str:
 
 
 def _cell(header, value) -> str:
-    """A cell, coloured in the columns that judge: verdict, tier, calls."""
+    """A cell, coloured in the columns that judge: verdict, tier, calls,
+    a check's states, a declaration's status."""
     text = _str(value)
     css = ""
     if header == "verdict":
         css = OUTCOME.get(text, ("",))[0]
+    elif header in CHECK_CLASS and not text.startswith("0 "):
+        css = CHECK_CLASS[header]
+    elif header == "status" and text == UNEXPECTEDLY_PASSING:
+        css = "warn"
     elif header == "tier":
         css = next((c for prefix, c in TIER_CLASS if text.startswith(prefix)), "")
     elif header == "calls" and text == "0":
@@ -179,12 +192,17 @@ def _schedule_card(index, result) -> str:
 def _divergence_list(row) -> str:
     shown = row["divergences"][:SHOWN]
     more = len(row["divergences"]) - len(shown)
-    items = "".join(f'<li class="{d["kind"]}">{"(hygiene) " if d["kind"] == "hygiene" else ""}'
-                    f"{escape(d['message'])}</li>" for d in shown)
+    items = "".join(f'<li class="{_kind(d)}">{"(hygiene) " if d["kind"] == "hygiene" else ""}'
+                    f'{"(declared) " if d.get("declared") is not None else ""}{escape(d["message"])}</li>'
+                    for d in shown)
     tail = f'<p class="note">… {more} more in report.json</p>' if more > 0 else ""
     return (f"<details class=\"row\"><summary>row <b>{escape(row['request'])}</b>: "
             f"{len(row['divergences'])} divergence(s), tier {escape(str(row.get('tier')))}</summary>"
             f"<ol class=\"divergences\">{items}</ol>{tail}</details>")
+
+
+def _kind(divergence) -> str:
+    return "declared" if divergence.get("declared") is not None else divergence["kind"]
 
 
 def _x(divergence):

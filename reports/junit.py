@@ -5,18 +5,23 @@ JUnit again. classname is ``kvparity.<level>.<schedule>`` and name the row id.
 What a CI dashboard shows must match the gate: a failed or refused row and a
 row with no evidence are <failure> (none of them passes the gate); a row whose
 capability is not supported, or whose oracle cannot run on this backend, is
-<skipped>, never a pass.
+<skipped>, never a pass. A row whose divergences were all declared in an
+expectations file is <skipped> too (it does not fail the gate, and it is not
+a plain pass), its message naming the declarations. The expectations file
+gets a suite of its own, one testcase per declaration: one unexpectedly
+passing is a <failure> where the policy gates on it, else <skipped>.
 """
 
 import re
 import xml.etree.ElementTree as ET
 
+from kvparity.reports.expectations import MATCHED, UNEXPECTEDLY_PASSING
 from kvparity.suites.evidence import (
-    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
+    EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
 
 FAILED = (FAIL, REFUSED, NO_EVIDENCE)
-SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
+SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE)
 # Characters XML 1.0 cannot hold at all, even escaped.
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 # Environment keys worth repeating as <properties> on every suite; the model
@@ -43,6 +48,10 @@ def render(record: dict) -> bytes:
         for key in totals:
             totals[key] += int(suite.get(key))
         seconds += result.get("seconds") or 0.0
+    if record.get("expectations"):
+        suite = _expectations_suite(root, record["expectations"])
+        for key in totals:
+            totals[key] += int(suite.get(key))
     _set(root, **totals, errors=0, time=f"{seconds:.3f}")
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
@@ -75,9 +84,33 @@ def _suite(root, result, record):
             failure.text = _text("\n".join(_details(row, result)))
         elif verdict in SKIPPED:
             skipped += 1
-            _set(ET.SubElement(case, "skipped"), message=_message(row, result))
+            skip = _set(ET.SubElement(case, "skipped"), message=_message(row, result))
+            if verdict == EXPECTED_DIVERGENCE:
+                skip.text = _text("\n".join(_details(row, result)))
     return _set(suite, name=classname, tests=len(cases), failures=failures, errors=0, skipped=skipped,
                 time=f"{result.get('seconds') or 0.0:.3f}")
+
+
+def _expectations_suite(root, expectations):
+    """One testcase per declaration: matched passes; unexpectedly passing
+    fails where the policy gates on it; anything else is skipped."""
+    suite = ET.SubElement(root, "testsuite")
+    _set(ET.SubElement(ET.SubElement(suite, "properties"), "property"), name="expectations_file",
+         value=expectations["path"])
+    failures = skipped = 0
+    for i, d in enumerate(expectations["declarations"]):
+        case = _set(ET.SubElement(suite, "testcase"), classname="kvparity.expectations",
+                    name=f"divergences[{i}] {d['check']} ({d['scope']})")
+        message = (f"{d['status']}: {d['matched']} divergence(s) matched, {d['compared']} comparison(s) "
+                   f"in scope; reason: {d['reason']}")
+        if d["status"] == UNEXPECTEDLY_PASSING and expectations["gates"]:
+            failures += 1
+            _set(ET.SubElement(case, "failure"), message=message, type=UNEXPECTEDLY_PASSING)
+        elif d["status"] != MATCHED:
+            skipped += 1
+            _set(ET.SubElement(case, "skipped"), message=message)
+    return _set(suite, name="kvparity.expectations", tests=len(expectations["declarations"]), failures=failures,
+                errors=0, skipped=skipped, time="0.000")
 
 
 def _message(row, result) -> str:
@@ -95,5 +128,7 @@ def _details(row, result):
         lines.append(f"tier reached: {row.get('tier')}, required: {row.get('required') or 'bit-exact'}")
     if result["reason"]:
         lines.append(result["reason"])
-    lines += [("(hygiene) " if d["kind"] == "hygiene" else "") + d["message"] for d in row["divergences"]]
+    lines += [("(hygiene) " if d["kind"] == "hygiene" else "") + ("(declared) " if d.get("declared") is not None
+                                                                   else "") + d["message"]
+              for d in row["divergences"]]
     return lines

@@ -3,8 +3,10 @@
 Logit tiers, strongest first: ``bit-exact`` > ``ulp<=N`` > ``kl<=tau and
 top-1 agree`` > ``diverged``, with N and tau named in the policy. A policy
 file says which tier L2 logits must reach, whether the cache bytes a model
-writes gate (``bit-exact``) or are only reported (``report``), and whether
-hygiene findings gate (``strict``) or are only reported. L1 bytes are pure
+writes gate (``bit-exact``) or are only reported (``report``), whether
+hygiene findings gate (``strict``) or are only reported, and whether a
+declared divergence that no longer happens (``unexpected_passes``) fails the
+run (``strict``) or is only reported. L1 bytes are pure
 data movement: bit-exact on every backend, whatever the policy says; and
 ``layout`` (a dtype or shape that differs, a missing array) gates always.
 """
@@ -27,7 +29,7 @@ TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
 LOGIT_CHECKS = ("logits", "tokens")
 MODEL_WRITTEN = ("bytes", "offset")
 
-FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "calibration"}
+FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "unexpected_passes", "calibration"}
 LOGIT_FIELDS = {"gate", "max_ulp", "tau"}
 
 
@@ -43,6 +45,7 @@ class Policy:
     tau: float = 0.0  # KL bound (nats) of the kl tier
     cache_bytes: str = "bit-exact"  # L2 model-written cache bytes: bit-exact or report
     hygiene: str = "report"  # report or gate
+    unexpected_passes: str = "report"  # a declared divergence that no longer happens: report or gate
     description: str = ""
     path: str = ""
 
@@ -137,12 +140,14 @@ def load_policy(spec: Optional[str] = None) -> Policy:
         raise PolicyError(f"{path}: logits.max_ulp must be an integer >= 0, got {max_ulp!r}")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
         raise PolicyError(f"{path}: logits.tau must be a number >= 0, got {tau!r}")
-    for key, allowed in (("cache_bytes", ("bit-exact", "report")), ("hygiene", ("report", "gate"))):
+    for key, allowed in (("cache_bytes", ("bit-exact", "report")), ("hygiene", ("report", "gate")),
+                         ("unexpected_passes", ("report", "gate"))):
         if doc.get(key, allowed[0]) not in allowed:
             raise PolicyError(f"{path}: {key} must be one of {', '.join(allowed)}, got {doc[key]!r}")
     return Policy(
         backend=doc["backend"], gate=gate, max_ulp=max_ulp, tau=float(tau),
         cache_bytes=doc.get("cache_bytes", "bit-exact"), hygiene=doc.get("hygiene", "report"),
+        unexpected_passes=doc.get("unexpected_passes", "report"),
         description=str(doc.get("description", "")), path=str(path),
     )
 

@@ -16,19 +16,22 @@ import pytest
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import html as html_report
 from kvparity.reports import junit
+from kvparity.reports.expectations import EXAMPLES, MATCHED, NOT_EXERCISED, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report
 from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import (
-    FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED,
-    ScheduleResult,
+    EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS,
+    REFUSED, ScheduleResult,
 )
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import CATALOG, load
 
 CPU, STRICT = load_policy("cpu"), load_policy("strict")
+# extract (everywhere) and bytes (in three schedules, none of them below) declared
+EXPECTATIONS = load_expectations(EXAMPLES / "extract-bfloat16.json")
 ENV = {
     "kvparity": "0.1.0", "mlx": "0.32.4", "mlx_lm": "0.32.2", "python": "3.11.7", "platform": "Linux",
     "backend": "cpu", "device": "cpu (test)", "knobs": {"MLX_ENABLE_TF32": None}, "git_commit": None,
@@ -133,21 +136,23 @@ def unjudged():
         l2_by_hand(),
         oracle,
         unstable,
+        l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsBfloat16")),
     ]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return [judge(r, CPU) for r in unjudged()]
+    return [judge(r, CPU, EXPECTATIONS) for r in unjudged()]
 
 
 @pytest.fixture(scope="module")
 def run_verdict(results):
-    return verdict_of_run(results)
+    return verdict_of_run(results, expectations=EXPECTATIONS, policy=CPU)
 
 
-def options(results, policy=CPU):
-    return dict(policy=policy, run_verdict=verdict_of_run(results))
+def options(results, policy=CPU, expectations=None):
+    return dict(policy=policy, run_verdict=verdict_of_run(results, expectations=expectations, policy=policy),
+                expectations=expectations)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +160,7 @@ def report(results, run_verdict, tmp_path_factory):
     probes = [{"op": "matmul", "batch_size": 8, "invariant": True, "max_abs_diff": 0.0, "first_row": None,
                "error": None}]
     return write_report(results, ENV, tmp_path_factory.mktemp("reports"), policy=CPU, run_verdict=run_verdict,
-                        probes=probes, sections=[("Extra", ["k", "v"], [["x", 1]])])
+                        probes=probes, sections=[("Extra", ["k", "v"], [["x", 1]])], expectations=EXPECTATIONS)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +176,7 @@ def validator():
 
 def test_each_outcome_is_shown_by_the_sample(results):
     assert [r.verdict for r in results] == [FAIL, PASS, PASS, NOT_SUPPORTED, REFUSED, NO_EVIDENCE, FAIL, FAIL,
-                                            ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC]
+                                            ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE]
     assert {row.verdict for r in results for row in r.rows} == set(OUTCOMES)
 
 
@@ -185,7 +190,8 @@ def test_a_report_directory_holds_four_files_and_the_record_validates(report, re
     assert record["exit_status"] == EXIT_BROKEN and record["passed"] is False
     assert record["headline"] == run_verdict.headline
     assert record["summary"]["schedules"] == {PASS: 2, FAIL: 3, REFUSED: 1, NO_EVIDENCE: 1, NOT_SUPPORTED: 1,
-                                              ORACLE_CANNOT_RUN: 1, ORACLE_NONDETERMINISTIC: 1}
+                                              ORACLE_CANNOT_RUN: 1, ORACLE_NONDETERMINISTIC: 1,
+                                              EXPECTED_DIVERGENCE: 1}
     assert record["summary"]["rows"][NO_EVIDENCE] == 1 and record["summary"]["rows"][REFUSED] == 3
     l2 = record["results"][7]
     row = l2["rows"][0]
@@ -337,7 +343,8 @@ def junit_cases(report):
 
 def test_junit_has_a_testcase_per_schedule_and_row(report, results):
     root, cases = junit_cases(report)
-    suites = root.findall("testsuite")
+    *suites, declared = root.findall("testsuite")
+    cases = [(s, c) for s, c in cases if s is not declared]
     assert [s.get("name") for s in suites] == [f"kvparity.{r.level}.{r.schedule}" for r in results]
     assert [(s.get("name"), c.get("name")) for s, c in cases] == [
         (f"kvparity.{r.level}.{r.schedule}", row.request) for r in results for row in r.rows]
@@ -346,14 +353,19 @@ def test_junit_has_a_testcase_per_schedule_and_row(report, results):
         assert int(suite.get("failures")) == len(suite.findall("testcase/failure"))
         assert int(suite.get("skipped")) == len(suite.findall("testcase/skipped"))
     rows = [row for r in results for row in r.rows]
-    assert root.get("tests") == str(len(rows))
+    # The expectations file's suite: a testcase per declaration, the one not exercised skipped.
+    assert declared.get("name") == "kvparity.expectations" and declared.get("tests") == "2"
+    assert declared.get("skipped") == "1" and declared.get("failures") == "0"
+    assert root.get("tests") == str(len(rows) + 2)
     assert root.get("failures") == str(sum(row.verdict in (FAIL, REFUSED, NO_EVIDENCE) for row in rows))
-    assert root.get("skipped") == str(sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
-                                          for row in rows))
+    assert root.get("skipped") == str(1 + sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+                                                              ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE)
+                                              for row in rows))
 
 
 def test_each_outcome_maps_to_its_junit_element(report, results):
     _, cases = junit_cases(report)
+    cases = [(s, c) for s, c in cases if s.get("name") != "kvparity.expectations"]
     rows = [row for r in results for row in r.rows]
     seen = set()
     for (suite, case), row in zip(cases, rows):
@@ -369,6 +381,8 @@ def test_each_outcome_maps_to_its_junit_element(report, results):
             assert failure.get("message") == f"{row.verdict}: {row.reason}"
         else:
             assert failure is None and skipped.get("message") == f"{row.verdict}: {row.reason}"
+            if row.verdict == EXPECTED_DIVERGENCE:  # declared, and listed as such
+                assert "extract divergence(s) declared" in row.reason and "(declared) extract:" in skipped.text
     assert seen == set(OUTCOMES)
     refusals = [c.find("failure") for s, c in cases if c.find(f"failure[@type='{REFUSED}']") is not None]
     assert refusals and all("update_and_fetch" in f.get("message") for f in refusals)
@@ -443,12 +457,13 @@ def test_html_is_self_contained_and_tells_outcomes_apart(report):
     found = Elements(text).found
     badges = {a["class"] for t, a in found if a.get("class", "").startswith("badge")}
     assert badges == {"badge pass", "badge fail", "badge refused", "badge noevidence", "badge muted",
-                      "badge oracle"}
+                      "badge oracle", "badge expected"}
     cells = {a.get("class") for t, a in found if t == "td"}
-    assert {"pass", "fail", "refused", "noevidence", "muted", "oracle"} <= cells
+    assert {"pass", "fail", "refused", "noevidence", "muted", "oracle", "expected"} <= cells
     ids = {a["id"] for t, a in found if "id" in a}
     assert {"summary", "rows", "logits", "coverage", "protocol-members", "hygiene", "environment",
-            "status"} <= ids
+            "status", "checks", "declared-divergences"} <= ids
+    assert {a.get("class") for t, a in found if t == "li"} >= {"declared", "parity", "hygiene"}
     assert "probe-model" not in text.split('id="summary"')[0]
 
 

@@ -3,17 +3,21 @@
 A row passes only when nothing gating diverged and every check its level
 requires compared something on what the implementation produced. A recorded
 divergence is never overwritten by a later refusal or missing capability.
+Divergences an expectations file declares (``reports/expectations.py``) do
+not gate: a row whose only divergences were declared, with the same
+evidence, is an expected divergence.
 """
 
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import Policy
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.evidence import (
-    FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED,
-    ScheduleResult,
+    CHECKS, EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
 
 # What a row must have compared, per level, to pass.
@@ -23,14 +27,22 @@ REQUIRED_EVIDENCE = {
     "L3": ("tokens", "logprobs"),
 }
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
+# What became of one check in a row or schedule, for the per-check table.
+HELD, DIVERGED, NOT_COMPARED = "held", "diverged", "not compared"
+CHECK_STATES = (HELD, DIVERGED, EXPECTED_DIVERGENCE, NOT_COMPARED)
 
 
-def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
-    """Set every row's verdict and tier, then the schedule's."""
+def judge(result: ScheduleResult, policy: Policy, expectations=None) -> ScheduleResult:
+    """Set every row's verdict and tier, then the schedule's; ``expectations``
+    (``reports.expectations.Expectations``) declares divergences that do not gate."""
     required = REQUIRED_EVIDENCE.get(result.level, ())
     for row in result.rows:
+        row.declared = {} if expectations is None else {
+            i: n for i, n in ((i, expectations.declared(d, result)) for i, d in enumerate(row.divergences))
+            if n is not None}
+        undeclared = [d for i, d in enumerate(row.divergences) if i not in row.declared]
         # L3 compares tokens and log-probs bit for bit under every policy (no tiers yet).
-        gating = [d for d in row.divergences if result.level == "L3" or policy.gates(d, result.level)]
+        gating = [d for d in undeclared if result.level == "L3" or policy.gates(d, result.level)]
         if result.level in ("L1", "L3"):
             row.tier = None if not row.checks else ("diverged" if gating else "bit-exact")
             row.required = "bit-exact"
@@ -38,7 +50,9 @@ def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
         else:
             row.tier = policy.logit_tier(row.metrics)
             row.required = policy.required()
-            logits_ok = policy.accepts(row.tier)
+            # A tier short of the gate is expected when every logits divergence was declared.
+            logits = [i for i, d in enumerate(row.divergences) if d.check == "logits"]
+            logits_ok = policy.accepts(row.tier) or bool(logits) and all(i in row.declared for i in logits)
         missing = [c for c in required if not row.compared(c)]
         if gating or not logits_ok:
             row.verdict = FAIL
@@ -49,6 +63,8 @@ def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
         elif missing:
             row.verdict = NO_EVIDENCE
             row.reason = f"nothing compared for {', '.join(missing)} on the implementation's output"
+        elif row.declared:
+            row.verdict, row.reason = EXPECTED_DIVERGENCE, _declared(row, expectations)
         else:
             row.verdict, row.reason = PASS, ""
     verdicts = {row.verdict for row in result.rows}
@@ -58,9 +74,18 @@ def judge(result: ScheduleResult, policy: Policy) -> ScheduleResult:
         result.verdict = result.stopped
     elif NO_EVIDENCE in verdicts or not result.rows:
         result.verdict = NO_EVIDENCE
+    elif EXPECTED_DIVERGENCE in verdicts:
+        result.verdict = EXPECTED_DIVERGENCE
     else:
         result.verdict = PASS
     return result
+
+
+def _declared(row: RowResult, expectations) -> str:
+    """Which declarations a row's divergences matched, with their reasons."""
+    matched = Counter(row.declared.values())
+    return "; ".join(f"{n} {expectations.declarations[i].check} divergence(s) declared: "
+                     f"{expectations.declarations[i].reason}" for i, n in sorted(matched.items()))
 
 
 @dataclass
@@ -71,12 +96,21 @@ class RunVerdict:
     coverage: Dict[str, Counter]  # event kind -> check -> comparisons
     members: Counter  # protocol member -> calls
     gaps: List[str] = field(default_factory=list)  # what the run should have shown and did not
+    checks: Dict[str, Dict[str, Counter]] = field(default_factory=dict)  # see check_table
+    declarations: List[dict] = field(default_factory=list)  # Expectations.applied: each declaration's fate
+    unexpected_passes_gate: bool = False  # the policy fails a run with a declaration unexpectedly passing
+
+    @property
+    def unexpectedly_passing(self) -> List[dict]:
+        return [d for d in self.declarations if d["status"] == UNEXPECTEDLY_PASSING]
 
     @property
     def exit_status(self) -> int:
         if any(self.counts[v] for v in FAILURES):
             return EXIT_BROKEN
-        if self.gaps or self.counts[NO_EVIDENCE] or not self.counts[PASS]:
+        if self.unexpected_passes_gate and self.unexpectedly_passing:
+            return EXIT_BROKEN
+        if self.gaps or self.counts[NO_EVIDENCE] or not (self.counts[PASS] or self.counts[EXPECTED_DIVERGENCE]):
             return EXIT_CANNOT_JUDGE
         return EXIT_OK
 
@@ -84,9 +118,12 @@ class RunVerdict:
     def headline(self) -> str:
         parts = [f"{self.counts[PASS]} passed", f"{self.counts[FAIL]} failed"]
         parts += [f"{self.counts[v]} {v}"
-                  for v in (REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
+                  for v in (EXPECTED_DIVERGENCE, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+                            ORACLE_NONDETERMINISTIC)
                   if self.counts[v]]
-        return ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
+        text = ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
+        stale = len(self.unexpectedly_passing)
+        return text + (f"; {stale} declared divergence(s) unexpectedly passing" if stale else "")
 
 
 def coverage(results: List[ScheduleResult]) -> Dict[str, Counter]:
@@ -110,9 +147,43 @@ def observed_kinds(result: ScheduleResult) -> set:
     return {kind for index, kind in enumerate(result.event_kinds) if index <= last and kind != "trace"}
 
 
-def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False) -> RunVerdict:
+def check_state(row: RowResult, check: str) -> str:
+    """Whether ``check`` held in a row, diverged (anything not declared),
+    diverged only as declared, or compared nothing."""
+    found = [i for i, d in enumerate(row.divergences) if d.check == check]
+    if any(i not in row.declared for i in found):
+        return DIVERGED
+    if found:
+        return EXPECTED_DIVERGENCE
+    return HELD if row.compared(check) else NOT_COMPARED
+
+
+def check_table(results: List[ScheduleResult]) -> Dict[str, Dict[str, Counter]]:
+    """Per check: how many schedule runs and rows it held in, diverged in,
+    diverged in only as declared, or compared nothing in, so one diverging
+    check never hides what held. A schedule takes its rows' worst state
+    (diverged, expected divergence, held, not compared, in that order).
+    Lists every check the run compared or found, and those its levels require."""
+    seen = {c for r in results for row in r.rows for c in row.compared_checks() | {d.check for d in row.divergences}}
+    seen |= {c for r in results for c in REQUIRED_EVIDENCE.get(r.level, ())}
+    order = list(CHECKS) + sorted(seen - set(CHECKS))
+    table = {}
+    for check in (c for c in order if c in seen):
+        rows, schedules = Counter({s: 0 for s in CHECK_STATES}), Counter({s: 0 for s in CHECK_STATES})
+        for result in results:
+            states = {check_state(row, check) for row in result.rows}
+            rows.update(check_state(row, check) for row in result.rows)
+            schedules[next((s for s in (DIVERGED, EXPECTED_DIVERGENCE, HELD) if s in states), NOT_COMPARED)] += 1
+        table[check] = {"schedules": schedules, "rows": rows}
+    return table
+
+
+def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, expectations=None,
+                   policy: Policy = None) -> RunVerdict:
     """``whole_catalog``: the default selection, which must exercise every
-    required member of the protocol."""
+    required member of the protocol. ``expectations``: the declarations the
+    results were judged with, reported each with what it matched;
+    ``policy`` says whether one unexpectedly passing fails the run."""
     counts = Counter({v: 0 for v in OUTCOMES})
     counts.update(r.verdict for r in results)
     table = coverage(results)
@@ -133,4 +204,6 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False) -
         unused = [m for m in REQUIRED_MEMBERS if not members[m]]
         if unused:
             gaps.append(f"required members never called: {', '.join(unused)}")
-    return RunVerdict(dict(counts), table, members, gaps)
+    return RunVerdict(dict(counts), table, members, gaps, check_table(results),
+                      expectations.applied(results) if expectations else [],
+                      policy is not None and policy.unexpected_passes == "gate")

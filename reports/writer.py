@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.reports.policy import HYGIENE_CHECKS, TIER_FAMILIES, Policy, tier_family
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, RunVerdict
+from kvparity.reports.verdicts import CHECK_STATES, EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, RunVerdict
 from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import OUTCOMES, RowResult, ScheduleResult
@@ -56,6 +56,13 @@ def counts_against(divergence: Divergence, policy: Policy) -> bool:
 def earliest(divergences, policy: Policy) -> Optional[Divergence]:
     """The earliest divergence by event, then step, among those that count."""
     return min((d for d in divergences if counts_against(d, policy)), key=lambda d: d.order, default=None)
+
+
+def first_of(rows: List[RowResult], policy: Policy) -> Optional[Divergence]:
+    """The rows' earliest divergence that was not declared; with none, the
+    earliest declared one (an expected divergence never hides a failure)."""
+    undeclared = [d for row in rows for i, d in enumerate(row.divergences) if i not in row.declared]
+    return earliest(undeclared, policy) or earliest([d for row in rows for d in row.divergences], policy)
 
 
 def why(result: ScheduleResult) -> str:
@@ -112,7 +119,7 @@ STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
 
 
 def build_record(results: List[ScheduleResult], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
-                 probes=None, capabilities=None, sections=()) -> dict:
+                 probes=None, capabilities=None, sections=(), expectations=None) -> dict:
     """report.json's content, as described by schema/report.schema.json."""
     unjudged = [r.schedule for r in results if r.verdict not in OUTCOMES]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
@@ -141,6 +148,8 @@ def build_record(results: List[ScheduleResult], environment: dict, *, policy: Po
         "capabilities": dict(capabilities),
         "probes": [_as_dict(p) for p in probes or ()],
         "coverage": {kind: dict(checks) for kind, checks in run_verdict.coverage.items()},
+        "checks": {check: {k: dict(v) for k, v in states.items()} for check, states in run_verdict.checks.items()},
+        "expectations": expectations_doc(run_verdict, expectations),
         "members": member_calls(run_verdict),
         "gaps": list(run_verdict.gaps),
         "hygiene": {
@@ -154,20 +163,37 @@ def build_record(results: List[ScheduleResult], environment: dict, *, policy: Po
     return _json_safe(record)
 
 
+def expectations_doc(run_verdict: RunVerdict, expectations) -> Optional[dict]:
+    """The expectations file the run was judged with, each declaration with
+    what it matched; None without one."""
+    if expectations is None:
+        return None
+    return {"path": expectations.path, "implementation": expectations.implementation,
+            "gates": run_verdict.unexpected_passes_gate, "declarations": list(run_verdict.declarations)}
+
+
 def _schedule_doc(result: ScheduleResult, policy: Policy) -> dict:
     doc = result.to_json()
     for row, row_doc in zip(result.rows, doc["rows"]):
-        row_doc["divergences"] = [_divergence_doc(d) for d in row.divergences]
-        row_doc["first"] = _divergence_doc(earliest(row.divergences, policy))
-    doc["first"] = _divergence_doc(earliest(result.divergences, policy))
+        row_doc["divergences"] = [_divergence_doc(d, row.declared.get(i)) for i, d in enumerate(row.divergences)]
+        first = first_of([row], policy)
+        row_doc["first"] = _divergence_doc(first, _declaration_of(row, first))
+    first = first_of(result.rows, policy)
+    owner = next((row for row in result.rows if any(d is first for d in row.divergences)), None)
+    doc["first"] = _divergence_doc(first, _declaration_of(owner, first) if owner else None)
     return doc
 
 
-def _divergence_doc(d: Optional[Divergence]) -> Optional[dict]:
+def _declaration_of(row: RowResult, divergence) -> Optional[int]:
+    return next((row.declared.get(i) for i, d in enumerate(row.divergences) if d is divergence), None)
+
+
+def _divergence_doc(d: Optional[Divergence], declared: Optional[int] = None) -> Optional[dict]:
     if d is None:
         return None
     kind = "hygiene" if d.check in HYGIENE_CHECKS else "parity"
-    return {**dataclasses.asdict(d), "event_index": d.event_index, "kind": kind, "message": d.message()}
+    return {**dataclasses.asdict(d), "event_index": d.event_index, "kind": kind, "declared": declared,
+            "message": d.message()}
 
 
 def _as_dict(value):
@@ -207,7 +233,7 @@ def summary_rows(results: List[ScheduleResult], policy: Policy):
                "first divergence"]
     rows = []
     for r in results:
-        first = earliest(r.divergences, policy)
+        first = first_of(r.rows, policy)
         positions = sum(row.metrics.get("positions", 0) for row in r.rows)
         exact = sum(row.metrics.get("bit_exact", 0) for row in r.rows)
         top1 = sum(row.metrics.get("top1_agree", 0) for row in r.rows)
@@ -224,7 +250,7 @@ def row_rows(results: List[ScheduleResult], policy: Policy):
     for r in results:
         for row in r.rows:
             counted = sum(counts_against(d, policy) for d in row.divergences)
-            first = earliest(row.divergences, policy)
+            first = first_of([row], policy)
             rows.append([r.schedule, r.level, row.request, row.verdict, row.tier or "", _required(r, row),
                          row.checks, counted, first.message() if first else row.reason])
     return headers, rows
@@ -280,6 +306,21 @@ def coverage_rows(run_verdict: RunVerdict):
     return ["event kind", *checks, "total"], rows
 
 
+def check_rows(run_verdict: RunVerdict):
+    """Per check, schedule runs (and rows) in which it held, diverged, diverged
+    only as declared, or compared nothing: verdicts.check_table."""
+    headers = ["check", *CHECK_STATES]
+    return headers, [[check, *(f"{states['schedules'][s]} ({states['rows'][s]})" for s in CHECK_STATES)]
+                     for check, states in run_verdict.checks.items()]
+
+
+def declaration_rows(run_verdict: RunVerdict):
+    """Each declared divergence: where it applies, why, and what became of it."""
+    headers = ["check", "where", "reason", "divergences matched", "comparisons in scope", "status"]
+    return headers, [[d["check"], d["scope"], d["reason"], d["matched"], d["compared"], d["status"]]
+                     for d in run_verdict.declarations]
+
+
 def member_rows(run_verdict: RunVerdict):
     return ["member", "kind", "calls"], [[m, "required" if m in REQUIRED_MEMBERS else "optional", n]
                                          for m, n in member_calls(run_verdict).items()]
@@ -305,12 +346,21 @@ def probe_rows(probes):
     return headers, [[record.get(h) for h in headers] for record in records]
 
 
+CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, diverged only as declared, "
+                "or compared nothing")
+
+
 def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
-           sections=()):
+           sections=(), expectations=None):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(results, policy)), ("Rows", *row_rows(results, policy))]
+    out = [("Summary", *summary_rows(results, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
+           ("Rows", *row_rows(results, policy))]
+    if expectations is not None:
+        gating = "failing the run" if run_verdict.unexpected_passes_gate else "reported"
+        out.append((f"Declared divergences ({expectations.path}; unexpectedly passing: {gating} "
+                    f"under policy {policy.name})", *declaration_rows(run_verdict)))
     logits = logit_rows(results)
     if logits[1]:
         out.append(("Logits (L2): KL(solo || batched) in nats", *logits))
@@ -368,7 +418,7 @@ def render_markdown(record: dict, report_tables) -> str:
 
 
 def write_report(results: List[ScheduleResult], environment: dict, root, *, policy: Policy,
-                 run_verdict: RunVerdict, probes=None, capabilities=None, sections=(),
+                 run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
                  extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
@@ -378,12 +428,13 @@ def write_report(results: List[ScheduleResult], environment: dict, root, *, poli
     judged under. ``probes`` are L0 probe records, ``capabilities``
     {name: supported} (default: the environment's), ``sections`` extra
     (title, headers, rows) tables, and ``extra(directory)`` adds files
-    (benchmarks) before the directory appears.
+    (benchmarks) before the directory appears. ``expectations`` is the
+    expectations file the results were judged with, if any.
     """
     from kvparity.reports import html, junit
 
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
-                   sections=sections)
+                   sections=sections, expectations=expectations)
     record = build_record(results, environment, **options)
     report_tables = tables(results, environment, **options)
     report = ReportDirectory(root)

@@ -55,8 +55,10 @@ class Divergence:
         text = f"{self.check}: " + ", ".join(where)
         if self.expected is not None or self.actual is not None:
             text += f": expected {self.expected!r}, got {self.actual!r}"
-        if self.detail:
-            text += f" ({self.detail})"
+            if self.detail:
+                text += f" ({self.detail})"
+        elif self.detail:  # a sentence of its own: what was returned, and what was expected
+            text += f": {self.detail}"
         return text
 
 
@@ -137,15 +139,55 @@ def _compare(jobs, bits) -> List[List[Divergence]]:
     return results
 
 
-def triple_job(expected, actual, name: str, **where):
+def triple_job(expected, actual, name: str, check: str = "layout", **where):
     """A comparison of two (packed, scales, biases) triples for ``compare_all``,
-    or, for a triple that is missing or malformed, the ``layout`` divergence."""
-    if expected is None or actual is None or len(actual) != 3:
-        return Divergence("layout", tensor=name, expected=_shapes(expected), actual=_shapes(actual), **where)
+    or, for a triple that is missing or malformed, the ``check`` divergence
+    saying what was there instead."""
+    if expected is None or actual is None or not isinstance(actual, (tuple, list)) or len(actual) != 3:
+        return Divergence(check, tensor=name, detail=f"found {in_words(actual, where_a_triple=True)}, "
+                                                     f"expected {a_triple(expected)}", **where)
     return dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", where
 
 
-def _shapes(triple):
+def left_padding_divergence(row: int, tokens: int, size: int, pad: int, **where) -> Divergence:
+    """Row ``row`` holds ``tokens`` (the solo offset) but the batch says
+    ``size - pad``: said as the rule and the two values it came from."""
+    return Divergence("left_padding", detail=f"size() - left_padding[{row}] should be the row's {tokens} tokens; "
+                                             f"size() is {size}, left_padding[{row}] is {pad}", **where)
+
+
+def a_triple(triple) -> str:
+    """What a (packed, scales, biases) triple like ``triple`` is, in words."""
     if triple is None:
-        return None
-    return [tuple(x.shape) if isinstance(x, (mx.array, Part)) else type(x).__name__ for x in triple]
+        return "no triple (the solo row holds none)"
+    dtypes = [_dtype(x) for x in triple]
+    return (f"a (packed {dtypes[0]}, scales, biases) triple of {dtypes[1]} scales and biases, of shapes "
+            + ", ".join(str(tuple(x.shape)) for x in triple))
+
+
+FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def in_words(value, where_a_triple: bool = False) -> str:
+    """What a member returned, in words, never a bare Python type name;
+    ``where_a_triple``: a float array stands where quantized data should."""
+    if value is None:
+        return "nothing (None)"
+    if isinstance(value, (mx.array, Part)):
+        dtype, shape = _dtype(value), tuple(value.shape)
+        if where_a_triple and value.dtype in FLOATS:
+            return f"an unquantized {dtype} array of shape {shape}"
+        return f"{'an' if dtype[0] in 'aeio' else 'a'} {dtype} array of shape {shape}"
+    if isinstance(value, (tuple, list)):
+        kind = "tuple" if isinstance(value, tuple) else "list"
+        if not value:
+            return f"an empty {kind}"
+        shown = "; ".join(in_words(v) for v in value[:4]) + ("; ..." if len(value) > 4 else "")
+        return f"a {kind} of {len(value)} ({shown})"
+    if isinstance(value, (bool, int, float, str)):
+        return f"the value {value!r}"
+    return f"an object of class {type(value).__name__}"
+
+
+def _dtype(x) -> str:
+    return str(x.dtype).rsplit(".", 1)[-1]

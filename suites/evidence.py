@@ -23,8 +23,32 @@ NO_EVIDENCE = "no evidence"  # nothing the policy requires was compared
 NOT_SUPPORTED = "not supported"  # an optional capability is missing
 ORACLE_CANNOT_RUN = "oracle cannot run"  # mlx-lm's own solo path fails on this backend
 ORACLE_NONDETERMINISTIC = "oracle nondeterministic"  # mlx-lm's solo path differs from itself: nothing to judge by
-OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
+# Every divergence was declared in an expectations file, and the evidence is complete: does not gate.
+EXPECTED_DIVERGENCE = "expected divergence"
+OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+            EXPECTED_DIVERGENCE)
 FAILURES = (FAIL, REFUSED)
+
+# Every check comparisons and divergences are noted under, and what it holds.
+CHECKS = {
+    "bytes": "keys and values (packed, scales, biases) equal mlx-lm's solo cache, bit for bit",
+    "offset": "each row's offset (its RoPE position) equals the solo offset",
+    "left_padding": "size() minus the row's left padding is the row's length",
+    "layout": "the state holds (packed, scales, biases) triples of the expected dtypes and shapes",
+    "extract": "extract(i) returns the row as a quantized cache of its offset, bits and group size, "
+               "and leaves the batch unchanged",
+    "mask": "make_mask hides exactly the padding and the future",
+    "shared_padding": "no column is padding in every row",
+    "source": "merge and extend leave their sources' bytes unchanged",
+    "nbytes": "nbytes counts at least the bytes the rows' columns occupy",
+    "raised": "a member or the engine raised: nothing after it was compared",
+    "logits": "each row's logits equal (or reach the policy's tier of) the request run alone",
+    "tokens": "greedy (L2) or generated (L3) tokens equal the request run alone",
+    "logprobs": "L3: the log-probabilities of each generated token",
+    "length": "L3: how many tokens each request generated",
+    "pad": "hygiene: pad columns are zero",
+    "alias": "hygiene: no memory shared between the batch, its sources and extracted rows",
+}
 
 
 @dataclass
@@ -40,6 +64,7 @@ class RowResult:
     tier: Optional[str] = None  # the strongest tier the row reached
     required: str = ""  # the tier the policy asked for
     reason: str = ""
+    declared: Dict[int, int] = field(default_factory=dict)  # divergence position -> declaration expecting it
 
     def compared(self, check: str = None) -> int:
         return sum(n for per_event in self.counts.values() for c, n in per_event.items()
@@ -48,6 +73,10 @@ class RowResult:
     @property
     def checks(self) -> int:
         return self.compared()
+
+    def compared_checks(self) -> set:
+        """The checks that compared something for this row."""
+        return {c for per_event in self.counts.values() for c, n in per_event.items() if n}
 
     @property
     def first(self) -> Optional[Divergence]:
@@ -112,6 +141,7 @@ class ScheduleResult:
         doc = asdict(self)
         doc["events"] = self.events
         for row, row_doc in zip(self.rows, doc["rows"]):
+            del row_doc["declared"]  # shown on each divergence instead
             row_doc["counts"] = {str(e): dict(c) for e, c in row.counts.items()}
             row_doc["checks"] = row.checks
         return doc

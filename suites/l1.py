@@ -37,7 +37,8 @@ from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, handles
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
-from kvparity.suites.compare import TRIPLE, Divergence, compare_later, triple_job
+from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
+                                     triple_job)
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult, drive
 from kvparity.suites.replay import Replay
 
@@ -376,6 +377,11 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         made = 1 if rid in replay.extracted else 0
         note(at, "offset", [rid], made, [] if alone.cache.offset == expected.offset else [
             Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset)])
+        if made and hasattr(expected, "bits") and not alone.quantized:
+            # What extract returned is not quantized: said once, not per missing array.
+            unquantized = _not_triples(alone.cache, "extract", _triples(solo.expected(rid, checks.reading)))
+            note(at, "extract", [rid], 1, [Divergence("extract", label, rid, tensor="extracted", detail=unquantized)])
+            continue
         checks.named(rid, solo.expected(rid, checks.reading), _layer_parts(checks.reading, alone.cache),
                      "extracted.", dict(event=label, request=rid), made)
     batch = replay.layers[0] if replay.layers else None
@@ -395,8 +401,9 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         return
     triples = _state_triples(batch.state)
     if triples is None:
-        note(at, "layout", rows, 1, [Divergence("layout", label, tensor="state", actual=_kind(batch.state),
-                                                 detail="state must begin with the key and value triples")])
+        note(at, "layout", rows, 1, [Divergence(
+            "layout", label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
+                                                    "and the values' (packed, scales, biases) triples first")])
         return
     note(at, "shared_padding", rows, 1,
          [Divergence("shared_padding", label, detail=f"every row has >= {min(pads)} pad columns")]
@@ -420,8 +427,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         note(at, "offset", [rid], 1,
              [Divergence("offset", expected=n, actual=offsets[i], **where)] if offsets[i] != n else [])
         if size - pads[i] != n:
-            note(at, "left_padding", [rid], 1, [Divergence("left_padding", expected=size - n, actual=pads[i],
-                                                           detail=f"size() is {size}", **where)])
+            note(at, "left_padding", [rid], 1, [left_padding_divergence(i, n, size, pads[i], **where)])
             continue  # the row's columns are unknown: bytes would only echo this
         note(at, "left_padding", [rid], 1)
         lp = pads[i]
@@ -480,21 +486,37 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
         checks.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
-                                                          detail="offset of the extracted cache", **where)])
+                                                          detail=f"offset of extract({i})", **where)])
         return
-    found = []
-    if (getattr(extracted, "bits", None), getattr(extracted, "group_size", None)) != (solo.bits, solo.group_size):
-        found.append(Divergence("extract", expected=(solo.bits, solo.group_size),
-                                actual=(getattr(extracted, "bits", None), getattr(extracted, "group_size", None)),
-                                detail="bits, group_size", **where))
-    checks.note(at, "extract", [rid], 1, found)
     known = {}
-    for name in ("keys", "values"):
-        checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
-                       f"extracted.{name}", where)
+    unquantized = _not_triples(extracted, f"extract({i})", expected)
+    if unquantized:  # nothing to compare byte for byte: one divergence says what came back
+        checks.note(at, "extract", [rid], 1, [Divergence("extract", tensor="extracted", detail=unquantized,
+                                                          **where)])
+    else:
+        bits, group_size = getattr(extracted, "bits", None), getattr(extracted, "group_size", None)
+        checks.note(at, "extract", [rid], 1, [] if (bits, group_size) == (solo.bits, solo.group_size) else [
+            Divergence("extract", detail=f"extract({i}) returned a cache of bits {bits}, group_size {group_size}; "
+                                         f"the row's are {solo.bits}, {solo.group_size}", **where)])
+        for name in ("keys", "values"):
+            checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
+                           f"extracted.{name}", where)
     shared = shared_memory_later(checks.reading, owned_arrays(extracted), owned_arrays(batch), known, batch_known)
     checks.later(lambda: _note_alias(checks, at, [rid], shared(), dict(tensor="extract", **where),
                                      "batch buffer"))
+
+
+def _not_triples(extracted, call: str, expected) -> str:
+    """What ``call`` (an extract) returned instead of the row's keys and
+    values triples, in words; empty when it returned triples."""
+    for name in ("keys", "values"):
+        stored = getattr(extracted, name, None)
+        if expected[name] is None and stored is None:
+            continue
+        if not (isinstance(stored, (tuple, list)) and len(stored) == 3):
+            return (f"{call} returned {in_words(stored, where_a_triple=True)} as {name}, "
+                    f"expected {a_triple(expected[name])}")
+    return ""
 
 
 def check_unchanged(before, after, checks: EventChecks, rows, label):
@@ -622,10 +644,6 @@ def _state_triples(state):
                 isinstance(x, mx.array) and x.ndim == 4 for x in triple):
             return None
     return {"keys": tuple(keys), "values": tuple(values)}
-
-
-def _kind(value):
-    return type(value).__name__
 
 
 def _parts(reading: Reading, triple, index, known=None):

@@ -36,7 +36,7 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
-from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference
+from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference, left_padding_divergence
 from kvparity.suites.evidence import (
     NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
     drive,
@@ -305,8 +305,7 @@ def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
             batch = replay.layers[0]
             pad, size = int(batch.left_padding[i].item()), batch.size()
             if size - pad != offset:
-                result.note(at, "left_padding", [rid], 1, [Divergence(
-                    "left_padding", expected=size - offset, actual=pad, detail=f"size() is {size}", **where)])
+                result.note(at, "left_padding", [rid], 1, [left_padding_divergence(i, offset, size, pad, **where)])
                 continue
             result.note(at, "left_padding", [rid], 1)
         actual, actual_offset = row_bytes(replay, rid)

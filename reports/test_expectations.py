@@ -1,0 +1,236 @@
+"""Declared divergences: a cache that differs by design keeps the rest of the
+gate. The designed difference is the control ExtractReturnsBfloat16 (its
+extract hands out the row dequantized, in a bfloat16 KVCache); with the
+shipped expectations file it passes every other check, a bug beside it still
+fails, a declaration that no longer happens is reported (and fails under
+strict), and a bad file is refused before anything runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
+from kvparity.reports.expectations import (
+    EXAMPLES, LEVELS, MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING, ExpectationsError, load_expectations,
+)
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import DIVERGED, HELD, REQUIRED_EVIDENCE, judge, verdict_of_run
+from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
+from kvparity.suites.adapter import load_implementation
+from kvparity.suites.evidence import CHECKS, EXPECTED_DIVERGENCE, FAIL, PASS
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import CATALOG, load
+
+CONTROLS = "kvparity.impl.negative_controls"
+BF16 = f"{CONTROLS}:ExtractReturnsBfloat16"
+BF16_AND_OFFSET = f"{CONTROLS}:ExtractReturnsBfloat16TrimForgetsOffset"
+EXAMPLE = str(EXAMPLES / "extract-bfloat16.json")
+ONE = str(CATALOG / "join-longer-joiner.json")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def check_line(out, check):
+    """The per-check table's line for ``check``: [held, diverged, expected, not compared] schedule counts."""
+    table = out.split("per check, schedule runs (rows):")[1]
+    line = next(line for line in table.splitlines() if line.split()[:1] == [check])
+    return [int(cell.split()[0]) for cell in line.split("  ")[1:] if cell.strip()]
+
+
+# -- the designed difference -----------------------------------------------------------
+
+
+def test_without_expectations_the_designed_difference_fails_and_the_table_shows_what_held(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16)
+    assert code == EXIT_BROKEN, out + err
+    assert "extract(0) returned an unquan" in out  # the summary cuts the message at 90 characters
+    schedules = sum(check_line(out, "extract"))
+    assert check_line(out, "extract") == [0, schedules, 0, 0]
+    for held in ("offset", "left_padding", "mask", "shared_padding", "nbytes"):
+        assert check_line(out, held) == [schedules, 0, 0, 0], held
+
+
+def test_with_the_expectations_file_it_passes_and_every_other_check_still_gates(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE)
+    assert code == EXIT_OK, out + err
+    assert "0 failed" in out and EXPECTED_DIVERGENCE in out
+    schedules = sum(check_line(out, "extract"))
+    assert check_line(out, "extract") == [0, 0, schedules, 0]
+    for held in ("offset", "left_padding", "mask", "shared_padding", "nbytes", "source"):
+        assert check_line(out, held)[1:3] == [0, 0], held
+    assert "unexpectedly passing" not in out
+
+
+def test_a_bug_beside_the_declared_difference_still_fails(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16_AND_OFFSET, "--expectations", EXAMPLE)
+    assert code == EXIT_BROKEN, out + err
+    assert check_line(out, "offset")[1] > 0
+    # The failure shown first is the undeclared one, though extract diverged earlier.
+    failing = [line for line in out.splitlines() if f"  {FAIL}  " in line]
+    assert failing and all(" offset: after event" in line for line in failing)
+
+
+def test_a_declaration_that_no_longer_happens_is_reported_and_fails_under_strict(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--schedule", ONE, "--expectations", EXAMPLE)
+    assert code == EXIT_OK, out + err
+    assert UNEXPECTEDLY_PASSING in out and NOT_EXERCISED in out  # extract held; bytes' schedules did not run
+    assert "1 declared divergence(s) unexpectedly passing" in out
+    code, out, err = run(capsys, "check", "--level", "L1", "--schedule", ONE, "--expectations", EXAMPLE,
+                         "--policy", "strict")
+    assert code == EXIT_BROKEN, out + err
+    assert "0 failed" in out and UNEXPECTEDLY_PASSING in out
+
+
+def test_replay_takes_expectations(capsys):
+    code, out, err = run(capsys, "replay", ONE, "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE)
+    assert code == EXIT_OK, out + err
+    assert f"L1 join-longer-joiner: {EXPECTED_DIVERGENCE}" in out
+
+
+# -- the file: refused whole, before anything runs -------------------------------------
+
+GOOD = {"check": "extract", "reason": "by design"}
+BAD = {
+    "an unknown check": ({"divergences": [dict(GOOD, check="extrct")]}, "divergences[0].check: unknown check 'extrct'"),
+    "an unknown level": ({"divergences": [dict(GOOD, levels=["L4"])]}, "divergences[0].levels: unknown level 'L4'"),
+    "an unknown event kind": ({"divergences": [GOOD, dict(GOOD, events=["jion"])]},
+                              "divergences[1].events: unknown event 'jion'"),
+    "an unknown field in a declaration": ({"divergences": [dict(GOOD, schedule="x")]},
+                                          "divergences[0]: unknown field 'schedule'"),
+    "an unknown field at the top": ({"divergences": [GOOD], "notes": "x"}, "the file: unknown field 'notes'"),
+    "no reason": ({"divergences": [{"check": "extract"}]}, "divergences[0]: missing field 'reason'"),
+    "an empty reason": ({"divergences": [dict(GOOD, reason="")]}, "divergences[0].reason:"),
+    "no declarations": ({"divergences": []}, "divergences:"),
+    "a schedule that is not a name": ({"divergences": [dict(GOOD, schedules=[3])]}, "divergences[0].schedules[0]:"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_expectations_file_is_a_usage_error_naming_file_entry_and_field(name, tmp_path, capsys):
+    doc, said = BAD[name]
+    path = tmp_path / "expectations.json"
+    path.write_text(json.dumps(doc))
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", str(path))
+    assert code == EXIT_USAGE, out + err
+    assert f"kvparity: {path}: {said}" in err
+    assert out == ""  # nothing ran
+
+
+def test_a_missing_or_unparsable_file_is_a_usage_error(tmp_path, capsys):
+    code, _, err = run(capsys, "run", "--no-report", "--expectations", str(tmp_path / "none.json"))
+    assert code == EXIT_USAGE and "none.json: cannot read it" in err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    code, _, err = run(capsys, "check", "--expectations", str(broken))
+    assert code == EXIT_USAGE and f"{broken}: not JSON" in err
+
+
+def test_the_shipped_file_and_the_schema_agree_with_the_harness():
+    schema = json.loads((EXAMPLES.parent.parent / "schema" / "expectations.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    loaded = load_expectations(EXAMPLE)
+    assert [d.check for d in loaded.declarations] == ["extract", "bytes"]
+    assert set(LEVELS) == set(REQUIRED_EVIDENCE)
+    assert {c for required in REQUIRED_EVIDENCE.values() for c in required} <= set(CHECKS)
+
+
+# -- matching --------------------------------------------------------------------------
+
+
+def test_a_declaration_matches_its_check_levels_schedules_and_event_kinds(tmp_path):
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"divergences": [
+        {"check": "extract", "levels": ["L1"], "schedules": ["join-*"], "events": ["join"], "reason": "r"}]}))
+    declared = load_expectations(path)
+    result = judge(run_l1(load(ONE), load_implementation(BF16)), load_policy("cpu"), declared)
+    extract = [d for d in result.divergences if d.check == "extract"]
+    after_join = [d for d in extract if result.event_kinds[d.event_index] == "join"]
+    assert after_join and len(after_join) < len(extract)
+    assert all(declared.declared(d, result) == 0 for d in after_join)
+    assert all(declared.declared(d, result) is None for d in extract if d not in after_join)
+    assert result.verdict == FAIL  # the extracts after a step were not declared
+    result.schedule = "other"
+    assert declared.declared(after_join[0], result) is None
+
+
+def test_an_expected_row_still_needs_evidence_for_every_other_required_check():
+    declared = load_expectations(EXAMPLE)
+    result = run_l1(load(ONE), load_implementation(BF16))
+    for row in result.rows:  # as if the masks had never been compared
+        for per_event in row.counts.values():
+            per_event.pop("mask", None)
+    judge(result, load_policy("cpu"), declared)
+    assert result.verdict == "no evidence"
+
+
+# -- reports ---------------------------------------------------------------------------
+
+
+def test_every_report_format_shows_the_checks_and_the_declarations(tmp_path):
+    declared, cpu = load_expectations(EXAMPLE), load_policy("cpu")
+    results = [judge(run_l1(load(CATALOG / f"{name}.json"), load_implementation(BF16)), cpu, declared)
+               for name in ("join-longer-joiner", "head-dim-64")]
+    verdict = verdict_of_run(results, expectations=declared, policy=cpu)
+    assert verdict.exit_status == EXIT_OK and {r.verdict for r in results} == {EXPECTED_DIVERGENCE}
+    assert verdict.checks["offset"]["schedules"][HELD] == 2 and verdict.checks["extract"]["rows"][DIVERGED] == 0
+    assert [d["status"] for d in verdict.declarations] == [MATCHED, MATCHED]
+    env = {"kvparity": "0", "mlx": "0", "python": "3", "platform": "p", "backend": "cpu", "device": "cpu"}
+    path = write_report(results, env, tmp_path, policy=cpu, run_verdict=verdict, expectations=declared)
+    record = json.loads((path / "report.json").read_text())
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(record)
+    assert record["checks"]["extract"]["schedules"][EXPECTED_DIVERGENCE] == 2
+    assert record["expectations"]["declarations"][1]["matched"] > 0
+    assert all(d["declared"] == 0 for r in record["results"] for row in r["rows"] for d in row["divergences"]
+               if d["check"] == "extract")
+    text = (path / "report.md").read_text()
+    assert "## Checks: schedule runs (rows)" in text and "## Declared divergences" in text
+    assert "| expected divergence" in text
+    junit = (path / "junit.xml").read_text()
+    assert 'classname="kvparity.expectations"' in junit and f'message="{EXPECTED_DIVERGENCE}: ' in junit
+    html = (path / "report.html").read_text()
+    assert 'id="checks"' in html and 'id="declared-divergences"' in html and 'class="badge expected"' in html
+    record["expectations"]["declarations"][0]["status"] = "stale"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(record)
+    assert build_record(results, env, policy=cpu, run_verdict=verdict)["expectations"] is None
+
+
+# -- messages a user can read ----------------------------------------------------------
+
+
+def messages(control, schedule=ONE):
+    return [d.message() for d in run_l1(load(schedule), load_implementation(f"{CONTROLS}:{control}")).divergences]
+
+
+def test_messages_name_what_was_returned_in_words():
+    padding = [m for m in messages("LeftPaddingOffByOne") if m.startswith("left_padding")]
+    assert padding and all("size() - left_padding[" in m and "should be the row's" in m for m in padding)
+    assert not [m for m in padding if "expected -" in m]
+    state = [m for m in messages("StateReturnsNone") if m.startswith("layout")]
+    assert state and all("state returned nothing (None)" in m for m in state)
+    assert not [m for m in state if "'NoneType'" in m or "'tuple'" in m]
+
+
+# -- pytest ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two pytest processes
+def test_the_pytest_gate_takes_expectations():
+    def pytest_run(*extra):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "suites/test_l1_catalog.py", "-k", "test_catalog_schedule and join-longer-joiner",
+                               "--impl", BF16, *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    failed = pytest_run()
+    assert failed.returncode == 1 and "extract(0) returned an unquantized" in failed.stdout, failed.stdout[-3000:]
+    passed = pytest_run("--expectations", EXAMPLE)
+    assert passed.returncode == 0 and "1 passed" in passed.stdout, passed.stdout[-3000:]
