@@ -268,22 +268,24 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                               f"{type(error).__name__}: {error}")
             return outcome
     settings = EngineSettings(**vars(schedule.engine))
-    # The watched class counts the members the engine calls and names what raises.
+    # The engine gets the class itself; while it serves, the class counts
+    # the members the engine calls and names what raises.
     calls_before = dict(implementation.calls)
-    engine = make_engine(engine_spec, loaded.model, implementation.watched, settings)
-    outcome.engine = engine.name
-    try:
-        outcome.run = engine.serve(requests)
-    except EngineUnsupported as error:
-        outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
-        return outcome
-    except MemberRaised as raised:  # the cache under test declined or broke
-        outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
-        outcome.reason = f"the engine's call of {raised}"
-        return outcome
-    except Exception as error:  # the engine itself broke
-        outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
-        return outcome
+    with implementation.watching():
+        engine = make_engine(engine_spec, loaded.model, implementation.batch_class, settings)
+        outcome.engine = engine.name
+        try:
+            outcome.run = engine.serve(requests)
+        except EngineUnsupported as error:
+            outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
+            return outcome
+        except MemberRaised as raised:  # the cache under test declined or broke
+            outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
+            outcome.reason = f"the engine's call of {raised}"
+            return outcome
+        except Exception as error:  # the engine itself broke
+            outcome.verdict, outcome.reason = FAILED, f"the engine raised {type(error).__name__}: {error}"
+            return outcome
     outcome.members = implementation.calls_since(calls_before)
     for request in requests:
         outcome.comparisons[request.id] = compare_request(
