@@ -114,22 +114,22 @@ def patched(cls: type, attributes: Dict[str, object]):
 
 class _Watch:
     """The wrappers on one class while runs watch it, and the call counters
-    of those runs: a run inside a run shares the wrappers, and a counter
-    watching twice counts a call once."""
+    of those runs. A run inside a run shares the wrappers; a counter already
+    counting (the same implementation watching again) counts a call once."""
 
     def __init__(self):
-        self.runs: List[Counter] = []  # one entry per watching() in progress
-        self.counters: List[Counter] = []  # the distinct ones, which the wrappers add to
+        self.counters: List[Counter] = []  # what the wrappers add to
 
     @contextmanager
     def counting(self, calls: Counter):
-        self.runs.append(calls)
-        self.counters = list({id(c): c for c in self.runs}.values())
+        first = all(c is not calls for c in self.counters)
+        if first:
+            self.counters = self.counters + [calls]
         try:
             yield
         finally:
-            self.runs.remove(calls)
-            self.counters = list({id(c): c for c in self.runs}.values())
+            if first:
+                self.counters = [c for c in self.counters if c is not calls]
 
     def member(self, name: str, fn: Callable) -> Callable:
         fn = getattr(fn, "_watched_original", fn)  # a base being watched too: wrap its own code
