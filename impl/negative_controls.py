@@ -4,6 +4,10 @@ Every class breaks one thing a real implementation gets wrong, and names the
 check expected to catch it. ``test_negative_controls.py`` runs the catalog on
 each and fails if any survives. They are also valid ``--impl`` targets, e.g.
 ``kvparity run --impl kvparity.impl.negative_controls:MaskIgnoresLeftPadding``.
+
+Further down: caches that try to pass without evidence (``VACUITY``), and
+classes that behave differently when subclassed (``SUBCLASS_SENSITIVE``),
+which hold the harness to running the class a user ships as itself.
 """
 
 import mlx.core as mx
@@ -96,10 +100,15 @@ class MergeWritesItsSources(BatchQuantizedKVCache):
     @classmethod
     def merge(cls, caches):
         batch = super().merge(caches)
-        for cache in caches:
-            if cache.keys is not None:
-                cache.keys[0][..., :1, :] = 0
+        _zero_first_token(caches)
         return batch
+
+
+def _zero_first_token(caches):
+    """Zero each solo cache's first key token in place."""
+    for cache in caches:
+        if cache.keys is not None:
+            cache.keys[0][..., :1, :] = 0
 
 
 class ExtractWritesTheBatch(BatchQuantizedKVCache):
@@ -319,3 +328,83 @@ class ExtractReturnsBfloat16TrimForgetsOffset(ExtractReturnsBfloat16):
     def trim(self, n):
         return TrimForgetsOffset.trim(self, n)
 
+
+# -- run as itself: classes that behave differently when subclassed -------------------
+# A verdict is about the class a user ships, so the harness never runs a
+# subclass of it. Each names the outcome a run of the catalog must reach;
+# a broken one also names the check that catches it.
+
+
+class BreaksItsSubclasses(BatchQuantizedKVCache):
+    """Correct as shipped. Its ``__init_subclass__`` resets a class flag, as
+    a published cache's does: a subclass is taken to own the buffers its
+    merge consumed, so its merge writes into its sources in place. A harness
+    that ran a subclass of it would see ``source`` break."""
+
+    expected_outcome = "pass"
+    owns_its_sources = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.owns_its_sources = True
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        if cls.owns_its_sources:
+            _zero_first_token(caches)
+        return batch
+
+
+class ChecksItsOwnType(BatchQuantizedKVCache):
+    """Correct as shipped. Its members check ``type(self) is`` their class,
+    as code that dispatches on exact types does, and raise for anything
+    else: a harness that ran a subclass of it would see every member raise."""
+
+    expected_outcome = "pass"
+
+    @classmethod
+    def merge(cls, caches):
+        _exactly_this(cls)
+        return super().merge(caches)
+
+    def extend(self, other):
+        _exactly_this(type(self))
+        _exactly_this(type(other))
+        super().extend(other)
+
+    def update_and_fetch(self, keys, values):
+        _exactly_this(type(self))
+        return super().update_and_fetch(keys, values)
+
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        _exactly_this(type(self))
+        return super().make_mask(N, return_array=return_array, window_size=window_size, **kwargs)
+
+
+def _exactly_this(cls):
+    if cls is not ChecksItsOwnType:
+        raise TypeError(f"{cls.__name__} is not ChecksItsOwnType")
+
+
+class MaskRightOnlyInSubclasses(BatchQuantizedKVCache):
+    """Broken as shipped: make_mask lets rows attend to their pad columns
+    (as ``MaskIgnoresLeftPadding``) unless the class is a subclass, whose
+    ``__init_subclass__`` turns the padding mask on. A harness that ran a
+    subclass of it would pass it."""
+
+    expected_outcome = "FAIL"
+    caught_by = "mask"
+    masks_padding = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.masks_padding = True
+
+    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
+        if self.masks_padding:
+            return super().make_mask(N, return_array=return_array, window_size=window_size, **kwargs)
+        return MaskIgnoresLeftPadding.make_mask(self, N, return_array, window_size)
+
+
+SUBCLASS_SENSITIVE = [BreaksItsSubclasses, ChecksItsOwnType, MaskRightOnlyInSubclasses]

@@ -11,11 +11,16 @@ follows mlx-lm's batch cache protocol over quantized triples:
 * ``state`` whose first two items are the key and value triples
 * ``bits``, ``group_size``, ``nbytes``
 
-Optional capabilities are detected on the class, never assumed. The harness
-runs a subclass that counts every call of a protocol member (the evidence
-that the member was exercised) and tags what a member raises with its name:
-``NotImplementedError`` from an optional member means "not supported"; from a
-required member it is a refusal, a failure.
+Optional capabilities are detected on the class, never assumed. The class
+runs as itself: ``type(batch)`` is the user's class and no subclass is ever
+made (a class may treat its subclasses differently). For the duration of a
+run, ``Implementation.watching`` installs wrappers in the class's own
+namespace that count every call of a protocol member (the evidence that the
+member was exercised) and tag what a member raises with its name; afterwards
+the namespace is exactly as it was, also when the run raised or was
+interrupted. Bases are never touched. ``NotImplementedError`` from an
+optional member means "not supported"; from a required member it is a
+refusal, a failure.
 """
 
 import functools
@@ -158,44 +163,91 @@ def forward_of(model, frame: str = ForwardRaised.FRAME):
         raise raised from error
 
 
-def _watched(name: str, fn: Callable, calls: Counter) -> Callable:
-    @functools.wraps(fn)
-    def member(*args, **kwargs):
-        calls[name] += 1
+_ABSENT = object()  # a name the class did not define itself
+
+
+@contextmanager
+def patched(cls: type, attributes: Dict[str, object]):
+    """``cls`` with ``attributes`` set in its own namespace while the block
+    runs. Afterwards each name holds the very object it held before, or is
+    deleted again where the class inherited it (a base is never written).
+    ``type.__setattr__`` bypasses any hook a metaclass puts on setting."""
+    saved = {}
+    try:
+        for name, value in attributes.items():
+            saved[name] = cls.__dict__.get(name, _ABSENT)
+            type.__setattr__(cls, name, value)
+        yield
+    finally:
+        for name, before in saved.items():
+            if before is not _ABSENT:
+                type.__setattr__(cls, name, before)
+            elif name in cls.__dict__:
+                type.__delattr__(cls, name)
+
+
+class _Watch:
+    """The wrappers on one class while runs watch it, and the call counters
+    of those runs. A run inside a run shares the wrappers; a counter already
+    counting (the same implementation watching again) counts a call once."""
+
+    def __init__(self):
+        self.counters: List[Counter] = []  # what the wrappers add to
+
+    @contextmanager
+    def counting(self, calls: Counter):
+        first = all(c is not calls for c in self.counters)
+        if first:
+            self.counters = self.counters + [calls]
         try:
-            return fn(*args, **kwargs)
-        except MemberRaised:
-            raise
-        except Exception as error:
-            raise MemberRaised(name, error) from error
+            yield
+        finally:
+            if first:
+                self.counters = [c for c in self.counters if c is not calls]
 
-    return member
+    def member(self, name: str, fn: Callable) -> Callable:
+        fn = getattr(fn, "_watched_original", fn)  # a base being watched too: wrap its own code
+
+        @functools.wraps(fn)
+        def member(*args, **kwargs):
+            for counter in self.counters:
+                counter[name] += 1
+            try:
+                return fn(*args, **kwargs)
+            except MemberRaised:
+                raise
+            except Exception as error:
+                raise MemberRaised(name, error) from error
+
+        member._watched_original = fn
+        return member
+
+    def members(self, batch_class: type) -> Dict[str, object]:
+        """The protocol members of ``batch_class``, own or inherited, as
+        counting attributes of the same kind."""
+        out = {}
+        for name in REQUIRED_MEMBERS + tuple(OPTIONAL_MEMBERS):
+            try:
+                attr = inspect.getattr_static(batch_class, name)
+            except AttributeError:
+                continue
+            if isinstance(attr, classmethod):
+                out[name] = classmethod(self.member(name, attr.__func__))
+            elif isinstance(attr, staticmethod):
+                out[name] = staticmethod(self.member(name, attr.__func__))
+            elif isinstance(attr, property):
+                out[name] = property(
+                    self.member(name, attr.fget) if attr.fget else None,
+                    self.member(name, attr.fset) if attr.fset else None,
+                    attr.fdel,
+                    attr.__doc__,
+                )
+            elif inspect.isfunction(attr):
+                out[name] = self.member(name, attr)
+        return out
 
 
-def _watch(batch_class: type, calls: Counter) -> type:
-    """A subclass whose protocol members count their calls and name
-    themselves in what they raise; behaviour is otherwise the class's own."""
-    namespace = {}
-    for name in REQUIRED_MEMBERS + tuple(OPTIONAL_MEMBERS):
-        try:
-            attr = inspect.getattr_static(batch_class, name)
-        except AttributeError:
-            continue
-        if isinstance(attr, classmethod):
-            namespace[name] = classmethod(_watched(name, attr.__func__, calls))
-        elif isinstance(attr, staticmethod):
-            namespace[name] = staticmethod(_watched(name, attr.__func__, calls))
-        elif isinstance(attr, property):
-            namespace[name] = property(
-                _watched(name, attr.fget, calls) if attr.fget else None,
-                _watched(name, attr.fset, calls) if attr.fset else None,
-                attr.fdel,
-            )
-        elif inspect.isfunction(attr):
-            namespace[name] = _watched(name, attr, calls)
-    namespace["__module__"] = batch_class.__module__
-    namespace["__qualname__"] = batch_class.__qualname__
-    return type(batch_class.__name__, (batch_class,), namespace)
+_WATCHES: Dict[type, _Watch] = {}  # class -> its watch, while a run watches it
 
 
 @dataclass
@@ -203,11 +255,7 @@ class Implementation:
     spec: str
     batch_class: type
     capabilities: Dict[str, bool] = field(default_factory=dict)
-    calls: Counter = field(default_factory=Counter)  # protocol member -> calls
-    watched: type = None
-
-    def __post_init__(self):
-        self.watched = _watch(self.batch_class, self.calls)
+    calls: Counter = field(default_factory=Counter)  # protocol member -> calls, while watching
 
     @property
     def name(self) -> str:
@@ -224,11 +272,24 @@ class Implementation:
         """Protocol member -> calls made since ``before`` (a copy of ``calls``)."""
         return {m: n - before.get(m, 0) for m, n in self.calls.items() if n > before.get(m, 0)}
 
-    def merge(self, rows):
-        batch = self.watched.merge(rows)
-        if type(batch) is self.batch_class:  # built by name rather than by cls
-            batch.__class__ = self.watched
-        return batch
+    @contextmanager
+    def watching(self):
+        """Run the class as itself, its protocol members counted into
+        ``calls`` and named in what they raise, until the block ends."""
+        cls = self.batch_class
+        watch = _WATCHES.get(cls)
+        if watch is not None:  # a run inside a run: the wrappers are on already
+            with watch.counting(self.calls):
+                yield
+            return
+        watch = _Watch()
+        with patched(cls, watch.members(cls)):
+            _WATCHES[cls] = watch
+            try:
+                with watch.counting(self.calls):
+                    yield
+            finally:
+                del _WATCHES[cls]
 
 
 def detect_capabilities(batch_class: type) -> Dict[str, bool]:

@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Dict, List, Optional
 
 from functools import lru_cache
@@ -83,7 +83,7 @@ from kvparity.oracle.arrays import digest, raw
 from kvparity.oracle.machine import machine
 from kvparity.oracle.models import SMOLLM2, available_models
 from kvparity.oracle.solo import greedy, log_probs, run_solo
-from kvparity.suites.adapter import load_implementation
+from kvparity.suites.adapter import load_implementation, patched
 from kvparity.suites.evidence import OracleNondeterministic
 from kvparity.suites.l2 import ModelBackend, trace_difference
 from kvparity.suites.metrics import kl_divergence
@@ -132,35 +132,26 @@ def load_model(name: str):
 READS = ("as-is", "contiguous")
 
 
-def _defining(cls, name):
-    """The class of ``cls``'s MRO whose own namespace defines ``name``."""
-    return next(c for c in cls.__mro__ if name in c.__dict__)
-
-
 @contextmanager
 def reads(mode: str, *implementations):
     """``contiguous``: mlx-lm's ``QuantizedKVCache`` and each implementation's
-    batch class (the watched one the harness runs) hand attention contiguous
-    copies of their triples."""
+    batch class hand attention contiguous copies of their triples (each class
+    patched in its own namespace while the block runs, its bases untouched)."""
     if mode == "as-is":
         yield
         return
-    patched = list(dict.fromkeys([QuantizedKVCache] + [_defining(i.watched, "update_and_fetch")
-                                                         for i in implementations]))
-    saved = [c.__dict__["update_and_fetch"] for c in patched]
+    classes = list(dict.fromkeys([QuantizedKVCache] + [i.batch_class for i in implementations]))
+    originals = [c.update_and_fetch for c in classes]  # each as it is before any is patched
 
     def wrap(original):
         def update_and_fetch(self, keys, values):
             return tree_map(mx.contiguous, original(self, keys, values))
         return update_and_fetch
 
-    for c, original in zip(patched, saved):
-        c.update_and_fetch = wrap(original)
-    try:
+    with ExitStack() as stack:
+        for c, original in zip(classes, originals):
+            stack.enter_context(patched(c, {"update_and_fetch": wrap(original)}))
         yield
-    finally:
-        for c, original in zip(patched, saved):
-            c.update_and_fetch = original
 
 
 def kernel_survey() -> List[dict]:
@@ -299,13 +290,14 @@ def replay(model, implementation, schedule, traces):
     driver = Replay(schedule, backend)
     backend.replay = driver
     rows: Dict[str, list] = {rid: [] for rid in schedule.requests}
-    for event in schedule.events:
-        driver.apply(event)
-        for out in backend.outputs:
-            expected = traces[out.request].calls[out.step].logits
-            mx.eval(out.logits)
-            kind = event.kind if out.from_implementation else "alone"
-            rows[out.request].append((kind, out.step, compare_positions(expected, out.logits), out.logits))
+    with implementation.watching():
+        for event in schedule.events:
+            driver.apply(event)
+            for out in backend.outputs:
+                expected = traces[out.request].calls[out.step].logits
+                mx.eval(out.logits)
+                kind = event.kind if out.from_implementation else "alone"
+                rows[out.request].append((kind, out.step, compare_positions(expected, out.logits), out.logits))
     return rows
 
 

@@ -2,7 +2,8 @@
 
 An engine is named ``package.module:factory``. The factory is called as
 ``factory(model, batch_class, settings)`` where ``model`` is an mlx-lm model,
-``batch_class`` the batch cache class under test, and ``settings`` an
+``batch_class`` the batch cache class under test (the class itself; while the
+engine serves, the run watches its members), and ``settings`` an
 ``EngineSettings``; it returns an object with
 
 * ``name`` (str), and

@@ -184,7 +184,7 @@ class SyntheticBackend:
         requests = [self.schedule.requests[rid] for rid in rids]
         width = max(r.prompt_len for r in requests)
         empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
-        batch = self.implementation.merge(empty)
+        batch = self.implementation.batch_class.merge(empty)
         batch.prepare(right_padding=[width - r.prompt_len for r in requests])
         keys, values = [], []
         for r in requests:
@@ -263,7 +263,8 @@ class L1Run:
         start = time.perf_counter()
         self.result.event_kinds += [e.kind for e in events]
         if self.running:
-            self.running = drive(self.result, self.replay, events, self.check)
+            with self.implementation.watching():
+                self.running = drive(self.result, self.replay, events, self.check)
         self.seconds += time.perf_counter() - start
         return self.running
 

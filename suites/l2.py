@@ -264,7 +264,8 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
             for rid in replay.running() + list(replay.preempted):
                 capture[rid].snapshots[at], capture[rid].offsets[at] = row_bytes(replay, rid)
 
-    drive(result, replay, schedule.events, check)
+    with implementation.watching():
+        drive(result, replay, schedule.events, check)
     for row in result.rows:
         row.metrics = stats[row.request].as_dict()
         row.series = stats[row.request].series if row.metrics["positions"] else {}

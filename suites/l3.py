@@ -269,27 +269,29 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                               f"{type(error).__name__}: {error}")
             return outcome
     settings = EngineSettings(**vars(schedule.engine))
-    # The watched class counts the members the engine calls and names what raises.
+    # The engine gets the class itself; while it serves, the class counts
+    # the members the engine calls and names what raises.
     calls_before = dict(implementation.calls)
-    engine = make_engine(engine_spec, loaded.model, implementation.watched, settings)
-    outcome.engine = engine.name
-    try:
-        outcome.run = engine.serve(requests)
-    except EngineUnsupported as error:
-        outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
-        return outcome
-    except MemberRaised as raised:  # the cache under test declined or broke
-        raised.layer = layer_of(raised, loaded.model.layers)
-        outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
-        outcome.raised = f"the engine's call of {raised}"
-        outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
-        return outcome
-    except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
-        raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")
-        raised.layer = layer_of(error, loaded.model.layers)
-        outcome.verdict, outcome.raised = FAILED, str(raised)
-        outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
-        return outcome
+    with implementation.watching():
+        engine = make_engine(engine_spec, loaded.model, implementation.batch_class, settings)
+        outcome.engine = engine.name
+        try:
+            outcome.run = engine.serve(requests)
+        except EngineUnsupported as error:
+            outcome.verdict, outcome.reason = UNSUPPORTED, str(error)
+            return outcome
+        except MemberRaised as raised:  # the cache under test declined or broke
+            raised.layer = layer_of(raised, loaded.model.layers)
+            outcome.verdict = UNSUPPORTED if raised.capability else REFUSED if raised.refused else FAILED
+            outcome.raised = f"the engine's call of {raised}"
+            outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
+            return outcome
+        except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
+            raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")
+            raised.layer = layer_of(error, loaded.model.layers)
+            outcome.verdict, outcome.raised = FAILED, str(raised)
+            outcome.reason = f"L3 {schedule.name}, event #0 serve: {outcome.raised}"
+            return outcome
     outcome.members = implementation.calls_since(calls_before)
     for request in requests:
         outcome.comparisons[request.id] = compare_request(

@@ -127,7 +127,7 @@ class Replay:
         if ready:
             layers = list(zip(*(solos[rid].layers for rid in ready)))
             self.backend.watch("merge", [c for rows in layers for c in rows])
-            merge = self.backend.implementation.merge
+            merge = self.backend.implementation.batch_class.merge
             self.add_rows([merge(list(rows)) for rows in layers], ready)
         self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
 
@@ -287,13 +287,17 @@ class _Counted:
 class _NoBatch:
     """Stands in for the implementation's batch: every protocol call is a no-op."""
 
+    @classmethod
+    def merge(cls, rows):
+        return cls()
+
     def __getattr__(self, member):
         return lambda *args, **kwargs: None
 
 
 class _DryRun:
     class implementation:  # every capability, so the replay records what is needed
-        merge = staticmethod(lambda rows: _NoBatch())
+        batch_class = _NoBatch
         supports = staticmethod(lambda capability: True)
 
     def __init__(self, schedule):
