@@ -35,9 +35,9 @@ PATHS = {
     "reinsert": "a row extracted from the batch is merged back into it",
     "refill": "the batch's arrays are created again after every row left",
 }
-# Random models are named {family}-h{head_dim}-{dtype}.
-MODEL_FAMILIES = tuple(sorted({config["model_type"] for config in RANDOM_CONFIGS.values()})) + (SMOLLM2,)
 GROWTH_BOUNDARIES = {"growth-past-256": STEP, "growth-past-512": 2 * STEP}
+# L2: the random models' families (named {family}-h{head_dim}-{dtype}) and the real model.
+MODEL_FAMILIES = tuple(sorted({config["model_type"] for config in RANDOM_CONFIGS.values()})) + (SMOLLM2,)
 
 # The factors of a cell, in the order cells are named.
 FACTORS = ("path", "bits", "head_dim", "group_size", "dtype")
@@ -56,7 +56,9 @@ class Cell:
 
 def fits(values: Dict[str, object]) -> bool:
     """A group size quantizes only a head_dim it divides."""
-    return "group_size" not in values or values.get("head_dim", 0) % values["group_size"] == 0
+    if "group_size" not in values or "head_dim" not in values:
+        return True
+    return values["head_dim"] % values["group_size"] == 0
 
 
 def name(requirement: Dict[str, object]) -> str:
@@ -67,13 +69,13 @@ def requirements() -> List[Dict[str, object]]:
     """What the model asks for, each a partial cell that some reached cell
     must match: every path at every (bits, head_dim), then every pair of
     values of two factors not already asked for within a full one."""
-    levels = {"path": tuple(PATHS), "bits": BITS, "head_dim": HEAD_DIMS, "group_size": GROUP_SIZES,
-              "dtype": DTYPES}
-    asked = [dict(zip(FULL, values)) for values in product(*(levels[f] for f in FULL))]
+    each = {"path": tuple(PATHS), "bits": BITS, "head_dim": HEAD_DIMS, "group_size": GROUP_SIZES,
+            "dtype": DTYPES}
+    asked = [dict(zip(FULL, values)) for values in product(*(each[f] for f in FULL))]
     for a, b in combinations(FACTORS, 2):
         if {a, b} <= set(FULL):
             continue
-        asked += [pair for pair in ({a: x, b: y} for x, y in product(levels[a], levels[b])) if fits(pair)]
+        asked += [pair for pair in ({a: x, b: y} for x, y in product(each[a], each[b])) if fits(pair)]
     return asked
 
 
