@@ -202,6 +202,31 @@ class GrowthDropsTail(BatchQuantizedKVCache):
             self.values = tuple(zero_tail(x) for x in self.values)
 
 
+class EmptyBatchPacksWholeElementsPerWord(BatchQuantizedKVCache):
+    """The first buffers of an empty batch hold ``head_dim // (32 // bits)``
+    packed words per token, as mlx-lm's ``QuantizedKVCache`` sizes a new
+    cache's and published batched caches copy: right where bits divides 32
+    or head_dim is 64, a word too many at 5 and 6 bits for head_dim 96 and
+    128, where the first write into the batch raises."""
+
+    caught_by = "raised"
+
+    def _grow(self, keys, values, num_steps):
+        if self.keys is not None:
+            return super()._grow(keys, values, num_steps)
+        steps = (self.step + num_steps - 1) // self.step * self.step
+        self.keys, self.values = (self._zeros(triple, steps) for triple in (keys, values))
+
+    def _zeros(self, triple, steps):
+        _, scales, biases = triple
+        groups = scales.shape[-1]
+        shape = (self.batch_size, scales.shape[1], steps)
+        head_dim = groups * self.group_size
+        return (mx.zeros((*shape, head_dim // (32 // self.bits)), dtype=mx.uint32),
+                mx.zeros((*shape, groups), dtype=scales.dtype),
+                mx.zeros((*shape, groups), dtype=biases.dtype))
+
+
 VARIANTS = [
     LeftPaddingOffByOne,
     FilterKeepsSharedPadding,
@@ -216,6 +241,7 @@ VARIANTS = [
     TrimForgetsOffset,
     FinalizeLeavesJunk,
     GrowthDropsTail,
+    EmptyBatchPacksWholeElementsPerWord,
 ]
 
 

@@ -1,11 +1,13 @@
 """Coverage that does not hinge on optional capabilities.
 
 An implementation without optional capabilities runs only the catalog
-schedules whose ``needs`` is empty; the rest are "not supported". Every
-setting the suite lists must still be exercised by one of those, or a bug
-that only that setting reveals survives the whole catalog.
+schedules whose ``needs`` is empty; the rest are "not supported". Every cell
+of the coverage model (``suites/coverage.py``) must still be reached by one
+of those at L1, and every model family by one of those at L2, or a bug that
+only that cell or family reveals survives the whole catalog.
 
-Data only: these tests read the schedule files, they do not replay them.
+Data only: these tests read the schedule files and walk their dry runs,
+they do not replay them on a cache.
 """
 
 import json
@@ -13,15 +15,9 @@ from functools import lru_cache
 
 import pytest
 
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
-
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-HEAD_DIMS = (64, 128)
-DTYPES = ("bfloat16", "float16", "float32")
-# mlx-lm's caches grow their buffers in steps of 256 tokens.
-GROWTH_BOUNDARIES = (256, 512)
-DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64
+from kvparity.suites import coverage
+from kvparity.suites.coverage import cells_of, family_of, meets, missing, name, paths_of, requirements
+from kvparity.suites.schedule import BITS, CATALOG, REAL_CATALOG, catalog_paths, load
 
 # The schedules that test per-row rollback itself: they keep needing it.
 PER_ROW_ROLLBACK_SET = (
@@ -30,100 +26,63 @@ PER_ROW_ROLLBACK_SET = (
     "rollback-then-join",
     "kv-start-delayed-mixed",
 )
-
-SETTINGS = (
-    [("bits", b) for b in BITS]
-    + [("group_size", g) for g in GROUP_SIZES]
-    + [("head_dim", h) for h in HEAD_DIMS]
-    + [("dtype", d) for d in DTYPES]
-)
+# The cell of mlx-lm's QuantizedKVCache sizing a new cache's packed words
+# (head_dim // (32 // bits)): wrong at 6 bits for head_dim 96.
+EMPTY_BATCH_CELL = {"path": "batched-prefill-into-empty", "bits": 6, "head_dim": 96}
 
 
 @lru_cache(maxsize=None)
-def capability_free():
-    """Catalog schedules that need no optional capability and run at L1.
-
-    Only L1 counts: head_dim and dtype describe the synthetic keys and values,
-    which L1 uses; at L2 the model decides them.
-    """
-    schedules = (load(p) for p in catalog_paths("L1"))
+def capability_free(level="L1", folder=CATALOG):
+    """Catalog schedules of ``level`` that need no optional capability."""
+    schedules = (load(p) for p in catalog_paths(level, folder))
     return tuple(s for s in schedules if not s.needs)
 
 
-def appends_across(schedule, boundary):
-    """Requests whose cache grows past ``boundary`` tokens in an append.
-
-    A prompt already longer than the boundary when it prefills gets its
-    buffer in one allocation; only an append that starts at or below the
-    boundary and ends past it makes the cache grow there.
-    """
-    crossing = []
-    for rid, calls in schedule.calls.items():
-        length = 0
-        for call in calls:
-            before = length
-            length += -call.n if call.op == "trim" else call.n
-            if call.op == "append" and before <= boundary < length:
-                crossing.append(rid)
-                break
-    return crossing
+def uncovered(schedules):
+    return missing(cell for s in schedules for cell in cells_of(s))
 
 
-def batched_joins_into_empty_batch(schedule):
-    """Indices of ``batched_join`` events that find no row in the batch."""
-    in_batch, found = set(), []
-    for event in schedule.events:
-        if event.kind == "batched_join" and not in_batch:
-            found.append(event.index)
-        if event.kind in ("join", "batched_join"):
-            in_batch |= set(event.args)
-        elif event.kind == "reinsert":
-            in_batch.add(event.args)
-        elif event.kind == "leave":
-            in_batch -= set(event.args)
-        elif event.kind == "extract":
-            in_batch.discard(event.args)
-    return found
+def probe(tmp_path, events, requests, **settings):
+    doc = {"name": "probe", "levels": ["L1"], "requests": requests, "events": events, **settings}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(doc))
+    return load(path)
 
 
-def describe(schedules):
-    return ", ".join(s.name for s in schedules) or "none"
+def test_every_cell_is_reached_without_optional_capabilities():
+    gaps = uncovered(capability_free())
+    assert not gaps, (f"{len(gaps)} cells of the coverage model are reached by no capability-free L1 "
+                      "schedule:\n  " + "\n  ".join(gaps))
 
 
-@pytest.mark.parametrize("setting,value", SETTINGS, ids=[f"{s}-{v}" for s, v in SETTINGS])
-def test_each_listed_setting_runs_without_optional_capabilities(setting, value):
-    if not any(getattr(s, setting) == value for s in capability_free()):
-        needing = [s for s in map(load, catalog_paths("L1")) if getattr(s, setting) == value]
-        pytest.fail(
-            f"no capability-free L1 schedule has {setting}={value} "
-            f"(schedules with it that need a capability: {describe(needing)})"
-        )
+def test_removing_a_cells_schedules_leaves_it_uncovered():
+    schedules = capability_free()
+    reaching = [s for s in schedules if any(meets(cell, EMPTY_BATCH_CELL) for cell in cells_of(s))]
+    assert reaching
+    rest = [s for s in schedules if s not in reaching]
+    assert name(EMPTY_BATCH_CELL) in uncovered(rest)
+    # By name: the one schedule that walks every path at 6 bits, head_dim 128.
+    rest = [s for s in schedules if s.name != "paths-bits-6-h128"]
+    assert "path=batched-prefill-into-empty bits=6 head_dim=128" in uncovered(rest)
 
 
-GROWTH = [(b, h, n) for b in BITS for h in HEAD_DIMS for n in GROWTH_BOUNDARIES]
+def test_the_model_asks_for_every_path_at_every_bits_and_head_dim_and_pairs_that_can_meet():
+    asked = requirements()
+    full = [r for r in asked if set(r) == set(coverage.FULL)]
+    assert len(full) == len(coverage.PATHS) * len(BITS) * len(coverage.HEAD_DIMS)
+    assert {"path": "growth-past-256", "bits": 5, "head_dim": 96} in full
+    assert {"group_size": 128, "dtype": "float16"} in asked
+    assert {"head_dim": 96, "group_size": 32} in asked
+    assert not [r for r in asked if r.get("head_dim") == 96 and r.get("group_size") in (64, 128)]
+    # A pair already inside a full requirement is not asked twice.
+    assert {"path": "reinsert", "bits": 2} not in asked
 
 
-@pytest.mark.parametrize(
-    "bits,head_dim,boundary", GROWTH, ids=[f"bits-{b}-h{h}-past-{n}" for b, h, n in GROWTH]
-)
-def test_buffer_growth_at_every_bits_and_head_dim(bits, head_dim, boundary):
-    same = [s for s in capability_free() if (s.bits, s.head_dim) == (bits, head_dim)]
-    assert any(appends_across(s, boundary) for s in same), (
-        f"no capability-free L1 schedule at {bits} bits, head_dim {head_dim} grows a "
-        f"request past {boundary} tokens in an append (schedules there: {describe(same)})"
-    )
-
-
-def test_batched_prefill_into_an_empty_batch_at_non_default_settings():
-    found = [
-        s for s in capability_free()
-        if s.bits != DEFAULT_BITS and s.group_size != DEFAULT_GROUP_SIZE
-        and batched_joins_into_empty_batch(s)
-    ]
-    assert found, (
-        "no capability-free L1 schedule prefills a batched_join into an empty batch "
-        f"at bits other than {DEFAULT_BITS} and a group size other than {DEFAULT_GROUP_SIZE}"
-    )
+def test_every_model_family_has_l2_schedules_without_optional_capabilities():
+    schedules = capability_free("L2") + capability_free("L2", REAL_CATALOG)
+    reached = {family_of(s) for s in schedules}
+    assert set(coverage.MODEL_FAMILIES) <= reached, (
+        f"no capability-free L2 schedule runs on {sorted(set(coverage.MODEL_FAMILIES) - reached)}")
 
 
 def test_the_per_row_rollback_set_still_needs_it():
@@ -133,37 +92,47 @@ def test_the_per_row_rollback_set_still_needs_it():
         assert load(CATALOG / f"{name}.json").needs == ("per_row_rollback",), name
 
 
-def test_growth_counts_appends_not_prompts_that_start_past_the_boundary(tmp_path):
-    doc = {
-        "name": "growth-probe",
-        "levels": ["L1"],
-        "requests": {"long": {"prompt_len": 300}, "near": {"prompt_len": 255}},
-        "events": [{"join": ["long", "near"]}, {"step": 1}, {"spec_round": {"k": 1}}],
-    }
-    path = tmp_path / "growth-probe.json"
-    path.write_text(json.dumps(doc))
-    schedule = load(path)
-    # near: 255 -> 256 (step, not past) -> 258 (verify window, past 256).
-    assert appends_across(schedule, 256) == ["near"]
-    assert appends_across(schedule, 512) == []
+# -- the derivation: paths come from what the dry run does ------------------------------
 
 
-def test_empty_batch_detection_follows_leaves_and_extracts(tmp_path):
-    doc = {
-        "name": "empty-probe",
-        "levels": ["L1"],
-        "requests": {rid: {"prompt_len": 4} for rid in "abcd"},
-        "events": [
-            {"batched_join": ["a"]},
-            {"extract": "a"},
-            {"batched_join": ["b"]},
-            {"reinsert": "a"},
-            {"leave": ["b"]},
-            {"batched_join": ["c"]},
-            {"leave": ["a", "c"]},
-            {"batched_join": ["d"]},
-        ],
-    }
-    path = tmp_path / "empty-probe.json"
-    path.write_text(json.dumps(doc))
-    assert batched_joins_into_empty_batch(load(path)) == [0, 2, 7]
+def test_growth_is_the_batch_growing_not_a_row_that_starts_past_the_boundary(tmp_path):
+    # near: 255 -> 256 -> 258 while long holds 300: the batch never grows past 256.
+    requests = {"long": {"prompt_len": 300}, "near": {"prompt_len": 255}}
+    events = [{"join": ["long", "near"]}, {"step": 1}, {"spec_round": {"k": 1}}]
+    assert paths_of(probe(tmp_path, events, requests)) == ("join-into-empty",)
+    # Without long, the same appends take the batch past 256.
+    requests = {"near": {"prompt_len": 255}}
+    events = [{"join": ["near"]}, {"step": 1}, {"spec_round": {"k": 1}}]
+    assert paths_of(probe(tmp_path, events, requests)) == ("join-into-empty", "growth-past-256")
+
+
+def test_trim_then_growth_needs_the_growth_after_the_trim(tmp_path):
+    requests = {"a": {"prompt_len": 250}}
+    grows_then_trims = [{"join": ["a"]}, {"step": 10}, {"trim": 2}, {"step": 1}]  # 260, 258, 259
+    assert "trim-then-growth" not in paths_of(probe(tmp_path, grows_then_trims, requests))
+    trims_then_grows = [{"join": ["a"]}, {"step": 3}, {"trim": 2}, {"step": 8}]  # 253, 251, 259
+    assert paths_of(probe(tmp_path, trims_then_grows, requests)) == (
+        "join-into-empty", "growth-past-256", "trim-then-growth")
+
+
+def test_empty_batch_paths_follow_leaves_and_extracts(tmp_path):
+    requests = {rid: {"prompt_len": 4} for rid in "abc"}
+    events = [
+        {"batched_join": ["a"]},  # into the empty batch
+        {"extract": "a"},  # empties it
+        {"batched_join": ["b"]},  # a refill
+        {"reinsert": "a"},  # back after extract, into the running batch
+        {"leave": ["b"]},
+        {"join": ["c"]},  # into the running batch
+        {"step": 1},
+    ]
+    assert paths_of(probe(tmp_path, events, requests)) == (
+        "batched-prefill-into-empty", "extend", "reinsert", "refill")
+    events = [{"join": ["a"]}, {"leave": ["a"]}, {"join": ["b", "c"]}, {"step": 1}]
+    assert paths_of(probe(tmp_path, events, requests)) == ("join-into-empty", "refill")
+
+
+def test_cells_carry_the_schedules_settings(tmp_path):
+    schedule = probe(tmp_path, [{"join": ["a"]}, {"step": 1}], {"a": {"prompt_len": 3}},
+                     kv={"bits": 5, "group_size": 32}, synthetic={"head_dim": 96, "dtype": "float16"})
+    assert cells_of(schedule) == [coverage.Cell("join-into-empty", 5, 96, 32, "float16")]
