@@ -315,6 +315,9 @@ def _print_summary(results, verdict, policy, out=None, quiet=False):
         print("\ndeclared divergences:", file=out)
         headers, rows = declaration_rows(verdict)
         print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    if verdict.cells:
+        print(f"\ncoverage model (L1): {verdict.cells['reached']} of {verdict.cells['requirements']} "
+              "requirements reached", file=out)
     print(f"\n{verdict.headline}", file=out)
     for gap in verdict.gaps:
         print(f"no evidence: {gap}", file=out)

@@ -109,7 +109,7 @@ def render(record: dict, tables) -> str:
 
 def _anchor(title, index) -> str:
     """Stable ids for the sections tests and readers link to."""
-    for name in ("Coverage gaps", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits", "Checks",
+    for name in ("Coverage gaps", "Coverage model", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits", "Checks",
                  "Declared divergences"):
         if title.startswith(name):
             return _slug(name.lower()).replace("_", "-")

@@ -23,7 +23,7 @@ from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import CHECKS, EXPECTED_DIVERGENCE, FAIL, PASS
 from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
 CONTROLS = "kvparity.impl.negative_controls"
 BF16 = f"{CONTROLS}:ExtractReturnsBfloat16"
@@ -31,6 +31,14 @@ BF16_AND_OFFSET = f"{CONTROLS}:ExtractReturnsBfloat16TrimForgetsOffset"
 EXAMPLE = str(EXAMPLES / "extract-bfloat16.json")
 ONE = str(CATALOG / "join-longer-joiner.json")
 REPO = Path(__file__).resolve().parents[1]
+
+
+# A row extracted from a float16 batch comes back bfloat16; decoding alone,
+# mlx-lm promotes it to float32, and extend refuses it at its reinsert: a
+# consequence of the design that a request does observe, so it stays a FAIL.
+FLOAT16_REINSERTS = sorted(p.stem for p in catalog_paths("L1") if load(p).dtype == "float16"
+                           and any(e.kind == "reinsert" for e in load(p).events))
+ELSEWHERE = [str(p) for p in catalog_paths("L1") if p.stem not in FLOAT16_REINSERTS]
 
 
 def run(capsys, *argv):
@@ -59,8 +67,20 @@ def test_without_expectations_the_designed_difference_fails_and_the_table_shows_
         assert check_line(out, held) == [schedules, 0, 0, 0], held
 
 
-def test_with_the_expectations_file_it_passes_and_every_other_check_still_gates(capsys):
+def test_with_the_expectations_file_only_the_float16_reinserts_fail(capsys):
     code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE)
+    assert code == EXIT_BROKEN, out + err
+    failing = [line.split()[0] for line in out.splitlines() if f"  {FAIL}  " in line]
+    assert FLOAT16_REINSERTS and failing == FLOAT16_REINSERTS, out
+    # first the row's scales come back float32 after decoding alone, then extend refuses the row
+    assert all("layout: after event" in line and "solo_step" in line
+               for line in out.splitlines() if f"  {FAIL}  " in line), out
+    assert f"{len(FLOAT16_REINSERTS)} failed" in out
+
+
+def test_with_the_expectations_file_it_passes_and_every_other_check_still_gates(capsys):
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE,
+                         *(arg for path in ELSEWHERE for arg in ("--schedule", path)))
     assert code == EXIT_OK, out + err
     assert "0 failed" in out and EXPECTED_DIVERGENCE in out
     schedules = sum(check_line(out, "extract"))
@@ -71,7 +91,8 @@ def test_with_the_expectations_file_it_passes_and_every_other_check_still_gates(
 
 
 def test_a_bug_beside_the_declared_difference_still_fails(capsys):
-    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16_AND_OFFSET, "--expectations", EXAMPLE)
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16_AND_OFFSET, "--expectations", EXAMPLE,
+                         *(arg for path in ELSEWHERE for arg in ("--schedule", path)))
     assert code == EXIT_BROKEN, out + err
     assert check_line(out, "offset")[1] > 0
     # The failure shown first is the undeclared one, though extract diverged earlier.

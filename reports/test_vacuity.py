@@ -15,7 +15,7 @@ import pytest
 
 from kvparity.reports import verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.adapter import REQUIRED_MEMBERS
+from kvparity.suites.adapter import REQUIRED_MEMBERS, load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
 from kvparity.suites.schedule import CATALOG, EVENT_KINDS, catalog_paths, load
 
@@ -105,6 +105,9 @@ def test_the_default_check_on_the_reference_exercises_every_member_and_event_kin
     assert code == EXIT_OK, out + err
     (results, run_verdict), = verdict_of
     assert not run_verdict.gaps
+    cells = run_verdict.cells  # the catalog alone reaches every cell of the coverage model at L1
+    assert cells["missing"] == [] and cells["reached"] == cells["requirements"] > 200
+    assert f"coverage model (L1): {cells['reached']} of {cells['requirements']} requirements reached" in out
     assert {m for m in REQUIRED_MEMBERS if not run_verdict.members[m]} == set()
     silent = [k for k in EVENT_KINDS if not sum(run_verdict.coverage.get(k, {}).values())]
     assert silent == [], f"no comparison after any {silent} event"
@@ -271,3 +274,17 @@ def test_an_oracle_that_differs_from_itself_is_never_judged(monkeypatch, capsys,
                          "--repeat-oracle")
     assert code == EXIT_CANNOT_JUDGE, out + err
     assert "oracle nondeterministic" in out
+
+
+def test_a_whole_catalog_run_that_misses_a_cell_of_the_coverage_model_cannot_judge():
+    # One schedule standing in for the catalog: everything it compared held,
+    # but most cells of the model were never reached.
+    from kvparity.reports.policy import load_policy
+    from kvparity.suites.l1 import run_l1
+
+    result = verdicts.judge(run_l1(load(CATALOG / "join-longer-joiner.json"), load_implementation()),
+                            load_policy("cpu"))
+    run_verdict = verdicts.verdict_of_run([result], whole_catalog=True)
+    assert result.verdict == PASS and run_verdict.cells["missing"]
+    assert run_verdict.exit_status == EXIT_CANNOT_JUDGE
+    assert any(gap.startswith("the coverage model's cells not reached at L1") for gap in run_verdict.gaps)

@@ -10,15 +10,17 @@ evidence, is an expected divergence.
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import Policy
+from kvparity.suites import coverage as coverage_model
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.evidence import (
     CHECKS, EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
+from kvparity.suites.schedule import load
 
 # What a row must have compared, per level, to pass.
 REQUIRED_EVIDENCE = {
@@ -99,6 +101,7 @@ class RunVerdict:
     checks: Dict[str, Dict[str, Counter]] = field(default_factory=dict)  # see check_table
     declarations: List[dict] = field(default_factory=list)  # Expectations.applied: each declaration's fate
     unexpected_passes_gate: bool = False  # the policy fails a run with a declaration unexpectedly passing
+    cells: Optional[dict] = None  # the coverage model at L1: see model_coverage
 
     @property
     def unexpectedly_passing(self) -> List[dict]:
@@ -178,6 +181,18 @@ def check_table(results: List[ScheduleResult]) -> Dict[str, Dict[str, Counter]]:
     return table
 
 
+def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
+    """The coverage model's requirements (paths x settings) that the L1
+    schedule runs reached: only a run that went to its end reached the cells
+    of its schedule. None when no L1 schedule ran."""
+    runs = [r for r in results if r.level == "L1" and r.path]
+    if not runs:
+        return None
+    cells = [cell for r in runs if not r.stopped for cell in coverage_model.cells_of(load(r.path))]
+    asked, unmet = coverage_model.requirements(), coverage_model.missing(cells)
+    return {"requirements": len(asked), "reached": len(asked) - len(unmet), "missing": unmet}
+
+
 def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, expectations=None,
                    policy: Policy = None) -> RunVerdict:
     """``whole_catalog``: the default selection, which must exercise every
@@ -193,8 +208,9 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, e
     gaps = []
     if not results:
         gaps.append("no schedule ran")
-    # Event kinds of schedules that ran: one stopped before it began compares nothing by design.
-    ran = [r for r in results if r.verdict not in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)]
+    # Event kinds of schedules that ran to their end: one that stopped (before it began, or at
+    # what raised) never ran its later events, and its outcome already says why.
+    ran = [r for r in results if not r.stopped]
     kinds = {k for r in ran for k in r.event_kinds if k != "trace"}
     observed = {k for r in ran for k in observed_kinds(r)}
     silent = sorted(kinds - observed)
@@ -204,6 +220,11 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, e
         unused = [m for m in REQUIRED_MEMBERS if not members[m]]
         if unused:
             gaps.append(f"required members never called: {', '.join(unused)}")
+    cells = model_coverage(results)
+    if whole_catalog and cells and cells["missing"]:
+        gaps.append(f"the coverage model's cells not reached at L1 ({len(cells['missing'])} of "
+                    f"{cells['requirements']}): {', '.join(cells['missing'][:5])}"
+                    + (", ..." if len(cells["missing"]) > 5 else ""))
     return RunVerdict(dict(counts), table, members, gaps, check_table(results),
                       expectations.applied(results) if expectations else [],
-                      policy is not None and policy.unexpected_passes == "gate")
+                      policy is not None and policy.unexpected_passes == "gate", cells)

@@ -152,6 +152,7 @@ def build_record(results: List[ScheduleResult], environment: dict, *, policy: Po
         "expectations": expectations_doc(run_verdict, expectations),
         "members": member_calls(run_verdict),
         "gaps": list(run_verdict.gaps),
+        "model_coverage": run_verdict.cells,
         "hygiene": {
             "gates": policy.hygiene == "gate",
             "totals": {c: sum(f["findings"] for f in findings if f["check"] == c) for c in HYGIENE_CHECKS},
@@ -306,6 +307,13 @@ def coverage_rows(run_verdict: RunVerdict):
     return ["event kind", *checks, "total"], rows
 
 
+def model_coverage_rows(run_verdict: RunVerdict):
+    """The coverage model's requirements the L1 runs reached, and any they missed."""
+    cells = run_verdict.cells
+    return ["requirements", "reached", "not reached"], [
+        [cells["requirements"], cells["reached"], ", ".join(cells["missing"]) or "none"]]
+
+
 def check_rows(run_verdict: RunVerdict):
     """Per check, schedule runs (and rows) in which it held, diverged, diverged
     only as declared, or compared nothing: verdicts.check_table."""
@@ -371,6 +379,8 @@ def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, pro
     if timeline[1]:
         out.append(("L3 timeline: what the engine did per step (widths: prompt/generation batch)", *timeline))
     out.append(("Coverage: comparisons per event kind and check", *coverage_rows(run_verdict)))
+    if run_verdict.cells:
+        out.append(("Coverage model (L1): paths x settings", *model_coverage_rows(run_verdict)))
     out.append(("Protocol members called", *member_rows(run_verdict)))
     if run_verdict.gaps:
         out.append(("Coverage gaps", ["gap"], [[gap] for gap in run_verdict.gaps]))

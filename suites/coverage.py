@@ -119,7 +119,7 @@ class Paths:
         self.had_rows = False  # the batch has held rows
         self.trimmed = False  # since the batch was created or last grew
         self.reinserting = False
-        self.implementation = self  # merge and supports, for the replay
+        self.implementation = self.batch_class = self  # merge and supports, for the replay
 
     # -- the implementation the replay calls ---------------------------------
 

@@ -22,12 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvparity.suites.evidence import FAILURES
 from kvparity.suites.l1 import L1Run
 from kvparity.suites.replay import Replay, dry_backend
-from kvparity.suites.schedule import Schedule, parse, parse_event, parse_request, save
+from kvparity.suites.coverage import HEAD_DIMS
+from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse, parse_event, parse_request, save
 
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-HEAD_DIMS = (64, 128)
-DTYPES = ("bfloat16", "float16", "float32")
 L2_MODELS = ("llama-h64-bf16", "llama-h128-bf16", "qwen3-h64-bf16", "llama-h64-f32")
 
 # Mostly short prompts, some long enough to cross the 256-token buffer step.
