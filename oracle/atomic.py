@@ -4,12 +4,37 @@ Files are written into a hidden staging directory beside the destination;
 on success the first free name is claimed with ``mkdir`` (which fails if the
 name exists, so nothing is ever overwritten) and the staging directory
 replaces that empty directory. On error the staging directory is removed.
+A process killed before it could remove its staging directory leaves it
+behind: the next one that stages beside it removes it, once the process
+named in it is gone (never a live writer's).
 """
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
+
+STAGING = ".partial-"
+_OWNER = re.compile(re.escape(STAGING) + r"(\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale(parent: Path):
+    """Staging directories in ``parent`` whose writer is no longer running."""
+    for entry in parent.glob(STAGING + "*"):
+        owner = _OWNER.match(entry.name)
+        if owner and int(owner.group(1)) != os.getpid() and not _alive(int(owner.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 class AtomicDirectory:
@@ -23,7 +48,8 @@ class AtomicDirectory:
 
     def __enter__(self) -> Path:
         self.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.parent))
+        remove_stale(self.parent)
+        self.staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=self.parent))
         return self.staging
 
     def __exit__(self, kind, error, trace):
