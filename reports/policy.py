@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kvparity.suites.checks import BY_TIER, CHECKS, HYGIENE, MODEL_WRITTEN
+from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
 
 POLICIES = Path(__file__).parent / "policies"
 GATES = ("bit-exact", "ulp", "kl")
@@ -86,7 +86,7 @@ class Policy:
         not batch-invariant may differ without a bug in the logits and in the
         cache bytes the model writes from them (L2, with a layer)."""
         check = CHECKS[divergence.check]
-        if check.kind == HYGIENE:
+        if check.gates == BY_HYGIENE_POLICY:
             return self.hygiene == "gate"
         if check.gates == BY_TIER:
             return False  # the logit tier decides

@@ -16,17 +16,18 @@ from typing import Dict
 PARITY = "parity"  # what a request can observe: the batch against the request run alone
 HYGIENE = "hygiene"  # what no request can observe: reported, gating only under a strict policy
 
-# How a divergence of a parity check gates (``Policy.gates`` applies it).
+# How a divergence of a check gates (``Policy.gates`` applies it).
 ALWAYS = "always"  # data movement or structure: never a matter of numerics
 BY_TIER = "by the logit tier"  # L2: the row's logit tier against the policy's gate, not one by one
 MODEL_WRITTEN = "always at L1; at L2 as the policy's cache_bytes says"  # bytes a model's layer wrote
+BY_HYGIENE_POLICY = "as the policy's hygiene says (strict: gates)"  # what no request can observe
 
 
 @dataclass(frozen=True)
 class Check:
     kind: str  # PARITY or HYGIENE
     compares: str  # what holding means, in words
-    gates: str = ALWAYS  # for parity checks: ALWAYS, BY_TIER or MODEL_WRITTEN
+    gates: str = ALWAYS  # ALWAYS, BY_TIER, MODEL_WRITTEN or BY_HYGIENE_POLICY
 
 
 BYTES = "bytes"
@@ -64,7 +65,8 @@ CHECKS: Dict[str, Check] = {
     TOKENS: Check(PARITY, "greedy (L2) or generated (L3) tokens equal the request run alone", BY_TIER),
     LOGPROBS: Check(PARITY, "L3: the log-probabilities of each generated token"),
     LENGTH: Check(PARITY, "L3: how many tokens each request generated"),
-    PAD: Check(HYGIENE, "hygiene: pad columns are zero"),
-    ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows"),
+    PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
+    ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
+                 BY_HYGIENE_POLICY),
 }
 HYGIENE_CHECKS = tuple(name for name, check in CHECKS.items() if check.kind == HYGIENE)
