@@ -56,23 +56,27 @@ def smollm2():
         pytest.skip(str(error))
 
 
-def describe(result) -> str:
-    lines = [f"{result.level} {result.schedule}: {result.verdict} ({result.path})"]
+def describe(judged) -> str:
+    """A schedule run's verdict (``reports.verdicts.judge``) in words: each
+    row that did not pass, and its first divergences."""
+    result = judged.evidence
+    lines = [f"{result.level} {result.schedule}: {judged.verdict} ({result.path})"]
     if result.reason:
         lines.append(f"  {result.reason}")
-    for row in result.rows:
+    for row in judged.rows:
         if row.verdict != PASS:
-            lines.append(f"  row {row.request!r}: {row.verdict}, {row.checks} comparisons"
+            divergences = sorted(row.evidence.divergences, key=lambda d: d.order)
+            lines.append(f"  row {row.evidence.request!r}: {row.verdict}, {row.evidence.checks} comparisons"
                          + (f"; {row.reason}" if row.reason else ""))
-            lines += [f"    {d.message()}" for d in sorted(row.divergences, key=lambda d: d.order)[:SHOWN]]
+            lines += [f"    {d.message()}" for d in divergences[:SHOWN]]
     return "\n".join(lines)
 
 
 @pytest.fixture(scope="session")
 def judged():
-    """``judged(result, policy="cpu")``: the verdicts of a run under a policy
-    (a name, a file or a Policy). The suites gather evidence; the verdict is
-    the reports' business, handed to them here."""
+    """``judged(result, policy="cpu")``: the verdict of a run under a policy
+    (a name, a file or a Policy), its evidence as ``.evidence``. The suites
+    gather evidence; the verdict is the reports' business, handed to them here."""
 
     def verdict(result, under="cpu"):
         return judge(result, under if isinstance(under, Policy) else load_policy(under))
@@ -84,13 +88,14 @@ def judged():
 def gate(policy, expectations):
     """``gate(result)``: pass with evidence, skip as not supported, or fail
     saying why; a missing capability is never a pass, and neither is a run
-    that compared nothing. Divergences --expectations declares do not gate."""
+    that compared nothing. Divergences --expectations declares do not gate.
+    Returns the verdict."""
 
     def check(result, under=None):
-        judge(result, under or policy, expectations)
-        if result.verdict == NOT_SUPPORTED:
+        judged = judge(result, under or policy, expectations)
+        if judged.verdict == NOT_SUPPORTED:
             pytest.skip(f"not supported: {result.reason}")
-        assert result.verdict in (PASS, EXPECTED_DIVERGENCE), describe(result)
-        return result
+        assert judged.verdict in (PASS, EXPECTED_DIVERGENCE), describe(judged)
+        return judged
 
     return check

@@ -399,10 +399,12 @@ def cmd_check(args):
 def cmd_replay(args):
     _, policy, results, verdict, _ = _select_and_run(args, [args.file])
     _print_summary(results, verdict, policy)
-    for result in results:
-        print(f"\n{result.level} {result.schedule}: {result.verdict}" + (f" ({result.reason})" if result.reason else ""))
-        for row in result.rows:
-            line = f"  row {row.request!r}: {row.verdict}, {row.checks} comparisons"
+    for judged in results:
+        result = judged.evidence
+        print(f"\n{result.level} {result.schedule}: {judged.verdict}" + (f" ({result.reason})" if result.reason else ""))
+        for row_verdict in judged.rows:
+            row = row_verdict.evidence
+            line = f"  row {row.request!r}: {row_verdict.verdict}, {row.checks} comparisons"
             if row.divergences:
                 line += f", {len(row.divergences)} divergence(s); first:"
             print(line)
@@ -540,7 +542,7 @@ def cmd_bisect(args):
         if original.verdict == "pass":
             print(f"{schedule.name}: parity holds at {level}; nothing to bisect")
         else:  # refused, no evidence, ...: no divergence to shrink towards, still not a pass
-            why = original.reason or next((r.reason for r in original.rows if r.reason), "")
+            why = original.evidence.reason or next((r.reason for r in original.rows if r.reason), "")
             print(f"{schedule.name}: {original.verdict} at {level}, no divergence to bisect"
                   + (f" ({why})" if why else ""))
         return verdict_of_run([original]).exit_status

@@ -5,6 +5,10 @@ import subprocess
 
 from kvparity.oracle.machine import environment
 
+# The run's environment names the model the L0 probes were shaped after;
+# each schedule names its own, so a report's header does not name one for all.
+MODEL_KEYS = ("model", "model_sha256")
+
 
 def git_commit(directory="."):
     """The commit of the repository under test, when there is one."""
@@ -27,3 +31,21 @@ def describe(implementation=None, model=None, device=None) -> dict:
         env["model"] = model.name
         env["model_sha256"] = model.sha256
     return env
+
+
+def split_environment(environment: dict):
+    """(the environment without a model, the probes' model or None)."""
+    env = {k: v for k, v in environment.items() if k not in MODEL_KEYS}
+    probe_model = {k: environment[k] for k in MODEL_KEYS if environment.get(k) is not None} or None
+    return env, probe_model
+
+
+def flatten(d, prefix=""):
+    """Nested keys as dotted ones, for a header's key-value table."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -19,12 +19,12 @@ from typing import List, Optional, Tuple
 
 import jsonschema
 
-from kvparity.suites.evidence import CHECKS
+from kvparity.suites.checks import CHECKS
+from kvparity.suites.levels import LEVELS
 from kvparity.suites.schedule import EVENT_KINDS
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "expectations.schema.json"
 EXAMPLES = Path(__file__).parent / "examples" / "expectations"  # shipped expectations files
-LEVELS = ("L1", "L2", "L3")  # the levels verdicts.REQUIRED_EVIDENCE judges
 # What became of a declaration in a run.
 MATCHED = "matched"
 UNEXPECTEDLY_PASSING = "unexpectedly passing"  # its check was compared in its scope and never diverged
@@ -77,18 +77,21 @@ class Expectations:
         """The index of the first declaration matching ``divergence``, or None."""
         return next((i for i, d in enumerate(self.declarations) if d.matches(divergence, result)), None)
 
-    def applied(self, results) -> List[dict]:
-        """Per declaration: the divergences it matched (as judged), the
-        comparisons of its check made in its scope, and what became of it."""
+    def applied(self, verdicts) -> List[dict]:
+        """Per declaration: the divergences it matched (``verdicts``, from
+        ``verdicts.judge``), the comparisons of its check made in its scope,
+        and what became of it."""
         out = []
         for i, declaration in enumerate(self.declarations):
             matched = compared = 0
-            for result in results:
+            for verdict in verdicts:
+                result = verdict.evidence
                 if not declaration.in_scope(result):
                     continue
-                for row in result.rows:
+                for row in verdict.rows:
                     matched += sum(1 for n in row.declared.values() if n == i)
-                    compared += sum(per_event.get(declaration.check, 0) for event, per_event in row.counts.items()
+                    compared += sum(per_event.get(declaration.check, 0)
+                                    for event, per_event in row.evidence.counts.items()
                                     if declaration.covers(result, event))
             status = MATCHED if matched else UNEXPECTEDLY_PASSING if compared else NOT_EXERCISED
             out.append({"check": declaration.check, "reason": declaration.reason,

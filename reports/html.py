@@ -14,10 +14,10 @@ import re
 from collections import Counter
 from html import escape
 
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
-from kvparity.reports.writer import STATUS, flatten
+from kvparity.reports.environment import flatten
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
-from kvparity.reports.verdicts import DIVERGED, HELD, NOT_COMPARED
+from kvparity.reports.verdicts import DIVERGED, EXIT_BROKEN, EXIT_OK, HELD, NOT_COMPARED, STATUS
+from kvparity.suites.checks import LOGITS, TOKENS
 from kvparity.suites.evidence import (
     EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
@@ -308,7 +308,7 @@ def _heatmap(key, result, row) -> str:
     colour counts the row's divergences there, and the row's first
     divergence is outlined."""
     placed = [d for d in row["divergences"] if d.get("step") is not None
-              and (d.get("layer") is not None or d["check"] in ("logits", "tokens"))]
+              and (d.get("layer") is not None or d["check"] in (LOGITS, TOKENS))]
     if not placed:
         return ""
     every_divergence = [d for r in result["rows"] for d in r["divergences"]]

@@ -17,17 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kvparity.suites.l1 import HYGIENE_CHECKS  # what no request can observe
+from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
 
 POLICIES = Path(__file__).parent / "policies"
 GATES = ("bit-exact", "ulp", "kl")
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
 TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
-
-# Checks a backend that is not batch-invariant may fail without a bug: logits
-# and the cache bytes the model writes from them (L2, with a layer).
-LOGIT_CHECKS = ("logits", "tokens")
-MODEL_WRITTEN = ("bytes", "offset")
 
 FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "unexpected_passes", "calibration"}
 LOGIT_FIELDS = {"gate", "max_ulp", "tau"}
@@ -86,13 +81,16 @@ class Policy:
         return TIER_FAMILIES.index(tier_family(tier)) <= TIER_FAMILIES.index(self.gate)
 
     def gates(self, divergence, level: str) -> bool:
-        """Whether a divergence (other than logits, judged by tier) fails its row."""
-        check = divergence.check
-        if check in HYGIENE_CHECKS:
+        """Whether a divergence (other than logits, judged by tier) fails its
+        row, by how its check gates (``suites/checks.py``). A backend that is
+        not batch-invariant may differ without a bug in the logits and in the
+        cache bytes the model writes from them (L2, with a layer)."""
+        check = CHECKS[divergence.check]
+        if check.gates == BY_HYGIENE_POLICY:
             return self.hygiene == "gate"
-        if check in LOGIT_CHECKS:
+        if check.gates == BY_TIER:
             return False  # the logit tier decides
-        if level != "L1" and check in MODEL_WRITTEN and divergence.layer is not None:
+        if level != "L1" and check.gates == MODEL_WRITTEN and divergence.layer is not None:
             return self.cache_bytes == "bit-exact"
         return True  # layout, mask, left_padding, raised, ...: never a matter of numerics
 

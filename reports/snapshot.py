@@ -18,6 +18,7 @@ another with the same schedules, and diff: exit 0 when identical.
 """
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -34,7 +35,7 @@ ROW_FIELDS = ("request", "verdict", "tier", "required", "reason", "counts")
 
 def implementations():
     """(label, --impl spec, extra arguments) for every implementation the gate is proven on."""
-    from kvparity.impl import negative_controls as controls
+    controls = importlib.import_module(CONTROLS)  # by name, as --impl loads it: impl only through the adapter
 
     yield "reference", None, ()
     yield "mlx_style", "kvparity.impl.mlx_style:MlxStyleBatchQuantizedKVCache", ()
@@ -49,12 +50,15 @@ def write_schedules(directory: Path, examples: int):
     """``examples`` L1 schedules from the state machine, derandomized, as files."""
     from hypothesis import HealthCheck, settings
 
+    from kvparity.reports.policy import load_policy
+    from kvparity.reports.verdicts import judge
     from kvparity.suites.adapter import load_implementation
     from kvparity.suites.fuzz import generate, make_machine
     from kvparity.suites.schedule import save
 
     directory.mkdir(parents=True, exist_ok=True)
-    machine = make_machine(load_implementation(), lambda result: result, found_dir=directory / "found")
+    cpu = load_policy("cpu")
+    machine = make_machine(load_implementation(), lambda result: judge(result, cpu), found_dir=directory / "found")
     written = []
 
     class Keeping(machine):

@@ -18,10 +18,11 @@ from kvparity.reports.expectations import (
     EXAMPLES, LEVELS, MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING, ExpectationsError, load_expectations,
 )
 from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import DIVERGED, HELD, REQUIRED_EVIDENCE, judge, verdict_of_run
+from kvparity.reports.verdicts import DIVERGED, HELD, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
 from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import CHECKS, EXPECTED_DIVERGENCE, FAIL, PASS
+from kvparity.suites.checks import CHECKS
+from kvparity.suites.evidence import EXPECTED_DIVERGENCE, FAIL, PASS
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
@@ -160,8 +161,10 @@ def test_the_shipped_file_and_the_schema_agree_with_the_harness():
     jsonschema.Draft202012Validator.check_schema(schema)
     loaded = load_expectations(EXAMPLE)
     assert [d.check for d in loaded.declarations] == ["extract", "bytes"]
-    assert set(LEVELS) == set(REQUIRED_EVIDENCE)
-    assert {c for required in REQUIRED_EVIDENCE.values() for c in required} <= set(CHECKS)
+    fields = schema["properties"]["divergences"]["items"]["properties"]
+    assert all(name in fields["levels"]["description"] for name in LEVELS)
+    assert all(name in fields["check"]["description"] for name in CHECKS)
+    assert {c for level in LEVELS.values() for c in level.requires} <= set(CHECKS)
 
 
 # -- matching --------------------------------------------------------------------------
@@ -172,13 +175,13 @@ def test_a_declaration_matches_its_check_levels_schedules_and_event_kinds(tmp_pa
     path.write_text(json.dumps({"divergences": [
         {"check": "extract", "levels": ["L1"], "schedules": ["join-*"], "events": ["join"], "reason": "r"}]}))
     declared = load_expectations(path)
-    result = judge(run_l1(load(ONE), load_implementation(BF16)), load_policy("cpu"), declared)
+    result = run_l1(load(ONE), load_implementation(BF16))
     extract = [d for d in result.divergences if d.check == "extract"]
     after_join = [d for d in extract if result.event_kinds[d.event_index] == "join"]
     assert after_join and len(after_join) < len(extract)
     assert all(declared.declared(d, result) == 0 for d in after_join)
     assert all(declared.declared(d, result) is None for d in extract if d not in after_join)
-    assert result.verdict == FAIL  # the extracts after a step were not declared
+    assert judge(result, load_policy("cpu"), declared).verdict == FAIL  # the extracts after a step were not declared
     result.schedule = "other"
     assert declared.declared(after_join[0], result) is None
 
@@ -189,8 +192,7 @@ def test_an_expected_row_still_needs_evidence_for_every_other_required_check():
     for row in result.rows:  # as if the masks had never been compared
         for per_event in row.counts.values():
             per_event.pop("mask", None)
-    judge(result, load_policy("cpu"), declared)
-    assert result.verdict == "no evidence"
+    assert judge(result, load_policy("cpu"), declared).verdict == "no evidence"
 
 
 # -- reports ---------------------------------------------------------------------------

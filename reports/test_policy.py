@@ -7,7 +7,9 @@ import math
 import pytest
 
 from kvparity.reports.policy import PolicyError, load_policy, round_up, tier_family
+from kvparity.suites.checks import ALWAYS, BY_HYGIENE_POLICY, BY_TIER, CHECKS, HYGIENE, MODEL_WRITTEN
 from kvparity.suites.compare import Divergence
+from kvparity.suites.levels import LEVELS
 
 EXACT = {"positions": 4, "bit_exact": 4, "top1_agree": 4, "max_ulp": 0, "kl_max": 0.0, "comparable": True}
 CLOSE = {"positions": 4, "bit_exact": 1, "top1_agree": 4, "max_ulp": 3, "kl_max": 2e-5, "comparable": True}
@@ -66,6 +68,23 @@ def test_layout_and_raised_gate_under_every_policy():
 
 def test_strict_gates_hygiene():
     assert load_policy("strict").gates(PAD, "L1")
+
+
+def test_every_check_gates_as_its_row_of_the_table_says():
+    cpu, gpu, strict = (load_policy(name) for name in ("cpu", "gpu", "strict"))
+    for name, check in CHECKS.items():
+        alone, in_a_layer = Divergence(name, "#1 step 1", "a"), Divergence(name, "#1 step 1", "a", layer=0)
+        assert (check.kind == HYGIENE) == (check.gates == BY_HYGIENE_POLICY), name  # what no request sees
+        if check.gates == BY_HYGIENE_POLICY:
+            assert not cpu.gates(alone, "L1") and not gpu.gates(alone, "L1") and strict.gates(alone, "L1"), name
+        elif check.gates == BY_TIER:
+            assert not any(p.gates(in_a_layer, "L2") for p in (cpu, gpu, strict)), name
+        elif check.gates == MODEL_WRITTEN:
+            assert gpu.gates(in_a_layer, "L1") and gpu.gates(alone, "L2") and not gpu.gates(in_a_layer, "L2"), name
+            assert cpu.gates(in_a_layer, "L2") and strict.gates(in_a_layer, "L2"), name
+        else:
+            assert check.gates == ALWAYS, name
+            assert all(p.gates(in_a_layer, level) for p in (cpu, gpu, strict) for level in LEVELS), name
 
 
 def _write(tmp_path, doc, name="p.json"):

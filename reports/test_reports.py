@@ -4,6 +4,7 @@ in a headless browser. Results come from real L1 runs of catalog schedules
 where one shows the outcome, and are built by hand where none can (L2 logit
 statistics, an oracle that cannot run)."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -222,8 +223,8 @@ def test_coverage_members_and_gaps_come_from_the_run(record, run_verdict):
 
 
 def test_hygiene_is_counted_with_the_bytes_retained(results, record):
-    views = results[2]
-    assert views.verdict == PASS  # reported, not gating under cpu
+    assert results[2].verdict == PASS  # reported, not gating under cpu
+    views = results[2].evidence
     alias = [d for row in views.rows for d in row.divergences if d.check == "alias"]
     assert alias and all(isinstance(d.actual, int) and d.actual > 0 for d in alias)
     hygiene = record["hygiene"]
@@ -241,9 +242,9 @@ def test_hygiene_is_counted_with_the_bytes_retained(results, record):
 
 def test_hygiene_gates_under_strict(tmp_path):
     views = l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsViews"))
-    judge(views, STRICT)
-    assert views.verdict == FAIL
-    path = write_report([views], ENV, tmp_path, **options([views], STRICT))
+    judged = judge(views, STRICT)
+    assert judged.verdict == FAIL
+    path = write_report([judged], ENV, tmp_path, **options([judged], STRICT))
     record = json.loads((path / "report.json").read_text())
     assert record["hygiene"]["gates"] is True and record["results"][0]["first"]["check"] == "alias"
     assert "## Hygiene (gating under policy strict)" in (path / "report.md").read_text()
@@ -303,18 +304,32 @@ def test_results_must_be_judged_before_they_are_reported():
         build_record([earliest_across_rows()], ENV, policy=CPU, run_verdict=verdict_of_run([]))
 
 
-def test_record_does_not_mutate_results():
-    results = [judge(r, CPU) for r in (earliest_across_rows(), l2_by_hand())]
-    before = json.dumps([r.to_json() for r in results], default=str)
+def test_judging_and_reporting_never_write_the_evidence():
+    evidence = [earliest_across_rows(), l2_by_hand(), l1("join-longer-joiner", by_hand(RefusesUpdate))]
+    before = json.dumps([r.to_json() for r in evidence], default=str)
+    results = [judge(r, CPU, EXPECTATIONS) for r in evidence]
+    assert all(v.evidence is r for v, r in zip(results, evidence))
+    assert [v.verdict for v in results] == [FAIL, FAIL, REFUSED]
     build_record(results, ENV, **options(results))
-    assert json.dumps([r.to_json() for r in results], default=str) == before
+    assert json.dumps([r.to_json() for r in evidence], default=str) == before
+    assert not any(hasattr(r, "verdict") or hasattr(row, "verdict") for r in evidence for row in r.rows)
+
+
+def test_a_verdict_is_frozen():
+    verdict = judge(earliest_across_rows(), CPU)
+    for judged, field in ((verdict, "verdict"), (verdict, "rows"), (verdict.rows[0], "verdict"),
+                          (verdict.rows[0], "tier")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(judged, field, None)
+    with pytest.raises(TypeError):
+        verdict.rows[0].declared[0] = 0
 
 
 # --- the first divergence --------------------------------------------------------
 
 
 def test_the_first_divergence_is_the_earliest_across_rows(results, record, report):
-    earliest = results[6]
+    earliest = results[6].evidence
     assert [row.request for row in earliest.rows] == ["a", "b"]
     expected = mask("b", 0).message()
     assert record["results"][6]["first"]["message"] == expected
@@ -345,9 +360,10 @@ def test_junit_has_a_testcase_per_schedule_and_row(report, results):
     root, cases = junit_cases(report)
     *suites, declared = root.findall("testsuite")
     cases = [(s, c) for s, c in cases if s is not declared]
-    assert [s.get("name") for s in suites] == [f"kvparity.{r.level}.{r.schedule}" for r in results]
+    evidence = [v.evidence for v in results]
+    assert [s.get("name") for s in suites] == [f"kvparity.{r.level}.{r.schedule}" for r in evidence]
     assert [(s.get("name"), c.get("name")) for s, c in cases] == [
-        (f"kvparity.{r.level}.{r.schedule}", row.request) for r in results for row in r.rows]
+        (f"kvparity.{r.level}.{r.schedule}", row.request) for r in evidence for row in r.rows]
     for suite in suites:
         assert int(suite.get("tests")) == len(suite.findall("testcase"))
         assert int(suite.get("failures")) == len(suite.findall("testcase/failure"))
@@ -375,7 +391,7 @@ def test_each_outcome_maps_to_its_junit_element(report, results):
             assert failure is None and skipped is None
         elif row.verdict == FAIL:
             assert skipped is None and failure.get("type") == FAIL and failure.get("message") == row.reason
-            assert all(d.message() in failure.text for d in row.divergences)
+            assert all(d.message() in failure.text for d in row.evidence.divergences)
         elif row.verdict in (REFUSED, NO_EVIDENCE):
             assert skipped is None and failure.get("type") == row.verdict
             assert failure.get("message") == f"{row.verdict}: {row.reason}"
@@ -392,7 +408,7 @@ def test_each_outcome_maps_to_its_junit_element(report, results):
 
 def test_each_junit_suite_names_its_own_model(report, results):
     root, _ = junit_cases(report)
-    for suite, result in zip(root.findall("testsuite"), results):
+    for suite, result in zip(root.findall("testsuite"), (v.evidence for v in results)):
         properties = {p.get("name"): p.get("value") for p in suite.iter("property")}
         assert properties.get("model") == result.model and properties.get("model_sha256") == result.model_sha256
         assert properties["policy"] == "cpu" and properties["implementation"] == ENV["implementation"]

@@ -17,6 +17,7 @@ from kvparity.reports import verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.adapter import REQUIRED_MEMBERS, load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
+from kvparity.suites.levels import LEVELS
 from kvparity.suites.schedule import CATALOG, EVENT_KINDS, catalog_paths, load
 
 CONTROLS = "kvparity.impl.negative_controls"
@@ -90,11 +91,11 @@ def test_zero_width_state_fails_l2_under_the_gpu_policy(capsys):
 def test_an_optional_member_that_declines_is_not_supported_and_the_rest_passes(capsys, verdict_of):
     code, out, err = run(capsys, "check", "--level", "L1", "--impl", f"{CONTROLS}:RollbackRaisesNotImplemented")
     (results, run_verdict), = verdict_of
-    by_name = {r.schedule: r for r in results}
+    by_name = {r.evidence.schedule: r for r in results}
     assert by_name["rollback-uneven"].verdict == NOT_SUPPORTED
-    assert "rollback is not implemented (per_row_rollback)" in by_name["rollback-uneven"].reason
+    assert "rollback is not implemented (per_row_rollback)" in by_name["rollback-uneven"].evidence.reason
     assert {r.verdict for r in results} == {PASS, NOT_SUPPORTED}
-    uneven = {r.schedule for r in results if r.verdict == NOT_SUPPORTED}
+    uneven = {r.evidence.schedule for r in results if r.verdict == NOT_SUPPORTED}
     assert uneven == {load(p).name for p in catalog_paths("L1") if "per_row_rollback" in load(p).needs}
     # a missing optional capability with everything else passing is a pass
     assert code == EXIT_OK and "not supported" in out, out + err
@@ -111,16 +112,17 @@ def test_the_default_check_on_the_reference_exercises_every_member_and_event_kin
     assert {m for m in REQUIRED_MEMBERS if not run_verdict.members[m]} == set()
     silent = [k for k in EVENT_KINDS if not sum(run_verdict.coverage.get(k, {}).values())]
     assert silent == [], f"no comparison after any {silent} event"
-    levels = {r.level for r in results}
+    evidence = [r.evidence for r in results]
+    levels = {r.level for r in evidence}
     assert levels == {"L1", "L2", "L3"}  # the default selection is every level
     for level in levels:  # every check a row needs to pass was made somewhere
         made = Counter()
-        for r in results:
+        for r in evidence:
             if r.level == level:
                 for row in r.rows:
                     for per_event in row.counts.values():
                         made.update(per_event)
-        assert all(made[c] for c in verdicts.REQUIRED_EVIDENCE[level]), (level, made)
+        assert all(made[c] for c in LEVELS[level].requires), (level, made)
 
 
 # -- selections that run nothing --------------------------------------------------------

@@ -6,86 +6,112 @@ divergence is never overwritten by a later refusal or missing capability.
 Divergences an expectations file declares (``reports/expectations.py``) do
 not gate: a row whose only divergences were declared, with the same
 evidence, is an expected divergence.
+
+``judge`` reads a run's evidence and returns a new, frozen verdict beside
+it; the evidence records are never written.
 """
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from types import MappingProxyType
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
-from kvparity.reports.policy import Policy
+from kvparity.reports.policy import BIT_EXACT, DIVERGED as TIER_DIVERGED, Policy
 from kvparity.suites import coverage as coverage_model
 from kvparity.suites.adapter import REQUIRED_MEMBERS
+from kvparity.suites.checks import CHECKS, LOGITS
 from kvparity.suites.evidence import (
-    CHECKS, EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
-    ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
+    EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+    OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
+from kvparity.suites.levels import LEVELS, Level
 from kvparity.suites.schedule import load
 
-# What a row must have compared, per level, to pass.
-REQUIRED_EVIDENCE = {
-    "L1": ("bytes", "offset", "left_padding", "mask"),
-    "L2": ("logits", "bytes", "offset"),
-    "L3": ("tokens", "logprobs"),
-}
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
+# What each exit status of a run means, as the report header says it.
+STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
+          EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}
 # What became of one check in a row or schedule, for the per-check table.
 HELD, DIVERGED, NOT_COMPARED = "held", "diverged", "not compared"
 CHECK_STATES = (HELD, DIVERGED, EXPECTED_DIVERGENCE, NOT_COMPARED)
 
 
-def judge(result: ScheduleResult, policy: Policy, expectations=None) -> ScheduleResult:
-    """Set every row's verdict and tier, then the schedule's; ``expectations``
+@dataclass(frozen=True)
+class RowVerdict:
+    """What one row's evidence means under a policy."""
+
+    evidence: RowResult
+    verdict: str  # one of OUTCOMES
+    reason: str
+    tier: Optional[str]  # the strongest tier the row reached
+    required: str  # the tier the policy asked for
+    declared: Mapping[int, int]  # divergence position -> declaration expecting it
+
+
+@dataclass(frozen=True)
+class ScheduleVerdict:
+    """What a schedule run's evidence means under a policy: its outcome, and
+    each row's in the evidence's row order. The evidence is only read."""
+
+    evidence: ScheduleResult
+    verdict: str  # one of OUTCOMES
+    rows: Tuple[RowVerdict, ...]
+
+
+def judge(result: ScheduleResult, policy: Policy, expectations=None) -> ScheduleVerdict:
+    """Every row's verdict and tier, then the schedule's; ``expectations``
     (``reports.expectations.Expectations``) declares divergences that do not gate."""
-    required = REQUIRED_EVIDENCE.get(result.level, ())
-    for row in result.rows:
-        row.declared = {} if expectations is None else {
-            i: n for i, n in ((i, expectations.declared(d, result)) for i, d in enumerate(row.divergences))
-            if n is not None}
-        undeclared = [d for i, d in enumerate(row.divergences) if i not in row.declared]
-        # L3 compares tokens and log-probs bit for bit under every policy (no tiers yet).
-        gating = [d for d in undeclared if result.level == "L3" or policy.gates(d, result.level)]
-        if result.level in ("L1", "L3"):
-            row.tier = None if not row.checks else ("diverged" if gating else "bit-exact")
-            row.required = "bit-exact"
-            logits_ok = True
-        else:
-            row.tier = policy.logit_tier(row.metrics)
-            row.required = policy.required()
-            # A tier short of the gate is expected when every logits divergence was declared.
-            logits = [i for i, d in enumerate(row.divergences) if d.check == "logits"]
-            logits_ok = policy.accepts(row.tier) or bool(logits) and all(i in row.declared for i in logits)
-        missing = [c for c in required if not row.compared(c)]
-        if gating or not logits_ok:
-            row.verdict = FAIL
-            row.reason = (min(gating, key=lambda d: d.order).message() if gating else
-                          f"logits reached {row.tier}, the policy requires {policy.required()}")
-        elif result.stopped:
-            row.verdict, row.reason = result.stopped, result.reason
-        elif missing:
-            row.verdict = NO_EVIDENCE
-            row.reason = f"nothing compared for {', '.join(missing)} on the implementation's output"
-        elif row.declared:
-            row.verdict, row.reason = EXPECTED_DIVERGENCE, _declared(row, expectations)
-        else:
-            row.verdict, row.reason = PASS, ""
-    verdicts = {row.verdict for row in result.rows}
+    level = LEVELS[result.level]
+    rows = tuple(_judge_row(result, row, level, policy, expectations) for row in result.rows)
+    verdicts = {row.verdict for row in rows}
     if FAIL in verdicts:
-        result.verdict = FAIL
+        verdict = FAIL
     elif result.stopped:
-        result.verdict = result.stopped
-    elif NO_EVIDENCE in verdicts or not result.rows:
-        result.verdict = NO_EVIDENCE
+        verdict = result.stopped
+    elif NO_EVIDENCE in verdicts or not rows:
+        verdict = NO_EVIDENCE
     elif EXPECTED_DIVERGENCE in verdicts:
-        result.verdict = EXPECTED_DIVERGENCE
+        verdict = EXPECTED_DIVERGENCE
     else:
-        result.verdict = PASS
-    return result
+        verdict = PASS
+    return ScheduleVerdict(result, verdict, rows)
 
 
-def _declared(row: RowResult, expectations) -> str:
+def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Policy, expectations) -> RowVerdict:
+    declared = {} if expectations is None else {
+        i: n for i, n in ((i, expectations.declared(d, result)) for i, d in enumerate(row.divergences))
+        if n is not None}
+    undeclared = [d for i, d in enumerate(row.divergences) if i not in declared]
+    gating = [d for d in undeclared if level.every_divergence_gates or policy.gates(d, result.level)]
+    if level.logit_tiers:
+        tier, required = policy.logit_tier(row.metrics), policy.required()
+        # A tier short of the gate is expected when every logits divergence was declared.
+        logits = [i for i, d in enumerate(row.divergences) if d.check == LOGITS]
+        logits_ok = policy.accepts(tier) or bool(logits) and all(i in declared for i in logits)
+    else:
+        tier = None if not row.checks else (TIER_DIVERGED if gating else BIT_EXACT)
+        required, logits_ok = BIT_EXACT, True
+    missing = [c for c in level.requires if not row.compared(c)]
+    if gating or not logits_ok:
+        verdict = FAIL
+        reason = (min(gating, key=lambda d: d.order).message() if gating else
+                  f"logits reached {tier}, the policy requires {policy.required()}")
+    elif result.stopped:
+        verdict, reason = result.stopped, result.reason
+    elif missing:
+        verdict = NO_EVIDENCE
+        reason = f"nothing compared for {', '.join(missing)} on the implementation's output"
+    elif declared:
+        verdict, reason = EXPECTED_DIVERGENCE, _declared(declared, expectations)
+    else:
+        verdict, reason = PASS, ""
+    return RowVerdict(row, verdict, reason, tier, required, MappingProxyType(declared))
+
+
+def _declared(declared: Mapping[int, int], expectations) -> str:
     """Which declarations a row's divergences matched, with their reasons."""
-    matched = Counter(row.declared.values())
+    matched = Counter(declared.values())
     return "; ".join(f"{n} {expectations.declarations[i].check} divergence(s) declared: "
                      f"{expectations.declarations[i].reason}" for i, n in sorted(matched.items()))
 
@@ -150,32 +176,33 @@ def observed_kinds(result: ScheduleResult) -> set:
     return {kind for index, kind in enumerate(result.event_kinds) if index <= last and kind != "trace"}
 
 
-def check_state(row: RowResult, check: str) -> str:
+def check_state(row: RowVerdict, check: str) -> str:
     """Whether ``check`` held in a row, diverged (anything not declared),
     diverged only as declared, or compared nothing."""
-    found = [i for i, d in enumerate(row.divergences) if d.check == check]
+    found = [i for i, d in enumerate(row.evidence.divergences) if d.check == check]
     if any(i not in row.declared for i in found):
         return DIVERGED
     if found:
         return EXPECTED_DIVERGENCE
-    return HELD if row.compared(check) else NOT_COMPARED
+    return HELD if row.evidence.compared(check) else NOT_COMPARED
 
 
-def check_table(results: List[ScheduleResult]) -> Dict[str, Dict[str, Counter]]:
+def check_table(verdicts: List[ScheduleVerdict]) -> Dict[str, Dict[str, Counter]]:
     """Per check: how many schedule runs and rows it held in, diverged in,
     diverged in only as declared, or compared nothing in, so one diverging
     check never hides what held. A schedule takes its rows' worst state
     (diverged, expected divergence, held, not compared, in that order).
     Lists every check the run compared or found, and those its levels require."""
-    seen = {c for r in results for row in r.rows for c in row.compared_checks() | {d.check for d in row.divergences}}
-    seen |= {c for r in results for c in REQUIRED_EVIDENCE.get(r.level, ())}
+    seen = {c for v in verdicts for row in v.evidence.rows
+            for c in row.compared_checks() | {d.check for d in row.divergences}}
+    seen |= {c for v in verdicts for c in LEVELS[v.evidence.level].requires}
     order = list(CHECKS) + sorted(seen - set(CHECKS))
     table = {}
     for check in (c for c in order if c in seen):
         rows, schedules = Counter({s: 0 for s in CHECK_STATES}), Counter({s: 0 for s in CHECK_STATES})
-        for result in results:
-            states = {check_state(row, check) for row in result.rows}
-            rows.update(check_state(row, check) for row in result.rows)
+        for verdict in verdicts:
+            states = {check_state(row, check) for row in verdict.rows}
+            rows.update(check_state(row, check) for row in verdict.rows)
             schedules[next((s for s in (DIVERGED, EXPECTED_DIVERGENCE, HELD) if s in states), NOT_COMPARED)] += 1
         table[check] = {"schedules": schedules, "rows": rows}
     return table
@@ -193,14 +220,16 @@ def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
     return {"requirements": len(asked), "reached": len(asked) - len(unmet), "missing": unmet}
 
 
-def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, expectations=None,
+def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False, expectations=None,
                    policy: Policy = None) -> RunVerdict:
-    """``whole_catalog``: the default selection, which must exercise every
-    required member of the protocol. ``expectations``: the declarations the
-    results were judged with, reported each with what it matched;
-    ``policy`` says whether one unexpectedly passing fails the run."""
+    """``verdicts``: each schedule run's, from ``judge``. ``whole_catalog``:
+    the default selection, which must exercise every required member of the
+    protocol. ``expectations``: the declarations the runs were judged with,
+    reported each with what it matched; ``policy`` says whether one
+    unexpectedly passing fails the run."""
     counts = Counter({v: 0 for v in OUTCOMES})
-    counts.update(r.verdict for r in results)
+    counts.update(v.verdict for v in verdicts)
+    results = [v.evidence for v in verdicts]
     table = coverage(results)
     members = Counter()
     for r in results:
@@ -225,6 +254,6 @@ def verdict_of_run(results: List[ScheduleResult], whole_catalog: bool = False, e
         gaps.append(f"the coverage model's cells not reached at L1 ({len(cells['missing'])} of "
                     f"{cells['requirements']}): {', '.join(cells['missing'][:5])}"
                     + (", ..." if len(cells["missing"]) > 5 else ""))
-    return RunVerdict(dict(counts), table, members, gaps, check_table(results),
-                      expectations.applied(results) if expectations else [],
+    return RunVerdict(dict(counts), table, members, gaps, check_table(verdicts),
+                      expectations.applied(verdicts) if expectations else [],
                       policy is not None and policy.unexpected_passes == "gate", cells)

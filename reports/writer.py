@@ -20,17 +20,17 @@ from typing import Callable, List, Mapping, Optional
 from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
-from kvparity.reports.policy import HYGIENE_CHECKS, TIER_FAMILIES, Policy, tier_family
-from kvparity.reports.verdicts import CHECK_STATES, EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, RunVerdict
+from kvparity.reports import html, junit
+from kvparity.reports.environment import flatten, split_environment
+from kvparity.reports.policy import TIER_FAMILIES, Policy, tier_family
+from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict, RunVerdict, ScheduleVerdict
 from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
+from kvparity.suites.checks import ALIAS, CHECKS, HYGIENE_CHECKS
 from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import OUTCOMES, RowResult, ScheduleResult
+from kvparity.suites.evidence import OUTCOMES
 
 SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(__file__).parent / "schema" / "report.schema.json"
-# The run's environment names the model the L0 probes were shaped after;
-# each schedule names its own, so the header does not name one for all.
-MODEL_KEYS = ("model", "model_sha256")
 
 
 class ReportDirectory(AtomicDirectory):
@@ -58,24 +58,26 @@ def earliest(divergences, policy: Policy) -> Optional[Divergence]:
     return min((d for d in divergences if counts_against(d, policy)), key=lambda d: d.order, default=None)
 
 
-def first_of(rows: List[RowResult], policy: Policy) -> Optional[Divergence]:
+def first_of(rows: List[RowVerdict], policy: Policy) -> Optional[Divergence]:
     """The rows' earliest divergence that was not declared; with none, the
     earliest declared one (an expected divergence never hides a failure)."""
-    undeclared = [d for row in rows for i, d in enumerate(row.divergences) if i not in row.declared]
-    return earliest(undeclared, policy) or earliest([d for row in rows for d in row.divergences], policy)
+    undeclared = [d for row in rows for i, d in enumerate(row.evidence.divergences) if i not in row.declared]
+    return (earliest(undeclared, policy)
+            or earliest([d for row in rows for d in row.evidence.divergences], policy))
 
 
-def why(result: ScheduleResult) -> str:
+def why(verdict: ScheduleVerdict) -> str:
     """Why a schedule without a divergence to name did not pass."""
-    return result.reason or next((f"row {row.request!r}: {row.reason}" for row in result.rows if row.reason), "")
+    return verdict.evidence.reason or next(
+        (f"row {row.evidence.request!r}: {row.reason}" for row in verdict.rows if row.reason), "")
 
 
-def hygiene_findings(results: List[ScheduleResult]) -> List[dict]:
+def hygiene_findings(verdicts: List[ScheduleVerdict]) -> List[dict]:
     """Per schedule, row and hygiene check with findings: how many, of how
     many comparisons, the first, and for sharing the most batch or source
     buffer bytes one finding kept alive (a Divergence's ``actual``)."""
     found = []
-    for result in results:
+    for result in (v.evidence for v in verdicts):
         for row in result.rows:
             for check in HYGIENE_CHECKS:
                 hits = [d for d in row.divergences if d.check == check]
@@ -85,15 +87,15 @@ def hygiene_findings(results: List[ScheduleResult]) -> List[dict]:
                 found.append({
                     "schedule": result.schedule, "level": result.level, "request": row.request, "check": check,
                     "findings": len(hits), "compared": row.compared(check),
-                    "bytes_retained": max(retained) if check == "alias" and retained else None,
+                    "bytes_retained": max(retained) if check == ALIAS and retained else None,
                     "first": min(hits, key=lambda d: d.order).message(),
                 })
     return found
 
 
-def models(results: List[ScheduleResult]) -> List[dict]:
+def models(verdicts: List[ScheduleVerdict]) -> List[dict]:
     """Each model the schedules ran, with its hash and how many schedule runs used it."""
-    runs = Counter((r.model, r.model_sha256) for r in results if r.model)
+    runs = Counter((v.evidence.model, v.evidence.model_sha256) for v in verdicts if v.evidence.model)
     return [{"model": m, "model_sha256": sha, "schedules": n} for (m, sha), n in runs.items()]
 
 
@@ -103,33 +105,21 @@ def member_calls(run_verdict: RunVerdict) -> dict:
     return {**{m: 0 for m in names}, **dict(run_verdict.members)}
 
 
-def split_environment(environment: dict):
-    """(the environment without a model, the probes' model or None)."""
-    env = {k: v for k, v in environment.items() if k not in MODEL_KEYS}
-    probe_model = {k: environment[k] for k in MODEL_KEYS if environment.get(k) is not None} or None
-    return env, probe_model
-
-
-# What each exit status of a run means, as the report header says it.
-STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
-          EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}
-
-
 # --- the machine record ----------------------------------------------------
 
 
-def build_record(results: List[ScheduleResult], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
+def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
                  probes=None, capabilities=None, sections=(), expectations=None) -> dict:
     """report.json's content, as described by schema/report.schema.json."""
-    unjudged = [r.schedule for r in results if r.verdict not in OUTCOMES]
+    unjudged = [str(getattr(v, "schedule", v)) for v in verdicts if not isinstance(v, ScheduleVerdict)]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
         raise ValueError(f"results not judged: {', '.join(unjudged)}")
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
     env, probe_model = split_environment(environment)
-    schedules = [_schedule_doc(r, policy) for r in results]
+    schedules = [_schedule_doc(v, policy) for v in verdicts]
     rows = [row for s in schedules for row in s["rows"]]
-    findings = hygiene_findings(results)
+    findings = hygiene_findings(verdicts)
     record = {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -142,7 +132,7 @@ def build_record(results: List[ScheduleResult], environment: dict, *, policy: Po
             "tiers": {f: sum(tier_family(row["tier"]) == f for row in rows) for f in TIER_FAMILIES},
         },
         "environment": env,
-        "models": models(results),
+        "models": models(verdicts),
         "probe_model": probe_model,
         "policy": {**dataclasses.asdict(policy), "name": policy.name},
         "capabilities": dict(capabilities),
@@ -173,26 +163,32 @@ def expectations_doc(run_verdict: RunVerdict, expectations) -> Optional[dict]:
             "gates": run_verdict.unexpected_passes_gate, "declarations": list(run_verdict.declarations)}
 
 
-def _schedule_doc(result: ScheduleResult, policy: Policy) -> dict:
-    doc = result.to_json()
-    for row, row_doc in zip(result.rows, doc["rows"]):
-        row_doc["divergences"] = [_divergence_doc(d, row.declared.get(i)) for i, d in enumerate(row.divergences)]
+def _schedule_doc(verdict: ScheduleVerdict, policy: Policy) -> dict:
+    """A schedule run's evidence with its verdict, each row's beside the row's evidence."""
+    doc = verdict.evidence.to_json()
+    # Each verdict field just before the evidence's totals, where report.json has always had it.
+    doc.update(verdict=verdict.verdict, events=doc.pop("events"))
+    for row, row_doc in zip(verdict.rows, doc["rows"]):
+        row_doc.update(verdict=row.verdict, tier=row.tier, required=row.required, reason=row.reason,
+                       checks=row_doc.pop("checks"))
+        row_doc["divergences"] = [_divergence_doc(d, row.declared.get(i))
+                                  for i, d in enumerate(row.evidence.divergences)]
         first = first_of([row], policy)
         row_doc["first"] = _divergence_doc(first, _declaration_of(row, first))
-    first = first_of(result.rows, policy)
-    owner = next((row for row in result.rows if any(d is first for d in row.divergences)), None)
+    first = first_of(verdict.rows, policy)
+    owner = next((row for row in verdict.rows if any(d is first for d in row.evidence.divergences)), None)
     doc["first"] = _divergence_doc(first, _declaration_of(owner, first) if owner else None)
     return doc
 
 
-def _declaration_of(row: RowResult, divergence) -> Optional[int]:
-    return next((row.declared.get(i) for i, d in enumerate(row.divergences) if d is divergence), None)
+def _declaration_of(row: RowVerdict, divergence) -> Optional[int]:
+    return next((row.declared.get(i) for i, d in enumerate(row.evidence.divergences) if d is divergence), None)
 
 
 def _divergence_doc(d: Optional[Divergence], declared: Optional[int] = None) -> Optional[dict]:
     if d is None:
         return None
-    kind = "hygiene" if d.check in HYGIENE_CHECKS else "parity"
+    kind = CHECKS[d.check].kind
     return {**dataclasses.asdict(d), "event_index": d.event_index, "kind": kind, "declared": declared,
             "message": d.message()}
 
@@ -229,48 +225,52 @@ def _json_safe(value):
 # --- tables (report.md and report.html share them) -------------------------
 
 
-def summary_rows(results: List[ScheduleResult], policy: Policy):
+def summary_rows(verdicts: List[ScheduleVerdict], policy: Policy):
     headers = ["schedule", "level", "model", "rows", "events", "verdict", "logits bit-exact", "top-1",
                "first divergence"]
     rows = []
-    for r in results:
-        first = first_of(r.rows, policy)
+    for v in verdicts:
+        r = v.evidence
+        first = first_of(v.rows, policy)
         positions = sum(row.metrics.get("positions", 0) for row in r.rows)
         exact = sum(row.metrics.get("bit_exact", 0) for row in r.rows)
         top1 = sum(row.metrics.get("top1_agree", 0) for row in r.rows)
         logit_cols = [f"{exact}/{positions}", f"{top1}/{positions}"] if positions else ["", ""]
-        rows.append([r.schedule, r.level, r.model or "", len(r.rows), r.events, r.verdict, *logit_cols,
-                     _short(first.message() if first else why(r))])
+        rows.append([r.schedule, r.level, r.model or "", len(r.rows), r.events, v.verdict, *logit_cols,
+                     _short(first.message() if first else why(v))])
     return headers, rows
 
 
-def row_rows(results: List[ScheduleResult], policy: Policy):
+def row_rows(verdicts: List[ScheduleVerdict], policy: Policy):
     headers = ["schedule", "level", "row", "verdict", "tier", "required", "comparisons", "divergences",
                "first divergence"]
     rows = []
-    for r in results:
-        for row in r.rows:
-            counted = sum(counts_against(d, policy) for d in row.divergences)
+    for v in verdicts:
+        r = v.evidence
+        for row in v.rows:
+            counted = sum(counts_against(d, policy) for d in row.evidence.divergences)
             first = first_of([row], policy)
-            rows.append([r.schedule, r.level, row.request, row.verdict, row.tier or "", _required(r, row),
-                         row.checks, counted, first.message() if first else row.reason])
+            rows.append([r.schedule, r.level, row.evidence.request, row.verdict, row.tier or "", _required(r, row),
+                         row.evidence.checks, counted, first.message() if first else row.reason])
     return headers, rows
 
 
-def _required(result: ScheduleResult, row: RowResult) -> str:
+def _required(result, row: RowVerdict) -> str:
     # L1 bytes are data movement: bit-exact under every policy.
     if result.level == "L1" and row.tier is not None:
         return row.required or "bit-exact"
     return row.required
 
 
-def logit_rows(results: List[ScheduleResult]):
+def logit_rows(verdicts: List[ScheduleVerdict]):
     """L2 rows: how far batched logits are from solo, llama.cpp-style."""
     headers = ["schedule", "row", "tier", "positions", "comparable", "bit-exact", "top-1", "max abs diff",
                "max ULP", "KL mean", "KL max", "KL median", "KL p95", "KL p99"]
     rows = []
-    for r in results:
-        for row in r.rows:
+    for v in verdicts:
+        r = v.evidence
+        for row_verdict in v.rows:
+            row = row_verdict.evidence
             m = row.metrics
             if not m.get("positions"):
                 continue
@@ -278,25 +278,25 @@ def logit_rows(results: List[ScheduleResult]):
             measured = m.get("max_ulp") is not None
             distances = [m[k] for k in ("max_abs_diff", "max_ulp", "kl_mean", "kl_max", "kl_median", "kl_p95",
                                         "kl_p99")]
-            rows.append([r.schedule, row.request, row.tier or "", m["positions"],
+            rows.append([r.schedule, row.request, row_verdict.tier or "", m["positions"],
                          "yes" if m.get("comparable", True) else "no (dtype or shape differ)", m["bit_exact"],
                          f"{m['top1_agree']}/{m['positions']}",
                          *(_g(x) if measured else "n/a" for x in distances)])
     return headers, rows
 
 
-def model_rows(results: List[ScheduleResult]):
+def model_rows(verdicts: List[ScheduleVerdict]):
     return ["model", "sha256", "schedule runs"], [[m["model"], m["model_sha256"] or "", m["schedules"]]
-                                                  for m in models(results)]
+                                                  for m in models(verdicts)]
 
 
-def timeline_rows(results: List[ScheduleResult]):
+def timeline_rows(verdicts: List[ScheduleVerdict]):
     """L3: per schedule run and engine step, what the engine did."""
     names = lambda ids: ", ".join(ids)
     return (["schedule", "step", "arrived", "prompt batch", "joined", "generation batch", "finished", "widths"],
             [[r.schedule, s["step"], names(s["arrived"]), names(s["prompt_batch"]), names(s["joined"]),
               names(s["generation_batch"]), names(s["finished"]), f"{s['prompt_width']}/{s['generation_width']}"]
-             for r in results for s in r.timeline])
+             for r in (v.evidence for v in verdicts) for s in r.timeline])
 
 
 def coverage_rows(run_verdict: RunVerdict):
@@ -334,12 +334,12 @@ def member_rows(run_verdict: RunVerdict):
                                          for m, n in member_calls(run_verdict).items()]
 
 
-def hygiene_rows(results: List[ScheduleResult]):
+def hygiene_rows(verdicts: List[ScheduleVerdict]):
     headers = ["schedule", "level", "row", "check", "findings", "comparisons", "max bytes retained",
                "first occurrence"]
     return headers, [[f["schedule"], f["level"], f["request"], f["check"], f["findings"], f["compared"],
                       "" if f["bytes_retained"] is None else f["bytes_retained"], f["first"]]
-                     for f in hygiene_findings(results)]
+                     for f in hygiene_findings(verdicts)]
 
 
 def capability_rows(capabilities: Mapping[str, bool], implementation: str = ""):
@@ -358,24 +358,24 @@ CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, dive
                 "or compared nothing")
 
 
-def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
+def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
            sections=(), expectations=None):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(results, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
-           ("Rows", *row_rows(results, policy))]
+    out = [("Summary", *summary_rows(verdicts, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
+           ("Rows", *row_rows(verdicts, policy))]
     if expectations is not None:
         gating = "failing the run" if run_verdict.unexpected_passes_gate else "reported"
         out.append((f"Declared divergences ({expectations.path}; unexpectedly passing: {gating} "
                     f"under policy {policy.name})", *declaration_rows(run_verdict)))
-    logits = logit_rows(results)
+    logits = logit_rows(verdicts)
     if logits[1]:
         out.append(("Logits (L2): KL(solo || batched) in nats", *logits))
-    used = model_rows(results)
+    used = model_rows(verdicts)
     if used[1]:
         out.append(("Models (each L2 schedule ran its own)", *used))
-    timeline = timeline_rows(results)
+    timeline = timeline_rows(verdicts)
     if timeline[1]:
         out.append(("L3 timeline: what the engine did per step (widths: prompt/generation batch)", *timeline))
     out.append(("Coverage: comparisons per event kind and check", *coverage_rows(run_verdict)))
@@ -385,7 +385,7 @@ def tables(results, environment, *, policy: Policy, run_verdict: RunVerdict, pro
     if run_verdict.gaps:
         out.append(("Coverage gaps", ["gap"], [[gap] for gap in run_verdict.gaps]))
     gating = "gating" if policy.hygiene == "gate" else "reported, not gating"
-    out.append((f"Hygiene ({gating} under policy {policy.name})", *hygiene_rows(results)))
+    out.append((f"Hygiene ({gating} under policy {policy.name})", *hygiene_rows(verdicts)))
     out.append(("Policy", ["key", "value"], [[k, v] for k, v in dataclasses.asdict(policy).items()]))
     if capabilities:
         out.append(("Capabilities", *capability_rows(capabilities, environment.get("implementation", ""))))
@@ -405,16 +405,6 @@ def _short(text, width=90):
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def flatten(d, prefix=""):
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def render_markdown(record: dict, report_tables) -> str:
     status = record["exit_status"]
     lines = ["# kvparity report", "", f"Written {record['created']} ({SCHEMA}).", "",
@@ -427,26 +417,24 @@ def render_markdown(record: dict, report_tables) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(results: List[ScheduleResult], environment: dict, root, *, policy: Policy,
+def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
                  extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
-    ``results`` are judged (``verdicts.judge``) and ``run_verdict`` is
-    ``verdicts.verdict_of_run`` over them; ``policy`` is the one they were
-    judged under. ``probes`` are L0 probe records, ``capabilities``
+    ``verdicts`` are the schedule runs' (``verdicts.judge``) and
+    ``run_verdict`` is ``verdicts.verdict_of_run`` over them; ``policy`` is
+    the one they were judged under. ``probes`` are L0 probe records, ``capabilities``
     {name: supported} (default: the environment's), ``sections`` extra
     (title, headers, rows) tables, and ``extra(directory)`` adds files
     (benchmarks) before the directory appears. ``expectations`` is the
-    expectations file the results were judged with, if any.
+    expectations file the runs were judged with, if any.
     """
-    from kvparity.reports import html, junit
-
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
                    sections=sections, expectations=expectations)
-    record = build_record(results, environment, **options)
-    report_tables = tables(results, environment, **options)
+    record = build_record(verdicts, environment, **options)
+    report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)
     with report as directory:
         text = json.dumps(record, indent=2, allow_nan=False) + "\n"

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.checks import RAISED
 from kvparity.suites.compare import Divergence
-from kvparity.suites.replay import NotSupported
 
 # Outcomes, shared by rows and schedules.
 PASS = "pass"
@@ -29,27 +29,6 @@ OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, 
             EXPECTED_DIVERGENCE)
 FAILURES = (FAIL, REFUSED)
 
-# Every check comparisons and divergences are noted under, and what it holds.
-CHECKS = {
-    "bytes": "keys and values (packed, scales, biases) equal mlx-lm's solo cache, bit for bit",
-    "offset": "each row's offset (its RoPE position) equals the solo offset",
-    "left_padding": "size() minus the row's left padding is the row's length",
-    "layout": "the state holds (packed, scales, biases) triples of the expected dtypes and shapes",
-    "extract": "extract(i) returns the row as a quantized cache of its offset, bits and group size, "
-               "and leaves the batch unchanged",
-    "mask": "make_mask hides exactly the padding and the future",
-    "shared_padding": "no column is padding in every row",
-    "source": "merge and extend leave their sources' bytes unchanged",
-    "nbytes": "nbytes counts at least the bytes the rows' columns occupy",
-    "raised": "a member or the engine raised: nothing after it was compared",
-    "logits": "each row's logits equal (or reach the policy's tier of) the request run alone",
-    "tokens": "greedy (L2) or generated (L3) tokens equal the request run alone",
-    "logprobs": "L3: the log-probabilities of each generated token",
-    "length": "L3: how many tokens each request generated",
-    "pad": "hygiene: pad columns are zero",
-    "alias": "hygiene: no memory shared between the batch, its sources and extracted rows",
-}
-
 
 @dataclass
 class RowResult:
@@ -59,12 +38,6 @@ class RowResult:
     counts: Dict[int, Counter] = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)  # L2: logit statistics
     series: dict = field(default_factory=dict)  # L2: per-step logit series (index = step)
-    # Filled in by the verdict:
-    verdict: str = ""
-    tier: Optional[str] = None  # the strongest tier the row reached
-    required: str = ""  # the tier the policy asked for
-    reason: str = ""
-    declared: Dict[int, int] = field(default_factory=dict)  # divergence position -> declaration expecting it
 
     def compared(self, check: str = None) -> int:
         return sum(n for per_event in self.counts.values() for c, n in per_event.items()
@@ -98,7 +71,6 @@ class ScheduleResult:
     members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls made
     timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
     seconds: float = 0.0
-    verdict: str = ""  # filled in by the verdict
 
     @property
     def events(self) -> int:
@@ -141,7 +113,6 @@ class ScheduleResult:
         doc = asdict(self)
         doc["events"] = self.events
         for row, row_doc in zip(self.rows, doc["rows"]):
-            del row_doc["declared"]  # shown on each divergence instead
             row_doc["counts"] = {str(e): dict(c) for e, c in row.counts.items()}
             row_doc["checks"] = row.checks
         return doc
@@ -170,32 +141,4 @@ def note_raised(result: ScheduleResult, event_index: int, label: str, raised: Me
     """The implementation's path raised where mlx-lm's solo path did not: a
     failure, worded the same at every level."""
     result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {raised}")
-    result.note(event_index, "raised", requests, made=0, found=[Divergence("raised", label, detail=str(raised))])
-
-
-def drive(result: ScheduleResult, replay, events, check) -> bool:
-    """Apply ``events`` through ``replay``, calling ``check(event)`` after
-    each; stop at what the implementation refuses or cannot do. Returns
-    False once the run stopped. Anything else that raises is the harness's
-    own failure and propagates."""
-    for event in events:
-        label = event.label
-        try:
-            replay.apply(event)
-            check(event)
-        except NotSupported as error:
-            result.stop(NOT_SUPPORTED, f"event {label}: {error}")
-            return False
-        except MemberRaised as raised:
-            if raised.capability:
-                result.stop(NOT_SUPPORTED, f"event {label}: {raised.member} is not implemented "
-                                           f"({raised.capability})")
-            elif raised.refused:
-                result.stop(REFUSED, f"event {label}: required member {raised.member} refused: {raised.error}")
-            else:
-                note_raised(result, event.index, label, raised, replay.running() or list(replay.schedule.requests))
-            return False
-        except OracleFailed as error:
-            result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")
-            return False
-    return True
+    result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=str(raised))])

@@ -37,7 +37,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     implementation = None
     found_dir: Path = None
     level = "L1"
-    judge = None  # ScheduleResult -> judged ScheduleResult
+    judge = None  # ScheduleResult -> its verdict (reports.verdicts.judge under a policy)
     run_l2 = None  # (schedule, implementation) -> ScheduleResult, at L2
     # Counted across examples, for the tests:
     schedules_started = 0
@@ -135,11 +135,12 @@ class ScheduleMachine(RuleBasedStateMachine):
         for row in result.rows:
             self.row_outcomes[row.verdict] = self.row_outcomes.get(row.verdict, 0) + 1
 
-    def report(self, result) -> str:
+    def report(self, judged) -> str:
         path = self.found_dir / f"{self.schedule.name}.json"
         save(self.schedule, path)
+        result = judged.evidence
         first = result.first.message() if result.first else result.reason
-        return (f"{self.level} {result.schedule}: {result.verdict}: {first}\n"
+        return (f"{self.level} {result.schedule}: {judged.verdict}: {first}\n"
                 f"written to {path}; replay with: kvparity replay {path} --level {self.level}"
                 + (f" --impl {self.implementation.spec}" if self.implementation.spec else ""))
 

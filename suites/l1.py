@@ -39,12 +39,12 @@ from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      triple_job)
-from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult, drive
-from kvparity.suites.replay import Replay
+from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
+                                    SHARED_PADDING, SOURCE)
+from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.replay import Replay, drive
 
 MASK_WIDTHS = (1, 3)
-# What no request can observe: reported, and gating only under a strict policy.
-HYGIENE_CHECKS = ("pad", "alias")
 
 
 class SoloState:
@@ -317,7 +317,7 @@ class EventChecks:
     def triples(self, rid, expected, actual, name, where):
         job = triple_job(expected, actual, name, **where)
         if isinstance(job, Divergence):
-            self.note(self.at, "layout", [rid], 1, [job])
+            self.note(self.at, LAYOUT, [rid], 1, [job])
         else:
             self.jobs.append((rid, job, 1))
 
@@ -329,7 +329,7 @@ class EventChecks:
         jobs, self.jobs = self.jobs, []
         compared = compare_later(self.reading, [job for _, job, _ in jobs])
         self.later(lambda: self.note_per_row(
-            "bytes", ((rid, made, divergences) for (rid, _, made), divergences in zip(jobs, compared()))))
+            BYTES, ((rid, made, divergences) for (rid, _, made), divergences in zip(jobs, compared()))))
 
     def note_per_row(self, check, entries):
         """``check`` noted once per request; ``entries``: (request,
@@ -376,12 +376,12 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         expected = solo.cache(rid)
         # An extracted row holds the implementation's bytes; a waiting row holds mlx-lm's own.
         made = 1 if rid in replay.extracted else 0
-        note(at, "offset", [rid], made, [] if alone.cache.offset == expected.offset else [
-            Divergence("offset", label, rid, expected=expected.offset, actual=alone.cache.offset)])
+        note(at, OFFSET, [rid], made, [] if alone.cache.offset == expected.offset else [
+            Divergence(OFFSET, label, rid, expected=expected.offset, actual=alone.cache.offset)])
         if made and hasattr(expected, "bits") and not alone.quantized:
             # What extract returned is not quantized: said once, not per missing array.
             unquantized = _not_triples(alone.cache, "extract", _triples(solo.expected(rid, checks.reading)))
-            note(at, "extract", [rid], 1, [Divergence("extract", label, rid, tensor="extracted", detail=unquantized)])
+            note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor="extracted", detail=unquantized)])
             continue
         checks.named(rid, solo.expected(rid, checks.reading), _layer_parts(checks.reading, alone.cache),
                      "extracted.", dict(event=label, request=rid), made)
@@ -397,17 +397,17 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
     pads = _ints(left_padding)
     rows = replay.rows
     if len(offsets) != len(rows) or len(pads) != len(rows):
-        note(at, "layout", rows, 1, [Divergence("layout", label, detail=f"offset has {len(offsets)} and "
+        note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
                                                  f"left_padding {len(pads)} entries for {len(rows)} rows")])
         return
     triples = _state_triples(batch.state)
     if triples is None:
-        note(at, "layout", rows, 1, [Divergence(
-            "layout", label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
+        note(at, LAYOUT, rows, 1, [Divergence(
+            LAYOUT, label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
                                                     "and the values' (packed, scales, biases) triples first")])
         return
-    note(at, "shared_padding", rows, 1,
-         [Divergence("shared_padding", label, detail=f"every row has >= {min(pads)} pad columns")]
+    note(at, SHARED_PADDING, rows, 1,
+         [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns")]
          if min(pads) > 0 else [])
     fetched = None
     if backend.fetched is not None and backend.fetched[0] == replay.version:
@@ -422,15 +422,15 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         expected_cache = solo.cache(rid)
         where = dict(event=label, request=rid)
         if not hasattr(expected_cache, "bits"):
-            note(at, "layout", [rid], 1, [Divergence("layout", detail="an unquantized row is in the batch", **where)])
+            note(at, LAYOUT, [rid], 1, [Divergence(LAYOUT, detail="an unquantized row is in the batch", **where)])
             continue
         n = expected_cache.offset
-        note(at, "offset", [rid], 1,
-             [Divergence("offset", expected=n, actual=offsets[i], **where)] if offsets[i] != n else [])
+        note(at, OFFSET, [rid], 1,
+             [Divergence(OFFSET, expected=n, actual=offsets[i], **where)] if offsets[i] != n else [])
         if size - pads[i] != n:
-            note(at, "left_padding", [rid], 1, [left_padding_divergence(i, n, size, pads[i], **where)])
+            note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, n, size, pads[i], **where)])
             continue  # the row's columns are unknown: bytes would only echo this
-        note(at, "left_padding", [rid], 1)
+        note(at, LEFT_PADDING, [rid], 1)
         lp = pads[i]
         expected = _triples(solo.expected(rid, reading))
         row = (slice(i, i + 1), slice(None))
@@ -461,11 +461,11 @@ def check_pad(pad_slices, checks: EventChecks):
                 yield rid, 1, []
                 continue
             first = int(np.flatnonzero(part.bits)[0])
-            yield rid, 1, [Divergence("pad", tensor=tensor, index=first, expected=0,
+            yield rid, 1, [Divergence(PAD, tensor=tensor, index=first, expected=0,
                                       actual=int(part.bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
                                       **where)]
 
-    checks.later(lambda: checks.note_per_row("pad", entries()))
+    checks.later(lambda: checks.note_per_row(PAD, entries()))
 
 
 def check_nbytes(batch, triples, checks: EventChecks, rows, label):
@@ -473,8 +473,8 @@ def check_nbytes(batch, triples, checks: EventChecks, rows, label):
     live = sum(x.nbytes for triple in triples.values() for x in triple)
     held = batch.nbytes
     ok = isinstance(held, int) and not isinstance(held, bool) and held >= live
-    checks.note(checks.at, "nbytes", rows, 1, [] if ok else [Divergence(
-        "nbytes", label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
+    checks.note(checks.at, NBYTES, rows, 1, [] if ok else [Divergence(
+        NBYTES, label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
 
 
 def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_known):
@@ -486,18 +486,18 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
-        checks.note(at, "extract", [rid], 1, [Divergence("extract", expected=solo.offset, actual=offset,
+        checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, expected=solo.offset, actual=offset,
                                                           detail=f"offset of extract({i})", **where)])
         return
     known = {}
     unquantized = _not_triples(extracted, f"extract({i})", expected)
     if unquantized:  # nothing to compare byte for byte: one divergence says what came back
-        checks.note(at, "extract", [rid], 1, [Divergence("extract", tensor="extracted", detail=unquantized,
+        checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, tensor="extracted", detail=unquantized,
                                                           **where)])
     else:
         bits, group_size = getattr(extracted, "bits", None), getattr(extracted, "group_size", None)
-        checks.note(at, "extract", [rid], 1, [] if (bits, group_size) == (solo.bits, solo.group_size) else [
-            Divergence("extract", detail=f"extract({i}) returned a cache of bits {bits}, group_size {group_size}; "
+        checks.note(at, EXTRACT, [rid], 1, [] if (bits, group_size) == (solo.bits, solo.group_size) else [
+            Divergence(EXTRACT, detail=f"extract({i}) returned a cache of bits {bits}, group_size {group_size}; "
                                          f"the row's are {solo.bits}, {solo.group_size}", **where)])
         for name in ("keys", "values"):
             checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
@@ -524,9 +524,9 @@ def check_unchanged(before, after, checks: EventChecks, rows, label):
     """``extract`` left the batch as it was: ``before``, the ticket of its
     arrays taken before the extracts, against ``after`` by bytes (an array
     written in place is still the same object)."""
-    changed = [Divergence("extract", label, detail="extract changed the batch")]
+    changed = [Divergence(EXTRACT, label, detail="extract changed the batch")]
     if len(before) != len(after):
-        checks.note(checks.at, "extract", rows, 0, changed)
+        checks.note(checks.at, EXTRACT, rows, 0, changed)
         return
     reading = checks.reading
     after = reading.take(after)
@@ -534,7 +534,7 @@ def check_unchanged(before, after, checks: EventChecks, rows, label):
     def note_changed():
         reading.evaluate()
         if any(not _same_bits(a, b) for a, b in zip(reading[before], reading[after])):
-            checks.result.note(checks.at, "extract", rows, 0, changed)
+            checks.result.note(checks.at, EXTRACT, rows, 0, changed)
 
     checks.later(note_changed)
 
@@ -548,8 +548,8 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _note_alias(checks, at, rows, shared, where, whose):
-    checks.result.note(at, "alias", rows, 1, [] if shared is None else [
-        Divergence("alias", actual=shared[2],
+    checks.result.note(at, ALIAS, rows, 1, [] if shared is None else [
+        Divergence(ALIAS, actual=shared[2],
                    detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of {whose} alive", **where)])
 
 
@@ -566,8 +566,8 @@ def check_sources(replay: Replay, backend: SyntheticBackend, checks: EventChecks
         # Always by bytes: an array written in place is still the same object.
         compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})], after_known)
         checks.later(lambda member=member, compared=compared: checks.result.note(
-            at, "source", rows, 1,
-            [] if not compared()[0] else [Divergence("source", label, detail=f"{member} modified its source")]))
+            at, SOURCE, rows, 1,
+            [] if not compared()[0] else [Divergence(SOURCE, label, detail=f"{member} modified its source")]))
         if member == "merge":
             shared = shared_memory_later(checks.reading, batch_arrays, after, batch_known, after_known)
             checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
@@ -596,11 +596,11 @@ def _note_mask(checks, rows, size, pads, label, at, N, mask):
             if got is not None and got.shape == expected.shape:
                 index = int(np.flatnonzero(got != expected)[0])
             found.append(Divergence(
-                "mask", label, rid, tensor=f"make_mask({N})", index=index,
+                MASK, label, rid, tensor=f"make_mask({N})", index=index,
                 expected=None if index is None else bool(expected.reshape(-1)[index]),
                 actual=None if index is None else bool(got.reshape(-1)[index]),
                 detail=f"row has {pads[i]} pad columns of {size}"))
-        checks.result.note(at, "mask", [rid], 1, found)
+        checks.result.note(at, MASK, [rid], 1, found)
 
 
 def _boolean_mask_later(reading: Reading, mask, B, N, S):

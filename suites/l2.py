@@ -37,12 +37,12 @@ from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_byt
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference, left_padding_divergence
+from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING, LOGITS, OFFSET, TOKENS
 from kvparity.suites.evidence import (
     NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
-    drive,
 )
 from kvparity.suites.metrics import LogitStats
-from kvparity.suites.replay import Replay
+from kvparity.suites.replay import Replay, drive
 from kvparity.suites.schedule import parse
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
@@ -255,7 +255,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
             expected = traces[out.request].calls[out.step].logits
             if out.from_implementation:
                 stats[out.request].add(expected, out.logits, out.step)
-                result.note(at, "logits", [out.request], 1,
+                result.note(at, LOGITS, [out.request], 1,
                             compare_logits(expected, out.logits, label, out.request, out.step))
             if capture is not None:
                 capture[out.request].calls[out.step].logits = out.logits
@@ -306,18 +306,18 @@ def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
             batch = replay.layers[0]
             pad, size = int(batch.left_padding[i].item()), batch.size()
             if size - pad != offset:
-                result.note(at, "left_padding", [rid], 1, [left_padding_divergence(i, offset, size, pad, **where)])
+                result.note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, offset, size, pad, **where)])
                 continue
-            result.note(at, "left_padding", [rid], 1)
+            result.note(at, LEFT_PADDING, [rid], 1)
         actual, actual_offset = row_bytes(replay, rid)
         prefix = "extracted." if rid in replay.preempted else "waiting." if rid in replay.waiting else ""
-        result.note(at, "offset", [rid], made, [] if actual_offset == offset else [
-            Divergence("offset", expected=offset, actual=actual_offset, detail="RoPE offset", **where)])
+        result.note(at, OFFSET, [rid], made, [] if actual_offset == offset else [
+            Divergence(OFFSET, expected=offset, actual=actual_offset, detail="RoPE offset", **where)])
         if len(actual) != len(expected):
-            result.note(at, "layout", [rid], made, [Divergence(
-                "layout", expected=len(expected), actual=len(actual), detail="layers", **where)])
+            result.note(at, LAYOUT, [rid], made, [Divergence(
+                LAYOUT, expected=len(expected), actual=len(actual), detail="layers", **where)])
         for layer, (e, a) in enumerate(zip(expected, actual)):
-            result.note(at, "bytes", [rid], made, compare_named(e, a, prefix, layer=layer, **where))
+            result.note(at, BYTES, [rid], made, compare_named(e, a, prefix, layer=layer, **where))
 
 
 def compare_logits(expected: mx.array, actual: mx.array, event: str, rid: str, step: int) -> List[Divergence]:
@@ -326,16 +326,16 @@ def compare_logits(expected: mx.array, actual: mx.array, event: str, rid: str, s
         return []
     index, want, got = diff
     if index is None:  # dtype or shape differ: not comparable
-        return [Divergence("layout", event, rid, tensor="logits", step=step, expected=want, actual=got)]
+        return [Divergence(LAYOUT, event, rid, tensor="logits", step=step, expected=want, actual=got)]
     e32, a32 = expected.astype(mx.float32), actual.astype(mx.float32)
     max_abs = mx.abs(e32 - a32).max().item()
     positions = expected.shape[0]
     flipped = [p for p in range(positions) if greedy(expected[p]) != greedy(actual[p])]
-    found = [Divergence("logits", event, rid, tensor="logits", step=step, index=index, expected=want, actual=got,
+    found = [Divergence(LOGITS, event, rid, tensor="logits", step=step, index=index, expected=want, actual=got,
                         detail=f"max abs diff {max_abs}, top-1 agree {positions - len(flipped)}/{positions}")]
     if flipped:
         p = flipped[0]
-        found.append(Divergence("tokens", event, rid, tensor="argmax", step=step, index=p,
+        found.append(Divergence(TOKENS, event, rid, tensor="argmax", step=step, index=p,
                                 expected=greedy(expected[p]), actual=greedy(actual[p])))
     return found
 
@@ -352,8 +352,8 @@ def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str,
         result.row(rid)
         got = candidate.get(rid)
         if got is None or len(got.calls) != len(expected.calls):
-            result.note(0, "layout", [rid], 1, [Divergence(
-                "layout", "#0 trace", rid, expected=len(expected.calls),
+            result.note(0, LAYOUT, [rid], 1, [Divergence(
+                LAYOUT, "#0 trace", rid, expected=len(expected.calls),
                 actual=None if got is None else len(got.calls), detail="calls in the candidate's trace")])
             continue
         for step, (e, a) in enumerate(zip(expected.calls, got.calls)):
@@ -361,23 +361,23 @@ def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str,
                 continue
             label = f"#{e.event} trace"
             if a.logits is None:
-                result.note(e.event, "layout", [rid], 1, [Divergence(
-                    "layout", label, rid, tensor="logits", step=step, detail="missing in the candidate")])
+                result.note(e.event, LAYOUT, [rid], 1, [Divergence(
+                    LAYOUT, label, rid, tensor="logits", step=step, detail="missing in the candidate")])
                 continue
             stats[rid].add(e.logits, a.logits, step)
-            result.note(e.event, "logits", [rid], 1, compare_logits(e.logits, a.logits, label, rid, step))
+            result.note(e.event, LOGITS, [rid], 1, compare_logits(e.logits, a.logits, label, rid, step))
         for event, layers in sorted(expected.snapshots.items()):
             label = f"#{event} trace"
             actual, actual_offset = got.snapshots.get(event), got.offsets.get(event)
             if actual is None or len(actual) != len(layers):
-                result.note(event, "layout", [rid], 1, [Divergence(
-                    "layout", label, rid, expected=len(layers), actual=None if actual is None else len(actual),
+                result.note(event, LAYOUT, [rid], 1, [Divergence(
+                    LAYOUT, label, rid, expected=len(layers), actual=None if actual is None else len(actual),
                     detail="cache snapshot layers in the candidate")])
                 continue
-            result.note(event, "offset", [rid], 1, [] if actual_offset == expected.offsets[event] else [
-                Divergence("offset", label, rid, expected=expected.offsets[event], actual=actual_offset)])
+            result.note(event, OFFSET, [rid], 1, [] if actual_offset == expected.offsets[event] else [
+                Divergence(OFFSET, label, rid, expected=expected.offsets[event], actual=actual_offset)])
             for layer, (e, a) in enumerate(zip(layers, actual)):
-                result.note(event, "bytes", [rid], 1, compare_named(e, a, event=label, request=rid, layer=layer))
+                result.note(event, BYTES, [rid], 1, compare_named(e, a, event=label, request=rid, layer=layer))
     for row in result.rows:
         row.metrics = stats[row.request].as_dict()
         row.series = stats[row.request].series if row.metrics["positions"] else {}

@@ -21,6 +21,10 @@ after which mlx-lm converts it.
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
+                                      note_raised)
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message names file, event and reason."""
@@ -337,3 +341,34 @@ def dry_run(schedule):
     replay = Replay(schedule, dry_backend(schedule))
     replay.run()
     return tuple(sorted(replay.needs)), replay.calls
+
+
+# --- the event loop every level's run shares ---------------------------------
+
+
+def drive(result: ScheduleResult, replay: Replay, events, check) -> bool:
+    """Apply ``events`` through ``replay``, calling ``check(event)`` after
+    each; stop at what the implementation refuses or cannot do. Returns
+    False once the run stopped. Anything else that raises is the harness's
+    own failure and propagates."""
+    for event in events:
+        label = event.label
+        try:
+            replay.apply(event)
+            check(event)
+        except NotSupported as error:
+            result.stop(NOT_SUPPORTED, f"event {label}: {error}")
+            return False
+        except MemberRaised as raised:
+            if raised.capability:
+                result.stop(NOT_SUPPORTED, f"event {label}: {raised.member} is not implemented "
+                                           f"({raised.capability})")
+            elif raised.refused:
+                result.stop(REFUSED, f"event {label}: required member {raised.member} refused: {raised.error}")
+            else:
+                note_raised(result, event.index, label, raised, replay.running() or list(replay.schedule.requests))
+            return False
+        except OracleFailed as error:
+            result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")
+            return False
+    return True

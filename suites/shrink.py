@@ -12,13 +12,14 @@ import json
 from typing import Callable, Optional
 
 from kvparity.suites import arrivals
-from kvparity.suites.evidence import FAIL, ScheduleResult
+from kvparity.suites.evidence import FAIL
 from kvparity.suites.schedule import ScheduleError, parse
 
 
-def first_failure(result: ScheduleResult):
-    """The earliest divergence of a failed row, or None."""
-    found = [d for row in result.rows if row.verdict == FAIL for d in row.divergences]
+def first_failure(judged):
+    """The earliest divergence of a failed row of a judged run (a
+    ``reports.verdicts.ScheduleVerdict``), or None."""
+    found = [d for row in judged.rows if row.verdict == FAIL for d in row.evidence.divergences]
     return min(found, key=lambda d: d.order, default=None)
 
 
@@ -27,7 +28,7 @@ class Shrinker:
     candidate that still fails with the same check, until none does."""
 
     def __init__(self, run: Callable, schedule):
-        self.run = run  # schedule -> judged ScheduleResult
+        self.run = run  # schedule -> its verdict (reports.verdicts.judge of its run)
         self.source = schedule.path
         self.original = run(schedule)
         self.first = first_failure(self.original)

@@ -45,10 +45,11 @@ def test_subclass_sensitive_control_on_the_l1_catalog(cls, catalog, judged):
     runs = [judged(run_l1(s, control(cls))) for s in catalog]
     verdicts = {r.verdict for r in runs}
     if cls.expected_outcome == PASS:
-        assert verdicts == {PASS}, [(r.schedule, r.verdict, r.reason) for r in runs if r.verdict != PASS]
+        assert verdicts == {PASS}, [(r.evidence.schedule, r.verdict, r.evidence.reason) for r in runs
+                                    if r.verdict != PASS]
     else:
         assert FAIL in verdicts, f"{cls.__name__} survived the whole L1 catalog"
-        assert cls.caught_by in {d.check for r in runs for d in r.divergences}
+        assert cls.caught_by in {d.check for r in runs for d in r.evidence.divergences}
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)
@@ -56,15 +57,14 @@ def test_a_subclass_of_the_control_gets_the_other_verdict(cls, judged):
     # What the controls prove: a harness that judged a subclass of the class
     # under test would reach the wrong verdict on each of them.
     subclass = type(cls.__name__, (cls,), {"__module__": cls.__module__})
-    result = judged(run_l1(load(CATALOG / "join-longer-joiner.json"),
-                           Implementation(f"{CONTROLS}:{cls.__name__}", subclass)))
-    assert result.verdict == (FAIL if cls.expected_outcome == PASS else PASS), result.reason
+    result = run_l1(load(CATALOG / "join-longer-joiner.json"), Implementation(f"{CONTROLS}:{cls.__name__}", subclass))
+    assert judged(result).verdict == (FAIL if cls.expected_outcome == PASS else PASS), result.reason
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)
 def test_subclass_sensitive_control_at_l2(cls, judged):
-    result = judged(run_l2(load(CATALOG / "join-longer-joiner.json"), control(cls)))
-    assert result.verdict == cls.expected_outcome, result.reason
+    result = run_l2(load(CATALOG / "join-longer-joiner.json"), control(cls))
+    assert judged(result).verdict == cls.expected_outcome, result.reason
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)

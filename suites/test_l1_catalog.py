@@ -32,12 +32,12 @@ def test_catalog_covers_the_design_list():
 WITHOUT_ROLLBACK = "kvparity.impl.negative_controls:WithoutPerRowRollback"
 
 
-def test_a_missing_capability_is_not_supported_never_a_pass(gate):
+def test_a_missing_capability_is_not_supported_never_a_pass(gate, judged):
     impl = load_implementation(WITHOUT_ROLLBACK)
     assert impl.capabilities == {"per_row_rollback": False}
     uneven = run_l1(load(CATALOG / "rollback-uneven.json"), impl)
     with pytest.raises(pytest.skip.Exception, match="not supported: needs per_row_rollback"):
         gate(uneven)
-    assert uneven.verdict == NOT_SUPPORTED
-    assert all(row.verdict == NOT_SUPPORTED for row in uneven.rows)
+    assert judged(uneven).verdict == NOT_SUPPORTED
+    assert all(row.verdict == NOT_SUPPORTED for row in judged(uneven).rows)
     assert gate(run_l1(load(CATALOG / "spec-round-even.json"), impl)).verdict == PASS

@@ -60,8 +60,8 @@ def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judge
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
     assert len(schedule.events) <= 4, f"not shrunk: {[e.label for e in schedule.events]}"
-    replayed = judged(run_l1(schedule, broken))
-    assert replayed.verdict == FAIL
+    replayed = run_l1(schedule, broken)
+    assert judged(replayed).verdict == FAIL
     assert variant.caught_by in {d.check for d in replayed.divergences}
     assert judged(run_l1(schedule, load_implementation())).verdict == PASS
 

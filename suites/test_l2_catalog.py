@@ -41,8 +41,8 @@ def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_che
     merge, then decode. Only b is padded, so b diverges first, and its first
     wrong logits come from its first batched call (step 1, event #1)."""
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
-    result = judged(run_l2(load(CATALOG / "join-longer-joiner.json"), broken))
-    assert result.verdict == FAIL
+    result = run_l2(load(CATALOG / "join-longer-joiner.json"), broken)
+    assert judged(result).verdict == FAIL
     first = result.first
     assert (first.request, first.event_index, first.check) == ("b", first_event, first_check), first.message()
     logits = [d for d in result.row("b").divergences if d.check == "logits"]

@@ -90,9 +90,9 @@ def test_divergence_names_request_token_and_engine_step(judged):
     schedule = load(next(p for p in PATHS if p.stem == "staggered"))
     outcome = run_l3(schedule, mask_bug)
     assert outcome.verdict == FAILED
-    result = judged(to_schedule_result(outcome))
-    assert result.level == "L3" and result.verdict == FAIL
-    first = result.divergences[0]
+    judged_run = judged(to_schedule_result(outcome))
+    assert judged_run.evidence.level == "L3" and judged_run.verdict == FAIL
+    first = judged_run.evidence.divergences[0]
     assert first.request in schedule.requests
     assert first.check == "logprobs" and first.step is not None and "engine step" in first.event
     assert f"token {first.step} at engine step" in first.message()
@@ -115,15 +115,15 @@ def test_chosen_logprob_engine_passes_on_values(implementation):
 
 
 def test_engine_dropping_a_last_token_fails(implementation, judged):
-    result = judged(to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:drops_last_token")))
-    assert result.verdict == FAIL
+    result = to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:drops_last_token"))
+    assert judged(result).verdict == FAIL
     (divergence,) = result.divergences
     assert (divergence.check, divergence.request, divergence.step) == ("length", "a", 3)
 
 
 def test_engine_swapping_outputs_fails(implementation, judged):
-    result = judged(to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:swaps_outputs")))
-    assert result.verdict == FAIL
+    result = to_schedule_result(run_l3(small(), implementation, f"{TEST_ENGINES}:swaps_outputs"))
+    assert judged(result).verdict == FAIL
     assert {d.request for d in result.divergences} == {"a", "b"}
     assert all(d.step == 0 for d in result.divergences if d.check == "logprobs")
 
@@ -171,8 +171,8 @@ def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
 
 def test_a_cache_that_refuses_a_required_member_is_refused_at_l3(judged):
     refuses = load_implementation(f"{CONTROLS}:RefusesUpdateAndFetch")
-    result = judged(to_schedule_result(run_l3(small(), refuses)))
-    assert result.verdict == "refused" and "update_and_fetch" in result.reason
+    result = to_schedule_result(run_l3(small(), refuses))
+    assert judged(result).verdict == "refused" and "update_and_fetch" in result.reason
 
 
 # -- negative controls ----------------------------------------------------------------

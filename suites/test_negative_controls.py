@@ -7,8 +7,9 @@ import pytest
 
 from kvparity.impl import negative_controls
 from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import CHECKS, FAIL, PASS
-from kvparity.suites.l1 import HYGIENE_CHECKS, run_l1
+from kvparity.suites.checks import CHECKS, HYGIENE_CHECKS
+from kvparity.suites.evidence import FAIL, PASS
+from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import catalog_paths, load
 
 
@@ -33,7 +34,7 @@ def test_broken_variant_is_caught(variant, catalog, judged):
                 break
     assert failed, f"{variant.__name__} survived the whole L1 catalog"
     checks = {d.check for r in failed for d in r.divergences}
-    assert checks <= set(CHECKS), f"checks not declared in suites/evidence.py: {sorted(checks - set(CHECKS))}"
+    assert checks <= set(CHECKS), f"checks not declared in suites/checks.py: {sorted(checks - set(CHECKS))}"
     assert variant.caught_by in checks, (
         f"{variant.__name__} was caught, but by {sorted(checks)}, not {variant.caught_by!r}"
     )

@@ -133,9 +133,10 @@ def test_an_oracle_that_cannot_run_is_never_a_pass_nor_a_failure(monkeypatch, im
         raise ValueError("No implementation for problem shape")
 
     monkeypatch.setattr(l2, "run_solo", no_kernel)
-    result = judged(l2.run_l2(load(CATALOG / "join-empty.json"), implementation, use_cache=False))
-    assert result.verdict == ORACLE_CANNOT_RUN
-    assert all(row.verdict == ORACLE_CANNOT_RUN for row in result.rows)
+    result = l2.run_l2(load(CATALOG / "join-empty.json"), implementation, use_cache=False)
+    verdict = judged(result)
+    assert verdict.verdict == ORACLE_CANNOT_RUN
+    assert all(row.verdict == ORACLE_CANNOT_RUN for row in verdict.rows)
     assert "No implementation for problem shape" in result.reason and "mlx-lm's solo path" in result.reason
 
 
@@ -171,11 +172,12 @@ def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(m
     assert ORACLE_NONDETERMINISTIC in OUTCOMES
     runs = _flaky_solo(monkeypatch, l2)
     schedule = load(CATALOG / "join-empty.json")
-    result = judged(l2.run_l2(schedule, implementation, use_cache=False, repeat_oracle=True), "strict")
+    result = l2.run_l2(schedule, implementation, use_cache=False, repeat_oracle=True)
+    verdict = judged(result, "strict")
     first = next(iter(schedule.requests))
     assert runs[first] == 2
-    assert result.verdict == ORACLE_NONDETERMINISTIC
-    assert all(row.verdict == ORACLE_NONDETERMINISTIC and not row.divergences for row in result.rows)
+    assert verdict.verdict == ORACLE_NONDETERMINISTIC
+    assert all(row.verdict == ORACLE_NONDETERMINISTIC and not row.evidence.divergences for row in verdict.rows)
     assert f"for {first!r} differs from itself" in result.reason
     assert "call 1, logits, flat index 3: first run " in result.reason and "second run " in result.reason
 

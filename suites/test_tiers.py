@@ -41,5 +41,6 @@ def test_each_tier_is_reached_by_a_known_perturbation(implementation, judged, ch
     loaded = load_model("llama-h64-bf16")
     perturbed = dataclasses.replace(loaded, model=Perturbed(loaded.model, change))
     result = judged(run_l2(load(CATALOG / "join-longer-joiner.json"), implementation, model=perturbed))
-    assert {row.tier for row in result.rows} == {tier}, [(r.request, r.tier, r.metrics) for r in result.rows]
+    assert {row.tier for row in result.rows} == {tier}, [(r.evidence.request, r.tier, r.evidence.metrics)
+                                                          for r in result.rows]
     assert result.verdict == verdict

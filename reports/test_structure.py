@@ -1,0 +1,242 @@
+"""Imports run one way, read from the source with ``ast``: an import inside
+a function counts as much as one at the top of a file.
+
+* No cycle between files, the tests included.
+* Between folders, the harness imports reports -> suites -> oracle, never
+  back; impl only through suites/adapter.py (which loads an implementation by
+  its name). Tests may name an implementation, and drive the command line
+  from suites/, so they are held to the file rule only.
+* impl/ imports only mlx, mlx-lm, numpy, the standard library and other impl
+  modules: an implementation under test carries nothing of the harness.
+"""
+
+import ast
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+import kvparity
+
+ROOT = Path(kvparity.__file__).resolve().parent.parent  # the folders below, side by side
+FOLDERS = ("impl", "oracle", "suites", "reports")
+# Which folders each folder's harness modules may import (besides its own).
+MAY_IMPORT = {"reports": {"suites", "oracle"}, "suites": {"oracle"}, "oracle": set(), "impl": set()}
+ADAPTER = "kvparity.suites.adapter"  # the one module that may reach impl, by name
+IMPL_MAY_IMPORT = {"mlx", "mlx_lm", "numpy"} | set(sys.stdlib_module_names)
+
+
+def modules(root: Path) -> Dict[str, Path]:
+    """Module name -> file, for every Python file of the harness and its tests."""
+    found = {}
+    for folder in FOLDERS:
+        for path in sorted((root / folder).glob("*.py")):
+            name = f"kvparity.{folder}" if path.stem == "__init__" else f"kvparity.{folder}.{path.stem}"
+            found[name] = path
+    for path in sorted((root / "kvparity").glob("*.py")):
+        found["kvparity" if path.stem == "__init__" else f"kvparity.{path.stem}"] = path
+    if (root / "conftest.py").exists():
+        found["conftest"] = root / "conftest.py"
+    return found
+
+
+def import_statements(path: Path, name: str):
+    """(module, names) of each import in ``path`` (module ``name``), anywhere
+    in the file; names are empty for ``import module``."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, ()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            yield base, tuple(alias.name for alias in node.names)
+
+
+def imported(path: Path, name: str) -> Set[str]:
+    """Every module ``path`` imports, ``from package import module`` read as
+    the module too (a name that is no module is dropped by ``graph``)."""
+    out = set()
+    for module, names in import_statements(path, name):
+        out.add(module)
+        out |= {f"{module}.{n}" for n in names}
+    return out
+
+
+def graph(root: Path) -> Dict[str, Set[str]]:
+    """Module -> the harness modules it imports."""
+    files = modules(root)
+    return {name: {m for m in imported(path, name) if m in files and m != name} for name, path in files.items()}
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle through each strongly connected group of more than one node
+    (Tarjan's algorithm, iterative), each as a path that returns to its start."""
+    index, low, on_stack, stack, groups = {}, {}, set(), [], []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.add(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(group)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(edges.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return [_a_cycle(edges, group) for group in groups]
+
+
+def _a_cycle(edges, group) -> List[str]:
+    """A path inside ``group`` from its first member back to itself."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        node = frontier.pop(0)
+        for child in sorted(edges[node] & group):
+            if child == start:
+                return paths[node] + [start]
+            if child not in paths:
+                paths[child] = paths[node] + [child]
+                frontier.append(child)
+    raise AssertionError(f"no cycle in {sorted(group)}")
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in FOLDERS else ""
+
+
+def is_test(module: str) -> bool:
+    return module == "conftest" or module.rpartition(".")[2].startswith("test_")
+
+
+def wrong_way(edges: Dict[str, Set[str]]) -> List[str]:
+    """Imports of a harness module against the folders' direction."""
+    found = []
+    for module, targets in sorted(edges.items()):
+        here = folder_of(module)
+        if not here or is_test(module):
+            continue
+        for target in sorted(targets):
+            there = folder_of(target)
+            if there == "impl" and here != "impl" and module != ADAPTER:
+                found.append(f"{module} imports {target}: impl is reached only through {ADAPTER}")
+            elif there not in ("", here, "impl") and there not in MAY_IMPORT[here]:
+                found.append(f"{module} imports {target}: {here}/ may import only "
+                             f"{', '.join(sorted(MAY_IMPORT[here])) or 'itself'}")
+    return found
+
+
+def impl_imports_beyond_its_own(root: Path) -> List[str]:
+    """Imports in impl/ of anything but mlx, mlx-lm, numpy, the standard
+    library and impl's own modules."""
+    found = []
+    for name, path in modules(root).items():
+        if folder_of(name) != "impl":
+            continue
+        for module in sorted({module for module, _ in import_statements(path, name)}):
+            own = module == "kvparity.impl" or module.startswith("kvparity.impl.")
+            if not own and module.split(".")[0] not in IMPL_MAY_IMPORT:
+                found.append(f"{path.relative_to(root)} imports {module}")
+    return found
+
+
+# --- the repository ----------------------------------------------------------------------
+
+
+def test_no_import_cycle_between_files():
+    found = cycles(graph(ROOT))
+    assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_import_cycle_between_folders_and_each_imports_one_way():
+    edges = graph(ROOT)
+    assert wrong_way(edges) == []
+    folders = {}
+    for module, targets in edges.items():
+        if folder_of(module) and not is_test(module):
+            folders.setdefault(folder_of(module), set()).update(folder_of(t) for t in targets if folder_of(t))
+    assert cycles({f: targets - {f} for f, targets in folders.items()}) == []
+
+
+def test_impl_imports_nothing_of_the_harness():
+    assert impl_imports_beyond_its_own(ROOT) == []
+
+
+def test_the_graph_reads_the_harness_as_it_is():
+    edges = graph(ROOT)
+    assert len(edges) > 40 and "kvparity.reports.verdicts" in edges["kvparity.reports.writer"]
+    assert "kvparity.oracle.gguf" in edges["kvparity.oracle.models"]  # a relative import
+
+
+# --- the checks fail where they should -----------------------------------------------------
+
+
+def _tree(root: Path, files: Dict[str, str]) -> Path:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in FOLDERS:
+        (root / folder).mkdir(exist_ok=True)
+    return root
+
+
+def test_a_cycle_between_files_is_found_through_an_import_inside_a_function(tmp_path):
+    root = _tree(tmp_path, {
+        "suites/a.py": "from kvparity.suites import b\n",
+        "suites/b.py": "def f():\n    from kvparity.suites.c import g\n",
+        "suites/c.py": "import kvparity.suites.a\n",
+        "suites/d.py": "from kvparity.suites import a\n",  # into the cycle, not part of it
+    })
+    assert cycles(graph(root)) == [["kvparity.suites.a", "kvparity.suites.b", "kvparity.suites.c",
+                                    "kvparity.suites.a"]]
+
+
+def test_an_import_against_the_folders_direction_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "oracle/o.py": "def f():\n    from kvparity.suites.s import x\n",
+        "suites/s.py": "from kvparity.oracle.o import f\nx = 1\n",
+        "reports/r.py": "from kvparity.impl import i\n",
+        "reports/test_r.py": "from kvparity.impl import i\n",  # a test may name an implementation
+        "impl/i.py": "import numpy\n",
+    })
+    edges = graph(root)
+    assert wrong_way(edges) == [
+        "kvparity.oracle.o imports kvparity.suites.s: oracle/ may import only itself",
+        "kvparity.reports.r imports kvparity.impl.i: impl is reached only through kvparity.suites.adapter"]
+    assert cycles(edges) == [["kvparity.oracle.o", "kvparity.suites.s", "kvparity.oracle.o"]]
+
+
+def test_impl_importing_the_harness_or_another_package_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "impl/good.py": "import json\nimport mlx.core as mx\nfrom mlx_lm.models.cache import KVCache\n"
+                        "from kvparity.impl.other import X\nfrom .other import Y\n",
+        "impl/other.py": "X = Y = 1\n",
+        "impl/bad.py": "def f():\n    from kvparity.suites.evidence import PASS\nimport requests\n",
+    })
+    assert impl_imports_beyond_its_own(root) == ["impl/bad.py imports kvparity.suites.evidence",
+                                                 "impl/bad.py imports requests"]

@@ -1,0 +1,72 @@
+"""The checks: every name a comparison or a divergence is noted under,
+declared once with what it compares, whether it is parity or hygiene, and
+how a divergence of it gates.
+
+The runners note comparisons under these names (``ScheduleResult.note``);
+the policy (``reports/policy.py``), the verdicts and the reports read this
+table. Which checks a level requires as evidence is the level's own
+declaration (``suites/levels.py``). A new check is its code in a runner plus
+one constant and one row here.
+"""
+
+from dataclasses import dataclass
+from typing import Dict
+
+# What a check is about.
+PARITY = "parity"  # what a request can observe: the batch against the request run alone
+HYGIENE = "hygiene"  # what no request can observe: reported, gating only under a strict policy
+
+# How a divergence of a check gates (``Policy.gates`` applies it).
+ALWAYS = "always"  # data movement or structure: never a matter of numerics
+BY_TIER = "by the logit tier"  # L2: the row's logit tier against the policy's gate, not one by one
+MODEL_WRITTEN = "always at L1; at L2 as the policy's cache_bytes says"  # bytes a model's layer wrote
+BY_HYGIENE_POLICY = "as the policy's hygiene says (strict: gates)"  # what no request can observe
+
+
+@dataclass(frozen=True)
+class Check:
+    kind: str  # PARITY or HYGIENE
+    compares: str  # what holding means, in words
+    gates: str = ALWAYS  # ALWAYS, BY_TIER, MODEL_WRITTEN or BY_HYGIENE_POLICY
+
+
+BYTES = "bytes"
+OFFSET = "offset"
+LEFT_PADDING = "left_padding"
+LAYOUT = "layout"
+EXTRACT = "extract"
+MASK = "mask"
+SHARED_PADDING = "shared_padding"
+SOURCE = "source"
+NBYTES = "nbytes"
+RAISED = "raised"
+LOGITS = "logits"
+TOKENS = "tokens"
+LOGPROBS = "logprobs"
+LENGTH = "length"
+PAD = "pad"
+ALIAS = "alias"
+
+# Every check, in the order the reports list them.
+CHECKS: Dict[str, Check] = {
+    BYTES: Check(PARITY, "keys and values (packed, scales, biases) equal mlx-lm's solo cache, bit for bit",
+                 MODEL_WRITTEN),
+    OFFSET: Check(PARITY, "each row's offset (its RoPE position) equals the solo offset", MODEL_WRITTEN),
+    LEFT_PADDING: Check(PARITY, "size() minus the row's left padding is the row's length"),
+    LAYOUT: Check(PARITY, "the state holds (packed, scales, biases) triples of the expected dtypes and shapes"),
+    EXTRACT: Check(PARITY, "extract(i) returns the row as a quantized cache of its offset, bits and group size, "
+                           "and leaves the batch unchanged"),
+    MASK: Check(PARITY, "make_mask hides exactly the padding and the future"),
+    SHARED_PADDING: Check(PARITY, "no column is padding in every row"),
+    SOURCE: Check(PARITY, "merge and extend leave their sources' bytes unchanged"),
+    NBYTES: Check(PARITY, "nbytes counts at least the bytes the rows' columns occupy"),
+    RAISED: Check(PARITY, "a member or the engine raised: nothing after it was compared"),
+    LOGITS: Check(PARITY, "each row's logits equal (or reach the policy's tier of) the request run alone", BY_TIER),
+    TOKENS: Check(PARITY, "greedy (L2) or generated (L3) tokens equal the request run alone", BY_TIER),
+    LOGPROBS: Check(PARITY, "L3: the log-probabilities of each generated token"),
+    LENGTH: Check(PARITY, "L3: how many tokens each request generated"),
+    PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
+    ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
+                 BY_HYGIENE_POLICY),
+}
+HYGIENE_CHECKS = tuple(name for name, check in CHECKS.items() if check.kind == HYGIENE)

@@ -1,0 +1,35 @@
+"""The levels a schedule is judged at: what each runs, in one line, and
+what a row must have compared at that level to pass.
+
+``reports/verdicts.py`` judges by these declarations; expectations files
+name levels from here. A new level is its runner plus one entry.
+
+The runner of each level is bound where the command line assembles its
+commands, not here: the runners import ``suites/checks.py``, and a level that
+imported its runner would tie this module to every model and engine.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+from kvparity.suites.checks import BYTES, LEFT_PADDING, LOGITS, LOGPROBS, MASK, OFFSET, TOKENS
+
+
+@dataclass(frozen=True)
+class Level:
+    name: str
+    runs: str  # what it runs, in one line
+    requires: Tuple[str, ...]  # checks a row must have compared to pass, in the order a verdict names them
+    logit_tiers: bool = False  # rows are judged by their logit tier under the policy, else bit for bit
+    every_divergence_gates: bool = False  # no policy relaxes it: every divergence not declared fails its row
+
+
+LEVELS: Dict[str, Level] = {level.name: level for level in (
+    Level("L1", "cache bytes: the schedule replayed on the cache with synthetic keys and values, no model",
+          (BYTES, OFFSET, LEFT_PADDING, MASK)),
+    Level("L2", "the model per row: batched forwards against each request run alone through mlx-lm",
+          (LOGITS, BYTES, OFFSET), logit_tiers=True),
+    # Tokens and log-probs bit for bit under every policy: no tiers at L3 yet.
+    Level("L3", "a real engine: requests arriving over time, generated tokens against each request alone",
+          (TOKENS, LOGPROBS), every_divergence_gates=True),
+)}
