@@ -72,12 +72,13 @@ def test_refusing_filter_fails_the_catalog(capsys):
     assert "0 passed" in out and "not supported" not in out
 
 
-def test_state_returning_none_is_a_layout_failure_not_a_crash(capsys):
-    code, out, err = run(capsys, "check", "--level", "L1", "--schedule", str(CATALOG / "join-longer-joiner.json"),
+@pytest.mark.parametrize("level", ["L1", "L2"])  # L2 read the state as triples and crashed (exit 128)
+def test_state_returning_none_is_a_layout_failure_not_a_crash(capsys, level):
+    code, out, err = run(capsys, "check", "--level", level, "--schedule", str(CATALOG / "join-longer-joiner.json"),
                          "--impl", f"{CONTROLS}:StateReturnsNone")
     assert "Traceback" not in err, err
     assert code == EXIT_BROKEN, out + err
-    assert "layout" in out and "state" in out
+    assert "layout" in out and "state returned nothing (None)" in out
 
 
 def test_zero_width_state_fails_l2_under_the_gpu_policy(capsys):

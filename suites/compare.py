@@ -191,3 +191,15 @@ def in_words(value, where_a_triple: bool = False) -> str:
 
 def _dtype(x) -> str:
     return str(x.dtype).rsplit(".", 1)[-1]
+
+def state_triples(state):
+    """{"keys": triple, "values": triple} from a state or a fetch result, or None."""
+    try:
+        keys, values = state[0], state[1]
+    except (TypeError, IndexError, KeyError):
+        return None
+    for triple in (keys, values):
+        if not isinstance(triple, (tuple, list)) or len(triple) != 3 or not all(
+                isinstance(x, mx.array) and x.ndim == 4 for x in triple):
+            return None
+    return {"keys": tuple(keys), "values": tuple(values)}

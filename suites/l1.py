@@ -38,7 +38,7 @@ from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
-                                     triple_job)
+                                     state_triples, triple_job)
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     SHARED_PADDING, SOURCE)
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
@@ -400,7 +400,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
         note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
                                                  f"left_padding {len(pads)} entries for {len(rows)} rows")])
         return
-    triples = _state_triples(batch.state)
+    triples = state_triples(batch.state)
     if triples is None:
         note(at, LAYOUT, rows, 1, [Divergence(
             LAYOUT, label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
@@ -411,7 +411,7 @@ def _check_event(replay: Replay, backend: SyntheticBackend, solo: SoloCaches, ch
          if min(pads) > 0 else [])
     fetched = None
     if backend.fetched is not None and backend.fetched[0] == replay.version:
-        fetched = _state_triples(backend.fetched[1])
+        fetched = state_triples(backend.fetched[1])
     pad_slices = []
     # Every array is read once per event: the batch before any extract (a later
     # in-place change is caught below), what update_and_fetch returned, and each
@@ -634,17 +634,6 @@ def _boolean_mask_later(reading: Reading, mask, B, N, S):
     return answer
 
 
-def _state_triples(state):
-    """{"keys": triple, "values": triple} from a state or a fetch result, or None."""
-    try:
-        keys, values = state[0], state[1]
-    except (TypeError, IndexError, KeyError):
-        return None
-    for triple in (keys, values):
-        if not isinstance(triple, (tuple, list)) or len(triple) != 3 or not all(
-                isinstance(x, mx.array) and x.ndim == 4 for x in triple):
-            return None
-    return {"keys": tuple(keys), "values": tuple(values)}
 
 
 def _parts(reading: Reading, triple, index, known=None):

@@ -36,7 +36,9 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
-from kvparity.suites.compare import TRIPLE, Divergence, compare_named, first_difference, left_padding_divergence
+from kvparity.suites.compare import (
+    TRIPLE, Divergence, compare_named, first_difference, in_words, left_padding_divergence, state_triples,
+)
 from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING, LOGITS, OFFSET, TOKENS
 from kvparity.suites.evidence import (
     NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
@@ -284,11 +286,13 @@ def row_bytes(replay: Replay, rid: str):
     layers = []
     for batch in replay.layers:
         start, stop = int(batch.left_padding[i].item()), batch.size()
-        named = {}
-        for name, triple in zip(("keys", "values"), batch.state[:2]):
-            for part, x in zip(TRIPLE, triple):
-                named[f"{name}.{part}"] = x[i : i + 1, :, start:stop]
-        layers.append(named)
+        triples = state_triples(batch.state)
+        if triples is None:  # what the state was instead, for a layout divergence
+            layers.append(f"state returned {in_words(batch.state)}, expected the keys' and the values' "
+                          "(packed, scales, biases) triples first")
+            continue
+        layers.append({f"{name}.{part}": x[i : i + 1, :, start:stop]
+                       for name, triple in triples.items() for part, x in zip(TRIPLE, triple)})
     return layers, int(replay.layers[0].offset[i].item())
 
 
@@ -317,6 +321,10 @@ def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
             result.note(at, LAYOUT, [rid], made, [Divergence(
                 LAYOUT, expected=len(expected), actual=len(actual), detail="layers", **where)])
         for layer, (e, a) in enumerate(zip(expected, actual)):
+            if isinstance(a, str):
+                result.note(at, LAYOUT, [rid], made, [Divergence(LAYOUT, layer=layer, tensor="state", detail=a,
+                                                                 **where)])
+                continue
             result.note(at, BYTES, [rid], made, compare_named(e, a, prefix, layer=layer, **where))
 
 
