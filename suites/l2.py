@@ -45,6 +45,7 @@ from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay
 from kvparity.suites.schedule import parse
 
+
 def model_for(schedule, forced=None) -> str:
     """The schedule's model: forced, named in the file, or the default
     family's random model with the schedule's head_dim and dtype."""
