@@ -3,13 +3,12 @@
 from kvparity.oracle import solo
 from kvparity.oracle.golden import GoldenError, write_golden
 from kvparity.reports.commands.base import (
-    UsageError, check_impl_spec, common_options, implementation, load_model, new_path, policy, run_options,
-    use_device,
+    UsageError, check_impl_spec, common_options, implementation, load_model, new_path, policy, use_device,
 )
 from kvparity.reports.commands.runs import select
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.suites import l2
-from kvparity.suites.runners import RUNNERS
+from kvparity.suites.runners import RUNNERS, RunOptions
 
 NAME = "record"
 HELP = "record solo (golden) or engine traces of the L2 catalog"
@@ -27,7 +26,7 @@ def arguments(command):
 
 def fitted(args, selected):
     """Every selected L2 schedule fitted to its model: (schedule, model) pairs."""
-    runner, options = RUNNERS["L2"], run_options(args)
+    runner, options = RUNNERS["L2"], RunOptions(model=args.model)  # --engine here is a flag, not an L3 engine
     out = []
     for _, schedule in selected:
         model = load_model(runner.model_name(schedule, options))

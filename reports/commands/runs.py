@@ -14,7 +14,7 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows
 from kvparity.suites.evidence import PASS
-from kvparity.suites.runners import RUNNERS, load_schedule
+from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
 class Progress:
@@ -47,7 +47,7 @@ def select(args, files=None):
     nothing is run. Selecting nothing is a usage error."""
     check_model_name(args.model)
     levels = levels_of(args)
-    options = run_options(args)
+    options = RunOptions(model=args.model)  # which catalog: the real model's or the others
     loaded = [load_schedule(f) for f in files] if files else None
     chosen = [(level, s) for level in levels
               for s in (loaded if files else RUNNERS[level].catalog(options)) if RUNNERS[level].takes(s)]
