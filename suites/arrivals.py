@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from kvparity.oracle.models import DEFAULT_MODEL
 from kvparity.suites.schedule import (
     CATALOG, DEFAULT_PREFILL_STEP, _fail, _int, _keys, check_kv, read_document,
 )
@@ -34,7 +35,6 @@ KIND = "arrivals"
 L3_CATALOG = CATALOG / "l3"
 # Not beside the L2 real-model files: their loader reads every *.json there.
 L3_REAL_CATALOG = CATALOG / "real" / "l3"
-DEFAULT_MODEL = "llama-h64-bf16"
 DEFAULT_KV = {"bits": 4, "group_size": 64}
 
 ENGINE_FIELDS = ("completion_batch_size", "prefill_batch_size", "prefill_step_size")

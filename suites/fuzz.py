@@ -19,13 +19,14 @@ from pathlib import Path
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
+from kvparity.oracle.models import RANDOM_MODELS, axis_variants
 from kvparity.suites.evidence import FAILURES
 from kvparity.suites.l1 import L1Run
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.coverage import HEAD_DIMS
 from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse, parse_event, parse_request, save
 
-L2_MODELS = ("llama-h64-bf16", "llama-h128-bf16", "qwen3-h64-bf16", "llama-h64-f32")
+L2_MODELS = tuple(m.name for m in axis_variants())
 
 # Mostly short prompts, some long enough to cross the 256-token buffer step.
 prompt_lengths = st.one_of(st.integers(1, 24), st.integers(240, 300))
@@ -48,7 +49,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     def start(self, data, bits, kv_heads):
         if self.level == "L2":
             model = data.draw(st.sampled_from(L2_MODELS), label="model")
-            head_dim, dtype = int(model.split("-")[1][1:]), "bfloat16"
+            head_dim, dtype = RANDOM_MODELS[model].head_dim, "bfloat16"
         else:
             model = None
             head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from kvparity.oracle.models import load_model
+from kvparity.oracle.models import load_model, random_model_for
 from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
@@ -47,17 +47,15 @@ from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay, drive
 from kvparity.suites.schedule import parse
 
-DTYPE_SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
-
 
 def model_for(schedule, forced=None) -> str:
-    """The schedule's model: forced, named in the file, or the default llama
-    random model with the schedule's head_dim and dtype."""
+    """The schedule's model: forced, named in the file, or the default
+    family's random model with the schedule's head_dim and dtype."""
     if forced:
         return forced
     if schedule.model:
         return schedule.model
-    return f"llama-h{schedule.head_dim}-{DTYPE_SUFFIX.get(schedule.dtype, 'bf16')}"
+    return random_model_for(schedule.head_dim, schedule.dtype)
 
 
 def fit_to_model(schedule, model):

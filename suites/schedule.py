@@ -27,12 +27,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
 
+from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
 from kvparity.suites.replay import Call, ScheduleError, dry_run
 
 LEVELS = ("L1", "L2")
-DTYPES = ("bfloat16", "float16", "float32")
-BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
-GROUP_SIZES = (32, 64, 128)
 DEFAULT_PREFILL_STEP = 2048
 
 CATALOG = Path(__file__).parent / "catalog"

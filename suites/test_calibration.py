@@ -3,8 +3,8 @@ what its data can honestly support."""
 
 import json
 
-from kvparity.suites import calibration
-from kvparity.suites.calibration import calibrate, main, propose
+from kvparity.suites.calibration.proposal import propose
+from kvparity.suites.calibration.run import FORMAT, calibrate
 
 
 def test_calibration_runs_end_to_end_on_a_tiny_grid(tmp_path):
@@ -12,12 +12,12 @@ def test_calibration_runs_end_to_end_on_a_tiny_grid(tmp_path):
     itself, the reference is bit-exact at every batch size, so a proposed tau
     is tiny; and the mask and RoPE controls still fail in every batch under it."""
     out = tmp_path / "calibration.json"
-    code = main(["--out", str(out), "--device", "cpu", "--deadline", "240", "--models", "llama-h64-f32",
-                 "--phases", "survey,sweep,compositions,controls", "--batch-sizes", "1,2,4",
-                 "--settings", "1", "--compositions", "4"])
-    assert code == 0
+    returned = calibrate(out, device="cpu", deadline=240, models=["llama-h64-f32"],
+                         phases=["survey", "sweep", "compositions", "controls"], batch_sizes=[1, 2, 4], settings=1,
+                         compositions=4)
     data = json.loads(out.read_text())
-    assert data["format"] == calibration.FORMAT and data["machine"]["backend"] == "cpu"
+    assert data["proposal"] == json.loads(json.dumps(returned["proposal"]))
+    assert data["format"] == FORMAT and data["machine"]["backend"] == "cpu"
     assert not data.get("phase_errors")
     assert data["survey"] and all(e["oracle"] == "ok" and e["batched"] == "ok" for e in data["survey"])
     assert all(e["reads"] == "as-is" for e in data["survey"])  # mlx-lm's own path runs: no contiguous mode

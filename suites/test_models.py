@@ -18,6 +18,7 @@ from kvparity.oracle.models import (
     ChecksumMismatch,
     ModelUnavailable,
     available_models,
+    axis_variants,
     build_random_model,
     load_model,
     model_sha256,
@@ -43,6 +44,18 @@ def test_registry():
         load_model("llama-h96-bf16")
     with pytest.raises(ValueError, match="unknown model"):
         load_model("llama-h64-f16")
+
+
+def test_an_mha_name_is_its_model_with_a_kv_head_per_query_head():
+    base, mha = load_model("qwen3-h64-bf16"), load_model("qwen3-h64-bf16-mha")
+    assert base.n_kv_heads < base.n_heads == mha.n_kv_heads == mha.n_heads
+    assert {**mha.args, "num_key_value_heads": base.n_kv_heads} == base.args
+    assert mha.sha256 != base.sha256 and "qwen3-h64-bf16-mha" not in available_models()
+
+
+def test_axis_variants_change_one_thing_at_a_time():
+    assert [m.name for m in axis_variants()] == [DEFAULT_MODEL, "llama-h128-bf16", "qwen3-h64-bf16", "llama-h64-f32"]
+    assert [m.name for m in axis_variants(opposite=True)][4:] == ["qwen3-h128-f32"]
 
 
 @pytest.mark.parametrize("name", RANDOM)

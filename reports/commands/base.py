@@ -1,0 +1,174 @@
+"""What every command shares: the two refusals, the options they have in
+common, and loading what a command names (an implementation, a model, a
+policy, an expectations file, a device, an output path), each refused with
+a clear error before any work."""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvparity.oracle.models import DEFAULT_MODEL, ModelUnavailable, available_models
+from kvparity.oracle.models import load_model as load_registry_model
+from kvparity.reports.expectations import ExpectationsError, load_expectations
+from kvparity.reports.policy import PolicyError, load_policy
+from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
+from kvparity.suites.engines import EngineError, load_engine_factory
+from kvparity.suites.runners import RunOptions
+
+
+class CannotRun(Exception):
+    """Exit 125: nothing is wrong with parity, it cannot be judged here."""
+
+
+class UsageError(Exception):
+    """Exit 2: the command line or an input file is wrong."""
+
+
+# -- options ---------------------------------------------------------------------------
+
+IMPL_HELP = "implementation under test as package.module:factory (default: the reference)"
+LEVEL_HELP = "L1 cache bytes, L2 model per row, L3 a real engine serving arrivals (default: %(default)s)"
+DEVICE_HELP = "MLX device (default: MLX's default)"
+
+
+def model_help() -> str:
+    return (f"run L2 on this model (one of {', '.join(available_models())}; smollm2 runs the real-model "
+            "schedules); default: each schedule's own, a seeded random model")
+
+
+def common_options(command, levels=("L1", "L2", "L3", "all"), default_level="all"):
+    """--impl, --level, --repeat-oracle, --engine, --model, --device and
+    --policy, as far as the command's levels use them."""
+    command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
+    if levels:
+        command.add_argument("--level", choices=levels, default=default_level, help=LEVEL_HELP)
+    if levels is None or "L2" in levels:
+        command.add_argument("--repeat-oracle", action=argparse.BooleanOptionalAction, default=None,
+                             help="run every solo trace twice and require equal bytes "
+                             "(default: on when the device is a GPU)")
+    if levels and "L3" in levels:
+        command.add_argument("--engine", metavar="MODULE:FACTORY",
+                             help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
+    command.add_argument("--model", metavar="NAME", help=model_help())
+    command.add_argument("--device", choices=("cpu", "gpu"), help=DEVICE_HELP)
+    command.add_argument("--policy", metavar="NAME|FILE",
+                         help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
+
+
+def expectations_option(command):
+    command.add_argument("--expectations", metavar="FILE",
+                         help="declared divergences (JSON): what matches one is an expected divergence and does not "
+                         "gate; every other check still gates (see README)")
+
+
+def run_options(args, use_cache=True) -> RunOptions:
+    return RunOptions(model=args.model, engine=getattr(args, "engine", None),
+                      repeat_oracle=getattr(args, "repeat_oracle", None), use_cache=use_cache)
+
+
+# -- what the options name ---------------------------------------------------------------
+
+
+def check_impl_spec(spec):
+    """The shape of --impl, checked before any work (the import is later)."""
+    if spec is not None:
+        try:
+            split_spec("--impl", spec)
+        except ImplementationError as error:
+            raise UsageError(str(error))
+
+
+def implementation(spec):
+    check_impl_spec(spec)
+    # The repository under test is the working directory (as under git bisect run).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return load_implementation(spec)
+    except ImplementationUnavailable as error:
+        raise CannotRun(str(error))
+    except ImplementationError as error:
+        raise UsageError(str(error))
+
+
+def check_engine(spec):
+    try:
+        load_engine_factory(spec)
+    except EngineError as error:
+        raise UsageError(str(error))
+
+
+def check_model_name(name):
+    if name is not None and name not in available_models():
+        raise UsageError(f"--model {name!r}: unknown model (available: {', '.join(available_models())})")
+
+
+def load_model(name):
+    """A model by name: an unknown name is a usage error, one that cannot be
+    fetched here cannot be judged."""
+    check_model_name(name)
+    try:
+        return load_registry_model(name)
+    except ModelUnavailable as error:
+        raise CannotRun(str(error))
+
+
+def model_or_default(name):
+    return load_model(name or DEFAULT_MODEL)
+
+
+def use_device(name):
+    if name is None:
+        return
+    device = {"cpu": mx.cpu, "gpu": mx.gpu}[name]
+    if not mx.is_available(device):
+        raise CannotRun(f"--device {name}: this MLX build has no {name} backend")
+    mx.set_default_device(device)
+
+
+def policy(args):
+    try:
+        return load_policy(getattr(args, "policy", None))
+    except PolicyError as error:
+        raise UsageError(str(error))
+
+
+def expectations(args):
+    """The --expectations file, checked whole before anything runs; None without one."""
+    path = getattr(args, "expectations", None)
+    if path is None:
+        return None
+    try:
+        return load_expectations(path)
+    except ExpectationsError as error:
+        raise UsageError(str(error))
+
+
+def writable_directory(path, what, shown=None):
+    """Refuse an --out that cannot be written, before any work. Tried, not
+    inferred from permission bits (which say nothing for root, or for a
+    read-only file system): a directory is made and removed where the output
+    would go, or under the nearest folder that exists."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{what} {shown or path}: {existing} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvparity-probe-", dir=existing))
+    except OSError as error:
+        where = "not writable" if existing == path else f"cannot create it under {existing}"
+        raise UsageError(f"{what} {shown or path}: {where} ({error.strerror or error})")
+
+
+def new_path(path, what):
+    """Refuse an output path that exists or cannot be created, before any work."""
+    path = Path(path)
+    if path.exists():
+        raise UsageError(f"{what} {path}: exists (never overwritten)")
+    writable_directory(path.parent, what, shown=path)

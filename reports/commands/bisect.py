@@ -1,0 +1,87 @@
+"""``kvparity bisect``: the first event after which a schedule breaks, and a minimal schedule that breaks the same way."""
+
+from pathlib import Path
+
+from kvparity.reports import verdicts
+from kvparity.reports.commands.base import (
+    UsageError, check_engine, check_impl_spec, check_model_name, common_options, implementation, policy,
+    run_options, use_device, writable_directory,
+)
+from kvparity.reports.commands.runs import plan
+from kvparity.reports.verdicts import EXIT_BROKEN
+from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
+from kvparity.suites.schedule import atomic_write_json
+from kvparity.suites.shrink import ArrivalShrinker, Shrinker
+
+NAME = "bisect"
+HELP = "find the first breaking event of a schedule and shrink it"
+DESCRIPTION = ("For a failing schedule: find the first event after which parity breaks, then shrink the schedule "
+               "to a minimal one that fails the same way and write it out.")
+
+
+def arguments(command):
+    command.add_argument("schedule", metavar="SCHEDULE", help="the failing schedule file")
+    common_options(command, levels=("L1", "L2", "L3"), default_level="L1")
+    command.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
+                         "(default: reports/out/bisect/NAME-min.json)")
+
+
+def level_of(args, schedule):
+    """The level to bisect at: an arrivals schedule only at L3, an event
+    schedule only at a level it declares."""
+    level = "L3" if is_arrivals(schedule) else args.level
+    if level == "L3" and args.level != "L3":
+        raise UsageError(f"{args.schedule}: an arrivals schedule: bisect it with --level L3")
+    if level != "L3" and level not in schedule.levels:
+        raise UsageError(f"{args.schedule}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
+    return level
+
+
+def output_path(args, schedule) -> Path:
+    out = Path(args.out or f"reports/out/bisect/{schedule.name}-min.json")
+    if out.exists() and not out.is_file():
+        raise UsageError(f"--out {out}: not a file")
+    writable_directory(out.parent, "--out")
+    return out
+
+
+def nothing_to_bisect(schedule, level, original) -> int:
+    if original.verdict == "pass":
+        print(f"{schedule.name}: parity holds at {level}; nothing to bisect")
+    else:  # refused, no evidence, ...: no divergence to shrink towards, still not a pass
+        why = original.evidence.reason or next((r.reason for r in original.rows if r.reason), "")
+        print(f"{schedule.name}: {original.verdict} at {level}, no divergence to bisect" + (f" ({why})" if why else ""))
+    return verdicts.verdict_of_run([original]).exit_status
+
+
+def handle(args):
+    chosen_policy = policy(args)
+    check_impl_spec(args.impl)
+    check_model_name(args.model)
+    schedule = load_schedule(args.schedule)
+    level = level_of(args, schedule)
+    out = output_path(args, schedule)
+    use_device(args.device)
+    if level == "L3":
+        check_engine(args.engine)
+    plan(args, [(level, schedule)])  # an L2 or L3 schedule must fit its model
+    chosen = implementation(args.impl)
+    # The variants the shrinker tries run fresh at L2: none is stored as a golden.
+    runner, options = RUNNERS[level], run_options(args, use_cache=False)
+    shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(
+        lambda s: verdicts.judge(runner.run(s, chosen, options), chosen_policy), schedule)
+    if shrinker.first is None:
+        return nothing_to_bisect(schedule, level, shrinker.original)
+    first = shrinker.first
+    if level != "L3":
+        print(f"first event after which parity breaks: {schedule.events[first.event_index].label}")
+    print(f"  {first.message()}")
+    doc = shrinker.shrink(schedule)
+    minimal = shrinker.parse(doc)
+    atomic_write_json(doc, out)
+    print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
+          + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
+          + f" in {shrinker.tries} tries")
+    replay = f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
+    print(f"written to {out}; replay with: {replay}")
+    return EXIT_BROKEN

@@ -1,0 +1,62 @@
+"""``kvparity probe``: L0, which backend ops are batch-invariant for a model's shapes."""
+
+import argparse
+
+from tabulate import tabulate
+
+from kvparity.oracle.models import DEFAULT_MODEL
+from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, probe_table, run_probes
+from kvparity.reports.commands.base import (
+    DEVICE_HELP, CannotRun, check_model_name, model_help, model_or_default, use_device,
+)
+from kvparity.reports.verdicts import EXIT_OK
+
+NAME = "probe"
+HELP = "L0: which backend ops are batch-invariant for a model's shapes"
+DESCRIPTION = ("For the model's shapes on the chosen device, check whether each op (matmul, quantized_matmul, "
+               "quantize, fast.rope with per-row offsets, quantized SDPA with a left-padding mask) gives row i "
+               "of a batch byte-identical to row i alone.")
+
+
+def batch_sizes(text):
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,8, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def arguments(command):
+    command.add_argument("--model", metavar="NAME", help=f"whose shapes (default: {DEFAULT_MODEL}); {model_help()}")
+    command.add_argument("--device", choices=("cpu", "gpu"), help=DEVICE_HELP)
+    command.add_argument("--batch-sizes", type=batch_sizes, default=[1, 2, 4, 8, 16],
+                         metavar="B,B,...", help="batch sizes (default: 1,2,4,8,16)")
+    command.add_argument("--kv-bits", type=int, default=4, help="KV bits for the quantized ops (default: 4)")
+    command.add_argument("--kv-group-size", type=int, default=64, help="KV group size (default: 64)")
+
+
+def probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size=64):
+    """L0 for the model's shapes: explains L2 outcomes in the report."""
+    shapes = ProbeShapes.from_args(
+        hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+        head_dim=model.head_dim, vocab_size=model.vocab_size, dtype=model.dtype,
+        kv_bits=kv_bits, kv_group_size=kv_group_size,
+    )
+    try:
+        return run_probes(shapes, batch_sizes=batch_sizes, device=device)
+    except ProbeUnavailable as error:
+        raise CannotRun(str(error))
+
+
+def handle(args):
+    check_model_name(args.model)
+    use_device(args.device)
+    model = model_or_default(args.model)
+    results = probes(model, args.device, args.batch_sizes, args.kv_bits, args.kv_group_size)
+    headers, rows = probe_table(results)
+    print(f"L0 batch invariance on {model.name} shapes, {args.device or 'default device'}: "
+          "is row i of a batch byte-identical to the op run on row i alone?")
+    print(tabulate(rows, headers, tablefmt="simple"))
+    return EXIT_OK

@@ -1,0 +1,31 @@
+"""``kvparity replay``: one schedule file, row by row, with each row's first divergences."""
+
+from kvparity.reports.commands.base import common_options, expectations_option
+from kvparity.reports.commands.runs import print_summary, select_and_run
+
+NAME = "replay"
+HELP = "replay one schedule file and show each row's first divergences"
+DESCRIPTION = "Replay one schedule file row by row."
+
+
+def arguments(command):
+    command.add_argument("file", metavar="FILE", help="schedule file (JSON)")
+    common_options(command)
+    expectations_option(command)
+
+
+def handle(args):
+    _, policy, results, verdict, _ = select_and_run(args, [args.file])
+    print_summary(results, verdict, policy)
+    for judged in results:
+        result = judged.evidence
+        print(f"\n{result.level} {result.schedule}: {judged.verdict}" + (f" ({result.reason})" if result.reason else ""))
+        for row_verdict in judged.rows:
+            row = row_verdict.evidence
+            line = f"  row {row.request!r}: {row_verdict.verdict}, {row.checks} comparisons"
+            if row.divergences:
+                line += f", {len(row.divergences)} divergence(s); first:"
+            print(line)
+            for d in sorted(row.divergences, key=lambda d: d.order)[:5]:
+                print(f"    {d.message()}")
+    return verdict.exit_status

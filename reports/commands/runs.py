@@ -1,0 +1,135 @@
+"""What run, check and replay share: the schedules a command selects, the
+runs planned for them (each level's runner, from ``suites.runners``), running
+and judging them, and the summary printed after."""
+
+import sys
+
+from tabulate import tabulate
+
+from kvparity.oracle.models import ModelUnavailable
+from kvparity.reports import verdicts
+from kvparity.reports.commands.base import (
+    CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
+    load_model, policy, run_options, use_device,
+)
+from kvparity.reports.writer import check_rows, declaration_rows, summary_rows
+from kvparity.suites.evidence import PASS
+from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
+
+
+class Progress:
+    """One line that rewrites itself on a terminal; silent elsewhere."""
+
+    def __init__(self, total, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.live = self.stream.isatty()
+
+    def advance(self, label):
+        self.done += 1
+        if self.live:
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label[:40]:40s}")
+            self.stream.flush()
+
+    def close(self):
+        if self.live:
+            self.stream.write("\r" + " " * 90 + "\r")
+            self.stream.flush()
+
+
+def levels_of(args):
+    return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
+
+
+def select(args, files=None):
+    """The (level, schedule) pairs a command asks for, every file validated;
+    nothing is run. Selecting nothing is a usage error."""
+    check_model_name(args.model)
+    levels = levels_of(args)
+    options = RunOptions(model=args.model)  # which catalog: the real model's or the others
+    loaded = [load_schedule(f) for f in files] if files else None
+    chosen = [(level, s) for level in levels
+              for s in (loaded if files else RUNNERS[level].catalog(options)) if RUNNERS[level].takes(s)]
+    if not chosen:
+        what = ", ".join(str(f) for f in files) if files else "the catalog"
+        raise UsageError(f"--level {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
+                         "nothing would be compared")
+    return chosen
+
+
+def plan(args, selected, options=None):
+    """(label, run) pairs, ``run(implementation)`` a ScheduleResult; each L2
+    and L3 schedule fitted to its model up front (a text prompt on a model
+    without a tokenizer is a usage error, not a skipped schedule)."""
+    options = options or run_options(args)
+    runs = []
+    for level, schedule in selected:
+        runner = RUNNERS[level]
+        name = runner.model_name(schedule, options)
+        if name is not None:
+            unfit = runner.unfit(schedule, load_model(name))
+            if unfit:
+                raise UsageError(unfit)
+        runs += runner.runs(schedule, options)
+    return runs
+
+
+def prepare(args, files=None):
+    """Everything that can be refused before a schedule runs, usage (2)
+    before what cannot run here (125): (policy, runs, implementation)."""
+    chosen_policy = policy(args)
+    check_impl_spec(args.impl)
+    selected = select(args, files)
+    if any(level == "L3" for level, _ in selected):
+        check_engine(getattr(args, "engine", None))
+    use_device(args.device)
+    runs = plan(args, selected)
+    return chosen_policy, runs, implementation(args.impl)
+
+
+def run_all(runs, implementation, policy, progress=None, expectations=None):
+    """Run and judge each planned schedule."""
+    results = []
+    for label, run in runs:
+        try:
+            results.append(verdicts.judge(run(implementation), policy, expectations))
+        except ModelUnavailable as error:
+            raise CannotRun(str(error))
+        if progress:
+            progress.advance(label)
+    return results
+
+
+def select_and_run(args, files):
+    declared = expectations(args)  # a bad file is refused before anything else
+    chosen_policy, runs, chosen = prepare(args, files)
+    progress = Progress(len(runs))
+    results = run_all(runs, chosen, chosen_policy, progress, declared)
+    progress.close()
+    verdict = verdicts.verdict_of_run(results, whole_catalog=not files, expectations=declared, policy=chosen_policy)
+    return chosen, chosen_policy, results, verdict, declared
+
+
+def print_summary(results, verdict, policy, out=None, quiet=False):
+    out = out or sys.stdout
+    headers, rows = summary_rows(results, policy)
+    if quiet:  # only what did not pass
+        rows = [row for row, r in zip(rows, results) if r.verdict != PASS]
+    if rows:
+        print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    # What held beside what diverged: one diverging check never hides the rest.
+    if verdict.checks and (not quiet or rows):
+        print("\nper check, schedule runs (rows):", file=out)
+        headers, rows = check_rows(verdict)
+        print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    if verdict.declarations:
+        print("\ndeclared divergences:", file=out)
+        headers, rows = declaration_rows(verdict)
+        print(tabulate(rows, headers, tablefmt="simple"), file=out)
+    if verdict.cells:
+        print(f"\ncoverage model (L1): {verdict.cells['reached']} of {verdict.cells['requirements']} "
+              "requirements reached", file=out)
+    print(f"\n{verdict.headline}", file=out)
+    for gap in verdict.gaps:
+        print(f"no evidence: {gap}", file=out)

@@ -1,0 +1,144 @@
+"""Which runner each level uses, declared once.
+
+A level's runner says which schedules it takes (and its catalog), which
+model a schedule needs, whether the schedule fits that model, and how one
+schedule runs on an implementation. The command line's run, check, replay
+and bisect all read ``RUNNERS``; a new level is its runner plus one entry.
+
+``--model smollm2`` is the one special case: it selects the real model's
+own schedules (each names its model) instead of forcing a model on all of
+them. ``RunOptions.forced`` says it once.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from kvparity.oracle.models import SMOLLM2
+from kvparity.suites import arrivals, l1, l2, l3
+from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, parse, read_document
+
+# A label for the progress line and a run: implementation -> ScheduleResult.
+Run = Tuple[str, Callable]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    model: Optional[str] = None  # --model as given
+    engine: Optional[str] = None  # L3: package.module:factory, None for mlx-lm's BatchGenerator
+    repeat_oracle: Optional[bool] = None  # L2: None for the device's default
+    use_cache: bool = True  # L2: reuse stored solo traces (bisect's variants do not)
+
+    @property
+    def real_model(self) -> bool:
+        """The real model's schedules are asked for."""
+        return self.model == SMOLLM2
+
+    @property
+    def forced(self) -> Optional[str]:
+        """The model every schedule runs on, or None for each schedule's own."""
+        return None if self.real_model else self.model
+
+
+def load_schedule(path):
+    """A schedule file of either kind: events (L1, L2) or arrivals (L3)."""
+    doc = read_document(path)
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    return (arrivals.parse if kind == arrivals.KIND else parse)(doc, source=str(path))
+
+
+def is_arrivals(schedule) -> bool:
+    return isinstance(schedule, arrivals.ArrivalSchedule)
+
+
+class Runner:
+    """A level of the event schedules (L1, L2); L3 overrides what differs."""
+
+    level = ""
+
+    def takes(self, schedule) -> bool:
+        return not is_arrivals(schedule) and self.level in schedule.levels
+
+    def catalog(self, options: RunOptions) -> List:
+        return [load_schedule(p) for p in catalog_paths(folder=CATALOG)]
+
+    def model_name(self, schedule, options: RunOptions) -> Optional[str]:
+        """The model the schedule needs; None when it needs none."""
+        return None
+
+    def unfit(self, schedule, model) -> Optional[str]:
+        """Why the schedule cannot run on ``model`` (a usage error), or None."""
+        return None
+
+    def run(self, schedule, implementation, options: RunOptions):
+        """One schedule, as it is, on ``implementation``: a ScheduleResult."""
+        raise NotImplementedError
+
+    def runs(self, schedule, options: RunOptions) -> List[Run]:
+        return [(f"{self.level} {schedule.name}", lambda impl: self.run(schedule, impl, options))]
+
+
+class L1Runner(Runner):
+    level = "L1"
+
+    def run(self, schedule, implementation, options):
+        return l1.run_l1(schedule, implementation)
+
+
+class L2Runner(Runner):
+    level = "L2"
+
+    def catalog(self, options):
+        return [load_schedule(p) for p in catalog_paths(folder=REAL_CATALOG if options.real_model else CATALOG)]
+
+    def model_name(self, schedule, options):
+        return l2.model_for(schedule, options.forced)
+
+    def fit(self, schedule, model):
+        """The schedule with its text prompts tokenized, and why it cannot
+        run on ``model`` or None."""
+        fitted, unfit = l2.fit_to_model(schedule, model)
+        return fitted, unfit and f"{schedule.path}: cannot run on {model.name}: {unfit}"
+
+    def unfit(self, schedule, model):
+        return self.fit(schedule, model)[1]
+
+    def run(self, schedule, implementation, options):
+        return l2.run_l2(schedule, implementation, options.forced, use_cache=options.use_cache,
+                         repeat_oracle=options.repeat_oracle)
+
+
+class L3Runner(Runner):
+    """An engine serving arrivals. A catalog schedule runs twice: each
+    prompt prefilled alone, and the engine's own batched prefill."""
+
+    level = "L3"
+
+    def takes(self, schedule):
+        return is_arrivals(schedule)
+
+    def catalog(self, options):
+        folder = arrivals.L3_REAL_CATALOG if options.real_model else arrivals.L3_CATALOG
+        return [load_schedule(p) for p in arrivals.catalog_paths(folder)]
+
+    def model_name(self, schedule, options):
+        return options.forced or schedule.model
+
+    def unfit(self, schedule, model):
+        unfit = arrivals.check_fits(schedule, model.head_dim, model.vocab_size, model.tokenizer is not None)
+        return unfit and f"cannot run on {model.name}: {unfit}"
+
+    def run(self, schedule, implementation, options):
+        return l3.to_schedule_result(l3.run_l3(schedule, implementation, options.engine, options.forced))
+
+    def runs(self, schedule, options):
+        out = []
+        for mode, variant in l3.prefill_modes(schedule).items():
+            def serve(impl, s=variant, mode=mode):
+                result = self.run(s, impl, options)
+                result.schedule = f"{s.name} ({mode})"
+                return result
+            out.append((f"L3 {schedule.name} ({mode})", serve))
+        return out
+
+
+RUNNERS = {runner.level: runner for runner in (L1Runner(), L2Runner(), L3Runner())}
