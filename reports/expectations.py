@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 import jsonschema
 
 from kvparity.suites.evidence import CHECKS
-from kvparity.suites.schedule import EVENT_KINDS
+from kvparity.suites.events import EVENT_KINDS
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "expectations.schema.json"
 EXAMPLES = Path(__file__).parent / "examples" / "expectations"  # shipped expectations files
