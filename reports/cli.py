@@ -226,7 +226,7 @@ def plan(args, selected):
     from kvparity.suites.arrivals import check_fits
     from kvparity.suites.l1 import run_l1
     from kvparity.suites.l2 import fit_to_model, model_for, run_l2
-    from kvparity.suites.l3 import prefill_modes, run_l3, to_schedule_result
+    from kvparity.suites.l3 import prefill_modes, run_l3
 
     forced = args.model if args.model != "smollm2" else None
     engine = getattr(args, "engine", None)
@@ -249,7 +249,7 @@ def plan(args, selected):
             raise UsageError(f"cannot run on {name}: {unfit}")
         for mode, variant in prefill_modes(schedule).items():
             def serve(impl, s=variant, mode=mode):
-                result = to_schedule_result(run_l3(s, impl, engine, forced))
+                result = run_l3(s, impl, engine, forced)
                 result.schedule = f"{s.name} ({mode})"
                 return result
             runs.append((f"L3 {schedule.name} ({mode})", serve))
@@ -506,7 +506,7 @@ def cmd_bisect(args):
     from kvparity.reports.verdicts import judge, verdict_of_run
     from kvparity.suites.l1 import run_l1
     from kvparity.suites.l2 import run_l2
-    from kvparity.suites.l3 import run_l3, to_schedule_result
+    from kvparity.suites.l3 import run_l3
     from kvparity.suites.schedule import atomic_write_json
     from kvparity.suites.shrink import ArrivalShrinker, Shrinker
 
@@ -532,7 +532,7 @@ def cmd_bisect(args):
     runs = {
         "L1": lambda s: run_l1(s, implementation),
         "L2": lambda s: run_l2(s, implementation, args.model, use_cache=False, repeat_oracle=args.repeat_oracle),
-        "L3": lambda s: to_schedule_result(run_l3(s, implementation, args.engine, forced)),
+        "L3": lambda s: run_l3(s, implementation, args.engine, forced),
     }
     shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(lambda s: judge(runs[level](s), policy), schedule)
     if shrinker.first is None:
