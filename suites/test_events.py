@@ -63,3 +63,13 @@ def test_shrinker_candidates_drop_requests_and_lower_counts():
     assert {**doc, "events": doc["events"][:1] + [{"spec_round": {"k": 2, "accepted": {"a": 2, "b": 0}}}]
             + doc["events"][2:]} in candidates
     parse(without_b)  # each candidate is a schedule
+
+
+def test_the_catalog_readme_example_is_the_file_it_names():
+    import json
+    import re
+
+    text = (CATALOG / "README.md").read_text()
+    example = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+    assert f"`{example['name']}.json`" in text
+    assert example == json.loads((CATALOG / f"{example['name']}.json").read_text())
