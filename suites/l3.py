@@ -180,7 +180,8 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
                                "log-prob values compared": made["values"], "oracle": semantics(request)}
     result.note(0, "tokens", [rid], made["tokens"])
     result.note(0, "logprobs", [rid], made["vectors"] + made["values"])
-    result.note(0, "mismatch", [rid], 0, found)
+    for divergence in found:  # each under its own check, in the order found
+        result.note(0, divergence.check, [rid], 0, [divergence])
 
 
 def describe_timeline(timeline: List[dict]) -> List[str]:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from mlx_lm.generate import BatchGenerator
 
 from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
+from kvparity.suites.evidence import CHECKS, FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 from kvparity.suites.arrivals import catalog_paths, load, parse
 from kvparity.suites.arrivals_strategy import arrival_documents, check_document
 from kvparity.suites.engines import EngineError, load_engine_factory, quantized_row_class
@@ -113,6 +113,9 @@ def test_engine_dropping_a_last_token_fails(implementation, judged):
     assert result.verdict == FAIL
     (divergence,) = result.divergences
     assert (divergence.check, divergence.request, divergence.step) == ("length", "a", 3)
+    # noted under declared checks only, the divergence under its own
+    assert {c for row in result.rows for at in row.counts.values() for c in at} == {"tokens", "logprobs", "length"}
+    assert set(CHECKS) >= {"tokens", "logprobs", "length"}
 
 
 def test_engine_swapping_outputs_fails(implementation, judged):
