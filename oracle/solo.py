@@ -64,7 +64,9 @@ def layer_bytes(cache) -> Dict[str, mx.array]:
 
 
 @dataclass
-class Call:
+class SoloCall:
+    """One call of the solo run, as made: what it fed and the logits it produced."""
+
     event: int
     op: str  # "prefill", "append" or "trim"
     inputs: List[int]  # tokens fed (prefill: the whole prompt); [] for trim
@@ -74,12 +76,12 @@ class Call:
 @dataclass
 class SoloTrace:
     request: str
-    calls: List[Call] = field(default_factory=list)
+    calls: List[SoloCall] = field(default_factory=list)
     # event index -> per layer {tensor name: array on [0, offset)}, after the event
     snapshots: Dict[int, List[Dict[str, mx.array]]] = field(default_factory=dict)
     offsets: Dict[int, int] = field(default_factory=dict)
 
-    def calls_at(self, event: int) -> List[Call]:
+    def calls_at(self, event: int) -> List[SoloCall]:
         return [c for c in self.calls if c.event == event]
 
     def snapshot_at(self, event: int):
@@ -164,13 +166,13 @@ def run_solo(model, schedule, rid: str, vocab_size: int, tokenizer=None) -> Solo
     for call in schedule.calls[rid]:
         if call.op == "prefill":
             logits = solo.prefill()
-            trace.calls.append(Call(call.event, "prefill", list(solo.prompt), logits))
+            trace.calls.append(SoloCall(call.event, "prefill", list(solo.prompt), logits))
         elif call.op == "append":
             inputs = solo.window(call.n)
-            trace.calls.append(Call(call.event, "append", inputs, solo.append(inputs)))
+            trace.calls.append(SoloCall(call.event, "append", inputs, solo.append(inputs)))
         else:
             solo.trim(call.n)
-            trace.calls.append(Call(call.event, "trim", []))
+            trace.calls.append(SoloCall(call.event, "trim", []))
         trace.snapshots[call.event] = [layer_bytes(c) for c in solo.cache]
         trace.offsets[call.event] = solo.offset
         mx.eval([c.logits for c in trace.calls[-1:] if c.logits is not None], trace.snapshots[call.event])

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from kvparity.oracle.gguf import cache_dir
 from kvparity.oracle.arrays import digest
-from kvparity.oracle.solo import Call, SoloTrace
+from kvparity.oracle.solo import SoloCall, SoloTrace
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
 
@@ -106,7 +106,7 @@ def load_trace(directory) -> SoloTrace:
     trace = SoloTrace(manifest["request"])
     for entry in manifest["calls"]:
         logits = tensors[entry["logits"]] if entry["logits"] else None
-        trace.calls.append(Call(entry["event"], entry["op"], entry["inputs"], logits))
+        trace.calls.append(SoloCall(entry["event"], entry["op"], entry["inputs"], logits))
     for event, snap in manifest["snapshots"].items():
         trace.snapshots[int(event)] = [
             {part: tensors[name] for part, name in layer.items()} for layer in snap["layers"]

@@ -20,8 +20,8 @@ from typing import List, Optional, Tuple
 import jsonschema
 
 from kvparity.suites.checks import CHECKS
+from kvparity.suites.events import EVENT_KINDS
 from kvparity.suites.levels import LEVELS
-from kvparity.suites.schedule import EVENT_KINDS
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "expectations.schema.json"
 EXAMPLES = Path(__file__).parent / "examples" / "expectations"  # shipped expectations files

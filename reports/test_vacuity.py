@@ -17,8 +17,9 @@ from kvparity.reports import verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.adapter import REQUIRED_MEMBERS, load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
+from kvparity.suites.events import EVENT_KINDS
 from kvparity.suites.levels import LEVELS
-from kvparity.suites.schedule import CATALOG, EVENT_KINDS, catalog_paths, load
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
 CONTROLS = "kvparity.impl.negative_controls"
 

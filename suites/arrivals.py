@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import DEFAULT_MODEL
 from kvparity.suites.schedule import (
-    CATALOG, DEFAULT_PREFILL_STEP, _fail, _int, _keys, check_kv, read_document,
+    CATALOG, DEFAULT_PREFILL_STEP, check_fields, check_int, check_kv, read_document, reject,
 )
 
 KIND = "arrivals"
@@ -100,39 +100,39 @@ def catalog_paths(folder: Path = L3_CATALOG) -> List[Path]:
 
 
 def _kv(source, where, spec, inherited) -> dict:
-    _keys(source, where, spec, KV_FIELDS)
+    check_fields(source, where, spec, KV_FIELDS)
     kv = {**inherited, **spec}
-    kv["bits"] = _int(source, f"{where}.bits", kv["bits"], 1)
-    kv["group_size"] = _int(source, f"{where}.group_size", kv["group_size"], 1)
+    kv["bits"] = check_int(source, f"{where}.bits", kv["bits"], 1)
+    kv["group_size"] = check_int(source, f"{where}.group_size", kv["group_size"], 1)
     if kv.get("quantized_kv_start") is not None:
-        _int(source, f"{where}.quantized_kv_start", kv["quantized_kv_start"])
+        check_int(source, f"{where}.quantized_kv_start", kv["quantized_kv_start"])
     check_kv(f"{source}: {where}", kv["bits"], kv["group_size"])
     return kv
 
 
 def parse(doc, source="<arrivals>") -> ArrivalSchedule:
     if isinstance(doc, dict) and "events" in doc:
-        _fail(source, "schedule", "this is an event schedule (L1/L2); an L3 file has \"kind\": \"arrivals\" "
+        reject(source, "schedule", "this is an event schedule (L1/L2); an L3 file has \"kind\": \"arrivals\" "
                                   "and per-request arrival steps instead of events")
-    _keys(source, "schedule", doc, ("kind", "name", "description", "model", "kv", "engine", "requests"),
+    check_fields(source, "schedule", doc, ("kind", "name", "description", "model", "kv", "engine", "requests"),
           ("kind", "name", "requests"))
     if doc["kind"] != KIND:
-        _fail(source, "kind", f"expected {KIND!r}, got {doc['kind']!r}")
+        reject(source, "kind", f"expected {KIND!r}, got {doc['kind']!r}")
     if not isinstance(doc["name"], str) or not doc["name"]:
-        _fail(source, "name", "expected a non-empty string")
+        reject(source, "name", "expected a non-empty string")
     model = doc.get("model", DEFAULT_MODEL)
     if not isinstance(model, str) or not model:
-        _fail(source, "model", f"expected a model name, got {model!r}")
+        reject(source, "model", f"expected a model name, got {model!r}")
     kv = _kv(source, "kv", doc.get("kv", {}), {**DEFAULT_KV, "quantized_kv_start": None})
 
     engine_doc = doc.get("engine", {})
-    _keys(source, "engine", engine_doc, ENGINE_FIELDS)
-    engine = EngineSettingsSpec(**{k: _int(source, f"engine.{k}", v, 1) for k, v in engine_doc.items()})
+    check_fields(source, "engine", engine_doc, ENGINE_FIELDS)
+    engine = EngineSettingsSpec(**{k: check_int(source, f"engine.{k}", v, 1) for k, v in engine_doc.items()})
     default_step = engine.prefill_step_size or DEFAULT_PREFILL_STEP
 
     requests_doc = doc["requests"]
     if not isinstance(requests_doc, dict) or not requests_doc:
-        _fail(source, "requests", "expected a non-empty object of request id -> request")
+        reject(source, "requests", "expected a non-empty object of request id -> request")
     requests = {rid: _request(source, rid, spec, kv, default_step) for rid, spec in requests_doc.items()}
     return ArrivalSchedule(
         name=doc["name"],
@@ -148,37 +148,38 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
 def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
     where = f"request {rid!r}"
     if not rid:
-        _fail(source, "requests", "a request id must be a non-empty string")
-    _keys(source, where, spec, REQUEST_FIELDS, ("arrival", "max_tokens"))
+        reject(source, "requests", "a request id must be a non-empty string")
+    check_fields(source, where, spec, REQUEST_FIELDS, ("arrival", "max_tokens"))
     given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
     if len(given) != 1:
-        _fail(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
+        reject(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
     prompt = text = None
     prompt_len = 0
     if "prompt" in spec:
         if not isinstance(spec["prompt"], list) or not spec["prompt"]:
-            _fail(source, where, "prompt must be a non-empty list of token ids")
-        prompt = tuple(_int(source, f"{where} prompt[{i}]", t) for i, t in enumerate(spec["prompt"]))
+            reject(source, where, "prompt must be a non-empty list of token ids")
+        prompt = tuple(check_int(source, f"{where} prompt[{i}]", t) for i, t in enumerate(spec["prompt"]))
         prompt_len = len(prompt)
     elif "text" in spec:
         if not isinstance(spec["text"], str) or not spec["text"]:
-            _fail(source, where, "text must be a non-empty string")
+            reject(source, where, "text must be a non-empty string")
         text = spec["text"]
     else:
-        prompt_len = _int(source, f"{where} prompt_len", spec["prompt_len"], 1)
+        prompt_len = check_int(source, f"{where} prompt_len", spec["prompt_len"], 1)
     own_kv = _kv(source, f"{where} kv", spec.get("kv", {}), kv)
     return ArrivalRequest(
         id=rid,
-        arrival=_int(source, f"{where} arrival", spec["arrival"]),
-        max_tokens=_int(source, f"{where} max_tokens", spec["max_tokens"], 1),
+        arrival=check_int(source, f"{where} arrival", spec["arrival"]),
+        max_tokens=check_int(source, f"{where} max_tokens", spec["max_tokens"], 1),
         bits=own_kv["bits"],
         group_size=own_kv["group_size"],
         quantized_kv_start=own_kv.get("quantized_kv_start"),
-        prefill_step_size=_int(source, f"{where} prefill_step_size", spec.get("prefill_step_size", default_step), 1),
+        prefill_step_size=check_int(source, f"{where} prefill_step_size",
+                                    spec.get("prefill_step_size", default_step), 1),
         prompt_len=prompt_len,
         prompt=prompt,
         text=text,
-        seed=_int(source, f"{where} seed", spec.get("seed", 0)),
+        seed=check_int(source, f"{where} seed", spec.get("seed", 0)),
     )
 
 

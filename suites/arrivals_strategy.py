@@ -14,7 +14,8 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from kvparity.suites.arrivals import parse
-from kvparity.suites.l3 import PASSED, explain, run_l3
+from kvparity.suites.evidence import PASS
+from kvparity.suites.l3 import explain, run_l3
 from kvparity.suites.schedule import atomic_write_json
 
 # (model, bits, group_size) that mlx-lm's solo path can run (see the L3 catalog README).
@@ -55,13 +56,13 @@ def found_dir(folder=None) -> Path:
     return Path(folder or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
 
 
-def check_document(doc: dict, implementation, engine_spec=None, folder=None):
-    """Serve one generated document; on broken parity write it out and raise."""
+def check_document(doc: dict, implementation, judge, engine_spec=None, folder=None):
+    """Serve one generated document; unless ``judge`` (ScheduleResult ->
+    judged ScheduleResult) says it passed, write it out and raise."""
     schedule = parse(doc, source="<generated arrivals>")
-    outcome = run_l3(schedule, implementation, engine_spec)
-    if outcome.verdict == PASSED:
-        return outcome
+    result = judge(run_l3(schedule, implementation, engine_spec))
+    if result.verdict == PASS:
+        return result
     name = f"found-arrivals-{implementation.batch_class.__name__}.json"
     path = atomic_write_json({**doc, "name": Path(name).stem}, found_dir(folder) / name)
-    outcome.path = str(path)
-    raise AssertionError(explain(outcome) + f"\nwritten to {path}; replay with: kvparity replay {path} --level L3")
+    raise AssertionError(explain(result) + f"\nwritten to {path}; replay with: kvparity replay {path} --level L3")

@@ -24,7 +24,10 @@ from kvparity.suites.evidence import FAILURES
 from kvparity.suites.l1 import L1Run
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.coverage import HEAD_DIMS
-from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse, parse_event, parse_request, save
+from kvparity.suites.events import (
+    BatchedJoin, Extract, Join, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Trim, make_event,
+)
+from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse, parse_request, save
 
 L2_MODELS = tuple(m.name for m in axis_variants())
 
@@ -104,8 +107,9 @@ class ScheduleMachine(RuleBasedStateMachine):
             ids.append(rid)
         return ids
 
-    def add(self, doc):
-        event = parse_event(self.schedule.path, len(self.schedule.events), doc)
+    def add(self, kind, args):
+        """An event of ``kind`` (its class) with these JSON arguments, validated as a file's would be."""
+        event = make_event(kind, self.schedule.path, len(self.schedule.events), args)
         self.schedule.events.append(event)
         if self.run is None:
             self.replay.apply(event)
@@ -120,7 +124,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.level == "L2" and self.schedule.events:
             if self.running():  # one last batched call, so the rows still running show their logits
-                self.add({"step": 1})
+                self.add(Step, 1)
             schedule = parse(self.schedule.to_json(), source=self.schedule.path)
             result = self.judge(self.run_l2(schedule, self.implementation))
             self.count(result)
@@ -147,23 +151,23 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), count=st.integers(1, 3))
     def join(self, data, count):
-        self.add({"join": self.new_requests(data, count)})
+        self.add(Join, self.new_requests(data, count))
 
     @rule(data=st.data(), count=st.integers(1, 3))
     def batched_join(self, data, count):  # L1 only: L2 machines drop this rule (make_machine)
-        self.add({"batched_join": self.new_requests(data, count, join_unquantized=False)})
+        self.add(BatchedJoin, self.new_requests(data, count, join_unquantized=False))
 
     @precondition(has_batch)
     @rule(n=st.integers(1, 3))
     def step(self, n):
-        self.add({"step": n})
+        self.add(Step, n)
 
     @precondition(has_batch)
     @rule(data=st.data())
     def leave(self, data):
         rows = self.running()
         leaving = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=len(rows), unique=True))
-        self.add({"leave": leaving})
+        self.add(Leave, leaving)
 
     def per_row(self, data, rows, strategy_for, label):
         """One count per row, or one count for all rows when the
@@ -177,7 +181,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     @rule(data=st.data(), k=st.integers(1, 4))
     def spec_round(self, data, k):
         accepted = self.per_row(data, self.running(), lambda rid: st.integers(0, k), "accepts")
-        self.add({"spec_round": {"k": k, "accepted": accepted}})
+        self.add(SpecRound, {"k": k, "accepted": accepted})
 
     @precondition(lambda self: self.has_batch() and self.min_generated() >= 1)
     @rule(data=st.data())
@@ -186,27 +190,27 @@ class ScheduleMachine(RuleBasedStateMachine):
             data, self.running(), lambda rid: st.integers(0, self.replay.generated[rid]), "rolls back"
         )
         if any(amounts.values()):
-            self.add({"rollback": {r: n for r, n in amounts.items() if n}})
+            self.add(Rollback, {r: n for r, n in amounts.items() if n})
 
     @precondition(lambda self: self.has_batch() and self.min_generated() >= 1)
     @rule(data=st.data())
     def trim(self, data):
-        self.add({"trim": data.draw(st.integers(1, self.min_generated()))})
+        self.add(Trim, data.draw(st.integers(1, self.min_generated())))
 
     @precondition(has_batch)
     @rule(data=st.data())
     def extract(self, data):
-        self.add({"extract": data.draw(st.sampled_from(self.running()))})
+        self.add(Extract, data.draw(st.sampled_from(self.running())))
 
     @precondition(has_preempted)
     @rule(data=st.data(), n=st.integers(1, 3))
     def solo_step(self, data, n):
-        self.add({"solo_step": {data.draw(st.sampled_from(sorted(self.replay.preempted))): n}})
+        self.add(SoloStep, {data.draw(st.sampled_from(sorted(self.replay.preempted))): n})
 
     @precondition(has_preempted)
     @rule(data=st.data())
     def reinsert(self, data):
-        self.add({"reinsert": data.draw(st.sampled_from(sorted(self.replay.preempted)))})
+        self.add(Reinsert, data.draw(st.sampled_from(sorted(self.replay.preempted))))
 
 
 def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None):

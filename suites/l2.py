@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from kvparity.oracle.models import load_model, random_model_for
-from kvparity.oracle.solo import Call, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
+from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import (
@@ -242,7 +242,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
         result.stop(ORACLE_NONDETERMINISTIC, str(error))
         return result
     if capture is not None:
-        capture.update({rid: SoloTrace(rid, [Call(c.event, c.op, c.inputs) for c in t.calls])
+        capture.update({rid: SoloTrace(rid, [SoloCall(c.event, c.op, c.inputs) for c in t.calls])
                         for rid, t in traces.items()})
     backend = ModelBackend(model or loaded, implementation, schedule, traces)
     replay = Replay(schedule, backend)

@@ -1,18 +1,15 @@
 """Tiny engines that test the L3 engine adapter itself.
 
-``serial`` serves requests one at a time through mlx-lm's ``generate_step``
-with the cache semantics the L3 oracle uses: it must pass (trivially, which is
-the point: the adapter's plumbing is all it exercises). The broken ones must
+``serial`` serves requests one at a time through the L3 oracle itself
+(``oracle/generation.py``, mlx-lm's ``generate_step``): it must pass
+(trivially, which is the point: the adapter's plumbing is all it exercises). The broken ones must
 fail: ``drops_last_token`` loses a request's last token, ``swaps_outputs``
 hands two requests each other's output.
 """
 
 from typing import Sequence
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache
-
+from kvparity.oracle.generation import generate_alone
 from kvparity.suites.engines import EngineRequest, EngineRun, EngineSettings, Generated
 
 
@@ -26,21 +23,10 @@ class SerialEngine:
         outputs, step = {}, 0
         for request in sorted(requests, key=lambda r: r.arrival):
             step = max(step, request.arrival)
-            if request.quantized_kv_start is None:
-                caches = [QuantizedKVCache(group_size=request.group_size, bits=request.bits)
-                          for _ in self.model.layers]
-                kv = {"prompt_cache": caches}
-            else:
-                kv = {"kv_bits": request.bits, "kv_group_size": request.group_size,
-                      "quantized_kv_start": request.quantized_kv_start}
-            out = outputs[request.id] = Generated()
-            for token, logprobs in generate_step(mx.array(request.prompt), self.model,
-                                                 max_tokens=request.max_tokens,
-                                                 prefill_step_size=request.prefill_step_size, **kv):
-                out.tokens.append(token)
-                out.logprobs.append(logprobs)
-                out.steps.append(step)
-                step += 1
+            alone = generate_alone(self.model, request)  # the oracle's own computation
+            steps = list(range(step, step + len(alone.tokens)))
+            outputs[request.id] = Generated(alone.tokens, alone.logprobs, steps)
+            step += len(alone.tokens)
         return EngineRun(outputs)  # no timeline: this engine does not batch
 
 

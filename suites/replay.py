@@ -39,7 +39,7 @@ class NotSupported(Exception):
 
 
 @dataclass(frozen=True)
-class Call:
+class ScheduledCall:
     """One thing a request sees, alone or in the batch: the oracle replays these."""
 
     event: int  # index of the event that makes the call
@@ -58,7 +58,7 @@ class Replay:
         self.extracted: set = set()  # preempted rows whose cache came out of the batch
         self.gone: set = set()
         self.generated: Dict[str, int] = {}
-        self.calls: Dict[str, List[Call]] = {rid: [] for rid in schedule.requests}
+        self.calls: Dict[str, List[ScheduledCall]] = {rid: [] for rid in schedule.requests}
         self.needs: set = set()
         self.version = 0  # bumped by every protocol call that changes the batch
         self.event = None
@@ -77,7 +77,7 @@ class Replay:
     def running(self) -> List[str]:
         return self.rows + list(self.waiting)
 
-    def calls_at(self, event_index: int) -> Dict[str, List[Call]]:
+    def calls_at(self, event_index: int) -> Dict[str, List[ScheduledCall]]:
         return {rid: [c for c in calls if c.event == event_index]
                 for rid, calls in self.calls.items() if calls and calls[-1].event == event_index}
 
@@ -110,7 +110,7 @@ class Replay:
 
     def call(self, rid, op, n) -> int:
         """Record a call of ``rid``; returns its index among the request's calls."""
-        self.calls[rid].append(Call(self.event.index, op, n))
+        self.calls[rid].append(ScheduledCall(self.event.index, op, n))
         if op == "append":
             self.generated[rid] += n
         elif op == "trim":
@@ -256,9 +256,9 @@ class Replay:
         self.keep_rows([r for r in self.rows if r != rid])
 
     def _solo_step(self, event):
-        for rid in event.amounts:
+        for rid in event.steps:
             self.require_preempted(rid)
-        for rid, n in event.amounts.items():
+        for rid, n in event.steps.items():
             for _ in range(n):
                 self.backend.append_alone(rid, self.preempted[rid], 1, self.call(rid, "append", 1))
 

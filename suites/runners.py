@@ -128,7 +128,7 @@ class L3Runner(Runner):
         return unfit and f"cannot run on {model.name}: {unfit}"
 
     def run(self, schedule, implementation, options):
-        return l3.to_schedule_result(l3.run_l3(schedule, implementation, options.engine, options.forced))
+        return l3.run_l3(schedule, implementation, options.engine, options.forced)
 
     def runs(self, schedule, options):
         out = []

@@ -14,7 +14,7 @@ suites/catalog/README.md)::
     }
 
 ``load`` validates a file completely before anything runs: every event is
-parsed into a typed object, then the replay core walks the schedule once
+parsed into a typed object (``suites/events.py``), then the replay core walks the schedule once
 without any cache (its dry run), which refuses what cannot happen and
 records the calls each request sees and the optional capabilities it needs.
 A bad file gets a ``ScheduleError`` naming the file, the event and the reason.
@@ -23,12 +23,12 @@ A bad file gets a ``ScheduleError`` naming the file, the event and the reason.
 import json
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import ClassVar, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
-from kvparity.suites.replay import Call, ScheduleError, dry_run
+from kvparity.suites.events import Event, parse_event
+from kvparity.suites.replay import ScheduledCall, ScheduleError, dry_run
 
 LEVELS = ("L1", "L2")
 DEFAULT_PREFILL_STEP = 2048
@@ -37,7 +37,8 @@ CATALOG = Path(__file__).parent / "catalog"
 REAL_CATALOG = CATALOG / "real"  # schedules for the real model (SmolLM2)
 
 
-def _fail(source, where, reason):
+def reject(source, where, reason):
+    """A ScheduleError naming the file, the field or request, and the reason."""
     raise ScheduleError(f"{source}: {where}: {reason}")
 
 
@@ -62,202 +63,6 @@ class Request:
         return chunks + [1]
 
 
-# -- events: one small class per kind -------------------------------------------
-
-
-def _count(where, value, minimum=1, what="a count"):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ScheduleError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _ids(where, args):
-    if not isinstance(args, list) or not args or not all(isinstance(r, str) for r in args):
-        raise ScheduleError(f"{where}: expected a non-empty list of request ids")
-    if len(set(args)) != len(args):
-        raise ScheduleError(f"{where}: a request is named twice")
-    return tuple(args)
-
-
-def _id(where, args):
-    if not isinstance(args, str):
-        raise ScheduleError(f"{where}: expected one request id, got {args!r}")
-    return args
-
-
-def _amounts(where, args, minimum, what):
-    if not isinstance(args, dict):
-        raise ScheduleError(f"{where}: expected an object of request id -> {what}")
-    return {rid: _count(where, n, minimum, f"{what} for {rid!r}") for rid, n in args.items()}
-
-
-@dataclass(frozen=True)
-class Event:
-    index: int
-    kind: ClassVar[str] = ""
-
-    @property
-    def args(self):
-        raise NotImplementedError
-
-    def to_json(self) -> dict:
-        return {self.kind: self.args}
-
-    @cached_property
-    def label(self) -> str:
-        """How reports name the event: ``#3 step 2``."""
-        return f"#{self.index} {self.kind} {json.dumps(self.args, separators=(',', ':'))}"
-
-
-@dataclass(frozen=True)
-class Join(Event):
-    """Each request prefills alone through mlx-lm, then merge + extend."""
-
-    requests: Tuple[str, ...] = ()
-    kind: ClassVar[str] = "join"
-
-    @property
-    def args(self):
-        return list(self.requests)
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, _ids(where, args))
-
-
-@dataclass(frozen=True)
-class BatchedJoin(Join):
-    """The prompts prefill in one right-padded call (prepare/finalize)."""
-
-    kind: ClassVar[str] = "batched_join"
-
-
-@dataclass(frozen=True)
-class Step(Event):
-    """n decode steps: one token for every running row per step."""
-
-    n: int = 1
-    kind: ClassVar[str] = "step"
-
-    @property
-    def args(self):
-        return self.n
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, _count(where, args, what="step"))
-
-
-@dataclass(frozen=True)
-class Trim(Step):
-    """Drop the last n tokens of every running row."""
-
-    kind: ClassVar[str] = "trim"
-
-
-@dataclass(frozen=True)
-class Leave(Join):
-    """The rows finish: filter keeps the others."""
-
-    kind: ClassVar[str] = "leave"
-
-
-@dataclass(frozen=True)
-class SpecRound(Event):
-    """A verify window of k+1 tokens for every row in one call; each row keeps
-    its accepted drafts plus one and rolls back the rest."""
-
-    k: int = 1
-    accepted: Mapping[str, int] = field(default_factory=dict)
-    kind: ClassVar[str] = "spec_round"
-
-    @property
-    def args(self):
-        return {"k": self.k, "accepted": dict(self.accepted)}
-
-    @classmethod
-    def parse(cls, index, where, args):
-        if not isinstance(args, dict) or set(args) - {"k", "accepted"} or "k" not in args:
-            raise ScheduleError(f'{where}: expected {{"k": drafts, "accepted": {{request: count}}}}')
-        k = _count(where, args["k"], what="k")
-        accepted = _amounts(where, args.get("accepted", {}), 0, "count")
-        for rid, a in accepted.items():
-            if a > k:
-                raise ScheduleError(f"{where}: {rid!r} accepts {a} of only k={k} drafts")
-        return cls(index, k, accepted)
-
-
-@dataclass(frozen=True)
-class Rollback(Event):
-    """Drop the last n tokens of the named rows (others 0)."""
-
-    amounts: Mapping[str, int] = field(default_factory=dict)
-    kind: ClassVar[str] = "rollback"
-
-    @property
-    def args(self):
-        return dict(self.amounts)
-
-    @classmethod
-    def parse(cls, index, where, args):
-        amounts = _amounts(where, args, 0, "count")
-        if not amounts:
-            raise ScheduleError(f"{where}: rollback names no request")
-        return cls(index, amounts)
-
-
-@dataclass(frozen=True)
-class SoloStep(Rollback):
-    """Extracted requests decode alone, each its own number of steps."""
-
-    kind: ClassVar[str] = "solo_step"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        steps = _amounts(where, args, 1, "steps")
-        if not steps:
-            raise ScheduleError(f"{where}: expected an object of extracted request id -> steps")
-        return cls(index, steps)
-
-
-@dataclass(frozen=True)
-class Extract(Event):
-    """Preempt: the row leaves the batch as a solo cache."""
-
-    request: str = ""
-    kind: ClassVar[str] = "extract"
-
-    @property
-    def args(self):
-        return self.request
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, _id(where, args))
-
-
-@dataclass(frozen=True)
-class Reinsert(Extract):
-    """The extracted request comes back (merge + extend)."""
-
-    kind: ClassVar[str] = "reinsert"
-
-
-EVENTS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,
-                                    Extract, SoloStep, Reinsert)}
-EVENT_KINDS = tuple(EVENTS)
-
-
-def parse_event(source, index, doc) -> Event:
-    where = f"{source}: event #{index}"
-    if not isinstance(doc, dict) or len(doc) != 1:
-        raise ScheduleError(f"{where}: an event is an object with exactly one key, its kind")
-    (kind, args), = doc.items()
-    if kind not in EVENTS:
-        raise ScheduleError(f"{where}: unknown event {kind!r} (known: {', '.join(EVENT_KINDS)})")
-    return EVENTS[kind].parse(index, f"{where} {kind} {json.dumps(args, separators=(',', ':'))}", args)
-
-
 # -- schedules ----------------------------------------------------------------------
 
 
@@ -276,7 +81,7 @@ class Schedule:
     model: Optional[str] = None
     path: Optional[str] = None
     needs: Tuple[str, ...] = ()  # optional capabilities, from the dry run
-    calls: Dict[str, List[Call]] = field(default_factory=dict)  # per request, in order
+    calls: Dict[str, List[ScheduledCall]] = field(default_factory=dict)  # per request, in order
 
     def to_json(self) -> dict:
         requests = {}
@@ -342,63 +147,63 @@ def catalog_paths(level: Optional[str] = None, folder: Path = CATALOG) -> List[P
     return [p for p in paths if level in load(p).levels]
 
 
-def _int(source, where, value, minimum=0):
+def check_int(source, where, value, minimum=0):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(source, where, f"expected an integer >= {minimum}, got {value!r}")
+        reject(source, where, f"expected an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _keys(source, where, doc, allowed, required=()):
+def check_fields(source, where, doc, allowed, required=()):
     if not isinstance(doc, dict):
-        _fail(source, where, f"expected an object, got {type(doc).__name__}")
+        reject(source, where, f"expected an object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - set(allowed))
     if unknown:
-        _fail(source, where, f"unknown field {unknown[0]!r} (known: {', '.join(allowed)})")
+        reject(source, where, f"unknown field {unknown[0]!r} (known: {', '.join(allowed)})")
     for key in required:
         if key not in doc:
-            _fail(source, where, f"missing field {key!r}")
+            reject(source, where, f"missing field {key!r}")
 
 
 def check_kv(source, bits, group_size, head_dim=None):
     if bits not in BITS:
-        _fail(source, "kv.bits", f"bits={bits} is not supported (choose from {BITS})")
+        reject(source, "kv.bits", f"bits={bits} is not supported (choose from {BITS})")
     if group_size not in GROUP_SIZES:
-        _fail(source, "kv.group_size", f"group_size={group_size} is not supported (choose from {GROUP_SIZES})")
+        reject(source, "kv.group_size", f"group_size={group_size} is not supported (choose from {GROUP_SIZES})")
     if head_dim is not None and head_dim % group_size:
-        _fail(source, "kv.group_size", f"group_size={group_size} does not divide head_dim={head_dim}")
+        reject(source, "kv.group_size", f"group_size={group_size} does not divide head_dim={head_dim}")
 
 
 def parse(doc, source="<schedule>") -> Schedule:
-    _keys(source, "schedule", doc,
+    check_fields(source, "schedule", doc,
           ("name", "description", "levels", "kv", "synthetic", "model", "requests", "events"),
           ("name", "requests", "events"))
     levels = doc.get("levels", list(LEVELS))
     if not isinstance(levels, list) or not levels:
-        _fail(source, "levels", f"expected a non-empty list of levels ({', '.join(LEVELS)})")
+        reject(source, "levels", f"expected a non-empty list of levels ({', '.join(LEVELS)})")
     for level in levels:
         if level not in LEVELS:
-            _fail(source, "levels", f"unknown level {level!r} (known: {', '.join(LEVELS)})")
+            reject(source, "levels", f"unknown level {level!r} (known: {', '.join(LEVELS)})")
     kv = doc.get("kv", {})
-    _keys(source, "kv", kv, ("bits", "group_size"))
-    bits = _int(source, "kv.bits", kv.get("bits", 4), 1)
-    group_size = _int(source, "kv.group_size", kv.get("group_size", 64), 1)
+    check_fields(source, "kv", kv, ("bits", "group_size"))
+    bits = check_int(source, "kv.bits", kv.get("bits", 4), 1)
+    group_size = check_int(source, "kv.group_size", kv.get("group_size", 64), 1)
     synthetic = doc.get("synthetic", {})
-    _keys(source, "synthetic", synthetic, ("kv_heads", "head_dim", "dtype"))
-    kv_heads = _int(source, "synthetic.kv_heads", synthetic.get("kv_heads", 2), 1)
-    head_dim = _int(source, "synthetic.head_dim", synthetic.get("head_dim", 64), 1)
+    check_fields(source, "synthetic", synthetic, ("kv_heads", "head_dim", "dtype"))
+    kv_heads = check_int(source, "synthetic.kv_heads", synthetic.get("kv_heads", 2), 1)
+    head_dim = check_int(source, "synthetic.head_dim", synthetic.get("head_dim", 64), 1)
     dtype = synthetic.get("dtype", "bfloat16")
     if dtype not in DTYPES:
-        _fail(source, "synthetic.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+        reject(source, "synthetic.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
     check_kv(source, bits, group_size, head_dim if "L1" in levels else None)
     model = doc.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        _fail(source, "model", f"expected a model name, got {model!r}")
+        reject(source, "model", f"expected a model name, got {model!r}")
 
     if not isinstance(doc["requests"], dict) or not doc["requests"]:
-        _fail(source, "requests", "expected a non-empty object of request id -> request")
+        reject(source, "requests", "expected a non-empty object of request id -> request")
     requests = {rid: parse_request(source, rid, spec, levels) for rid, spec in doc["requests"].items()}
     if not isinstance(doc["events"], list) or not doc["events"]:
-        _fail(source, "events", "expected a non-empty list of events")
+        reject(source, "events", "expected a non-empty list of events")
     events = [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
     schedule = Schedule(
         name=str(doc["name"]), description=str(doc.get("description", "")), levels=tuple(levels),
@@ -408,40 +213,40 @@ def parse(doc, source="<schedule>") -> Schedule:
     schedule.needs, schedule.calls = dry_run(schedule)
     silent = [rid for rid, calls in schedule.calls.items() if not calls]
     if silent:
-        _fail(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
+        reject(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
     return schedule
 
 
 def parse_request(source, rid, spec, levels) -> Request:
     where = f"request {rid!r}"
-    _keys(source, where, spec,
+    check_fields(source, where, spec,
           ("prompt_len", "prompt", "text", "quantized_kv_start", "prefill_step_size", "seed"))
     given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
     if len(given) != 1:
-        _fail(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
+        reject(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
     prompt = text = None
     if "prompt" in spec:
         tokens = spec["prompt"]
         if not isinstance(tokens, list) or not tokens:
-            _fail(source, where, "prompt must be a non-empty list of token ids")
-        prompt = tuple(_int(source, f"{where} prompt", t) for t in tokens)
+            reject(source, where, "prompt must be a non-empty list of token ids")
+        prompt = tuple(check_int(source, f"{where} prompt", t) for t in tokens)
         prompt_len = len(prompt)
     elif "text" in spec:
         if "L1" in levels:
-            _fail(source, where, "a text prompt needs a tokenizer: L1 schedules take prompt_len")
+            reject(source, where, "a text prompt needs a tokenizer: L1 schedules take prompt_len")
         text = spec["text"]
         if not isinstance(text, str) or not text:
-            _fail(source, where, "text must be a non-empty string")
+            reject(source, where, "text must be a non-empty string")
         prompt_len = 0  # known once tokenized
     else:
-        prompt_len = _int(source, f"{where} prompt_len", spec["prompt_len"], 1)
+        prompt_len = check_int(source, f"{where} prompt_len", spec["prompt_len"], 1)
     return Request(
         id=rid,
         prompt_len=prompt_len,
         prompt=prompt,
         text=text,
-        quantized_kv_start=_int(source, f"{where} quantized_kv_start", spec.get("quantized_kv_start", 0)),
-        prefill_step_size=_int(source, f"{where} prefill_step_size",
+        quantized_kv_start=check_int(source, f"{where} quantized_kv_start", spec.get("quantized_kv_start", 0)),
+        prefill_step_size=check_int(source, f"{where} prefill_step_size",
                                spec.get("prefill_step_size", DEFAULT_PREFILL_STEP), 1),
-        seed=_int(source, f"{where} seed", spec.get("seed", 0)),
+        seed=check_int(source, f"{where} seed", spec.get("seed", 0)),
     )

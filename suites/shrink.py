@@ -12,7 +12,8 @@ import json
 from typing import Callable, Optional
 
 from kvparity.suites import arrivals
-from kvparity.suites.evidence import FAIL
+from kvparity.suites.evidence import FAIL, ScheduleResult
+from kvparity.suites.events import parse_event
 from kvparity.suites.schedule import ScheduleError, parse
 
 
@@ -35,7 +36,7 @@ class Shrinker:
         self.tries = 0
 
     def parse(self, doc):
-        return parse(_named_only(doc), source=self.source)
+        return parse(_named_only(doc, self.source), source=self.source)
 
     def start(self, schedule) -> dict:
         """The document shrinking starts from: nothing after the first failure."""
@@ -44,7 +45,7 @@ class Shrinker:
         return doc
 
     def finish(self, doc) -> dict:
-        return _named_only(doc)
+        return _named_only(doc, self.source)
 
     def still_fails(self, doc) -> bool:
         self.tries += 1
@@ -77,15 +78,10 @@ class Shrinker:
             yield {**doc, "events": events[:i] + events[i + 1 :]}
         if len(doc["requests"]) > 1:
             for rid in doc["requests"]:  # drop a request everywhere
-                yield _without_request(doc, rid)
-        for i, event in enumerate(events):  # lower a count
-            (kind, args), = event.items()
-            if kind in ("step", "trim") and args > 1:
-                yield {**doc, "events": events[:i] + [{kind: args - 1}] + events[i + 1 :]}
-            if kind == "spec_round" and args["k"] > 1:
-                k = args["k"] - 1
-                accepted = {r: min(a, k) for r, a in args.get("accepted", {}).items()}
-                yield {**doc, "events": events[:i] + [{kind: {"k": k, "accepted": accepted}}] + events[i + 1 :]}
+                yield _without_request(doc, rid, self.source)
+        for i, event in enumerate(_events(doc, self.source)):  # lower a count
+            for smaller in event.smaller():
+                yield {**doc, "events": events[:i] + [smaller.to_json()] + events[i + 1 :]}
         for rid, request in doc["requests"].items():  # shorten a prompt
             n = request.get("prompt_len", 0)
             for shorter in ({n // 2, n - 1} - {0, n}) if n > 1 else ():
@@ -95,23 +91,15 @@ class Shrinker:
                 yield {**doc, "requests": {**doc["requests"], rid: smaller}}
 
 
-def _without_request(doc, rid):
-    events = []
-    for event in doc["events"]:
-        (kind, args), = event.items()
-        if args == rid:
-            continue
-        if isinstance(args, list):
-            args = [r for r in args if r != rid]
-        elif isinstance(args, dict) and kind == "spec_round":
-            args = {**args, "accepted": {r: a for r, a in args.get("accepted", {}).items() if r != rid}}
-        elif isinstance(args, dict):
-            args = {r: n for r, n in args.items() if r != rid}
-        if args in ([], {}):
-            continue
-        events.append({kind: args})
+def _events(doc, source):
+    """The document's events as typed objects: shrinking asks each what it names and how it gets smaller."""
+    return [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
+
+
+def _without_request(doc, rid, source):
+    kept = (event.without(rid) for event in _events(doc, source))
     requests = {r: x for r, x in doc["requests"].items() if r != rid}
-    return {**doc, "requests": requests, "events": events}
+    return {**doc, "requests": requests, "events": [e.to_json() for e in kept if e is not None]}
 
 
 class ArrivalShrinker(Shrinker):
@@ -146,18 +134,7 @@ class ArrivalShrinker(Shrinker):
                 yield changed(rid, arrival=request["arrival"] - 1)
 
 
-def _named_only(doc):
+def _named_only(doc, source):
     """The document without requests that no event names."""
-    used = {rid for event in doc["events"] for rid in _requests_named(event)}
+    used = {rid for event in _events(doc, source) for rid in event.named}
     return {**doc, "requests": {rid: r for rid, r in doc["requests"].items() if rid in used}}
-
-
-def _requests_named(event):
-    (_, args), = event.items()
-    if isinstance(args, str):
-        return [args]
-    if isinstance(args, list):
-        return args
-    if isinstance(args, dict):
-        return list(args.get("accepted", args))
-    return []

@@ -12,12 +12,11 @@ from kvparity.suites.arrivals import parse as parse_arrivals
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.l2 import run_l2
-from kvparity.suites.l3 import FAILED, PASSED, explain, run_l3
+from kvparity.suites.l3 import explain, run_l3
 from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
 CONTROLS = "kvparity.impl.negative_controls"
 SENSITIVE = negative_controls.SUBCLASS_SENSITIVE
-L3_OUTCOME = {PASS: PASSED, FAIL: FAILED}
 
 
 def control(cls) -> Implementation:
@@ -68,14 +67,14 @@ def test_subclass_sensitive_control_at_l2(cls, judged):
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)
-def test_subclass_sensitive_control_at_l3(cls):
+def test_subclass_sensitive_control_at_l3(cls, judged):
     schedule = parse_arrivals({
         "kind": "arrivals", "name": "staggered-pair", "model": "llama-h64-bf16", "kv": {"bits": 4, "group_size": 64},
         "requests": {"a": {"arrival": 0, "prompt_len": 6, "max_tokens": 4},
                      "b": {"arrival": 1, "prompt_len": 3, "max_tokens": 5, "seed": 1}}}, source="<staggered-pair>")
-    outcome = run_l3(schedule, control(cls))
-    assert outcome.verdict == L3_OUTCOME[cls.expected_outcome], explain(outcome)
-    assert outcome.members  # counted on the class itself, as BatchGenerator called it
+    result = judged(run_l3(schedule, control(cls)))
+    assert result.verdict == cls.expected_outcome, explain(result)
+    assert result.evidence.members  # counted on the class itself, as BatchGenerator called it
 
 
 # -- the class is left as it was found -----------------------------------------------

@@ -5,7 +5,8 @@ request run alone through generate_step."""
 import pytest
 
 from kvparity.suites.arrivals import L3_REAL_CATALOG, catalog_paths, load
-from kvparity.suites.l3 import PASSED, explain, prefill_modes, run_l3
+from kvparity.suites.evidence import PASS
+from kvparity.suites.l3 import explain, prefill_modes, run_l3
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]
 PATHS = catalog_paths(L3_REAL_CATALOG)
@@ -18,7 +19,7 @@ def test_real_catalog_exists():
 
 @pytest.mark.parametrize("mode", list(prefill_modes(load(PATHS[0]))))
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
-def test_real_model_arrivals(path, mode, implementation):
-    outcome = run_l3(prefill_modes(load(path))[mode], implementation)
-    assert outcome.verdict == PASSED, explain(outcome)
-    assert all(c.tokens_compared == c.logprob_vectors_compared > 0 for c in outcome.comparisons.values())
+def test_real_model_arrivals(path, mode, implementation, judged):
+    result = judged(run_l3(prefill_modes(load(path))[mode], implementation))
+    assert result.verdict == PASS, explain(result)
+    assert all(row.compared("tokens") == row.metrics["log-prob vectors compared"] > 0 for row in result.evidence.rows)

@@ -7,6 +7,7 @@ from mlx_lm.generate import generate_step
 
 from kvparity.oracle.models import load_model
 from kvparity.suites.compare import first_difference
+from kvparity.oracle.generation import cached_generate_alone, generate_alone, generation_key
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import Reading, digest, owned_arrays
@@ -96,6 +97,29 @@ def test_trace_round_trip_and_tamper_detection(tmp_path):
     (tmp_path / "t" / "trace.safetensors").write_bytes(bytes(data))
     with pytest.raises(TraceError, match="does not match its sha256"):
         load_trace(tmp_path / "t")
+
+
+def test_l3_generations_are_cached_by_content_and_recomputed_when_damaged(tmp_path, monkeypatch):
+    from kvparity.suites.engines import EngineRequest
+
+    monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
+    model = load_model("llama-h64-bf16")
+    request = EngineRequest("a", (1, 2, 3, 4), 0, 3, 4, 64, None, 2048)
+    fresh = generate_alone(model.model, request)
+    assert len(fresh.tokens) == 3 and all(v.size == model.vocab_size for v in fresh.logprobs)
+    stored = cached_generate_alone(model.model, request, model.sha256)
+    (directory,) = (tmp_path / "l3").iterdir()
+    assert directory.name == generation_key(request, model.sha256)
+    # id and arrival are the engine's business, not the generation's
+    assert generation_key(EngineRequest("b", (1, 2, 3, 4), 5, 3, 4, 64, None, 2048), model.sha256) == directory.name
+    assert generation_key(EngineRequest("a", (1, 2, 3, 4), 0, 3, 8, 64, None, 2048), model.sha256) != directory.name
+    data = bytearray((directory / "logprobs.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (directory / "logprobs.safetensors").write_bytes(bytes(data))
+    again = cached_generate_alone(model.model, request, model.sha256)  # damaged: computed afresh, not read
+    for run in (stored, again):
+        assert run.tokens == fresh.tokens
+        assert all(first_difference(a, b) is None for a, b in zip(fresh.logprobs, run.logprobs))
 
 
 def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation, gate):

@@ -1,0 +1,357 @@
+"""Event kinds: one small frozen class per kind of a schedule's timeline.
+
+An event is stored as an object with one key, its kind: ``{"step": 2}``.
+Each kind parses its own arguments through the small functions below, says
+which requests it names, and how shrinking may make it smaller
+(``suites/shrink.py`` asks the event, never its kind's name). What an event
+does to the batch is the replay core's ``Replay._<kind>`` (``suites/replay.py``).
+A new kind is a class here, added to ``KINDS``, and its method there.
+"""
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import ClassVar, Dict, Iterator, Mapping, Optional, Tuple
+
+from kvparity.suites.replay import ScheduleError
+
+# -- the arguments' shapes ------------------------------------------------------
+
+
+def count_of(where, value, minimum=1, what="a count") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ScheduleError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def ids_of(where, args) -> Tuple[str, ...]:
+    if not isinstance(args, list) or not args or not all(isinstance(r, str) for r in args):
+        raise ScheduleError(f"{where}: expected a non-empty list of request ids")
+    if len(set(args)) != len(args):
+        raise ScheduleError(f"{where}: a request is named twice")
+    return tuple(args)
+
+
+def id_of(where, args) -> str:
+    if not isinstance(args, str):
+        raise ScheduleError(f"{where}: expected one request id, got {args!r}")
+    return args
+
+
+def amounts_of(where, args, minimum, what) -> Dict[str, int]:
+    if not isinstance(args, dict):
+        raise ScheduleError(f"{where}: expected an object of request id -> {what}")
+    return {rid: count_of(where, n, minimum, f"{what} for {rid!r}") for rid, n in args.items()}
+
+
+def without_id(ids: Tuple[str, ...], rid: str) -> Tuple[str, ...]:
+    return tuple(r for r in ids if r != rid)
+
+
+def without_key(amounts: Mapping[str, int], rid: str) -> Dict[str, int]:
+    return {r: n for r, n in amounts.items() if r != rid}
+
+
+# -- the kinds --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """What every kind has: its position, its JSON form and its label."""
+
+    index: int
+    kind: ClassVar[str] = ""
+
+    @property
+    def args(self):
+        raise NotImplementedError
+
+    def to_json(self) -> dict:
+        return {self.kind: self.args}
+
+    @cached_property
+    def label(self) -> str:
+        """How reports name the event: ``#3 step 2``."""
+        return f"#{self.index} {self.kind} {json.dumps(self.args, separators=(',', ':'))}"
+
+    @property
+    def named(self) -> Tuple[str, ...]:
+        """The requests the event names."""
+        return ()
+
+    def without(self, rid: str) -> Optional["Event"]:
+        """The event with ``rid`` forgotten; None when nothing is left of it."""
+        return self
+
+    def smaller(self) -> Iterator["Event"]:
+        """Smaller forms of the event (lower counts), for shrinking."""
+        return iter(())
+
+
+@dataclass(frozen=True)
+class Join(Event):
+    """Each request prefills alone through mlx-lm, then merge + extend."""
+
+    requests: Tuple[str, ...] = ()
+    kind: ClassVar[str] = "join"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, ids_of(where, args))
+
+    @property
+    def args(self):
+        return list(self.requests)
+
+    @property
+    def named(self):
+        return self.requests
+
+    def without(self, rid):
+        rest = without_id(self.requests, rid)
+        return replace(self, requests=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class BatchedJoin(Event):
+    """The prompts prefill in one right-padded call (prepare/finalize)."""
+
+    requests: Tuple[str, ...] = ()
+    kind: ClassVar[str] = "batched_join"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, ids_of(where, args))
+
+    @property
+    def args(self):
+        return list(self.requests)
+
+    @property
+    def named(self):
+        return self.requests
+
+    def without(self, rid):
+        rest = without_id(self.requests, rid)
+        return replace(self, requests=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Leave(Event):
+    """The rows finish: filter keeps the others."""
+
+    requests: Tuple[str, ...] = ()
+    kind: ClassVar[str] = "leave"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, ids_of(where, args))
+
+    @property
+    def args(self):
+        return list(self.requests)
+
+    @property
+    def named(self):
+        return self.requests
+
+    def without(self, rid):
+        rest = without_id(self.requests, rid)
+        return replace(self, requests=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Step(Event):
+    """n decode steps: one token for every running row per step."""
+
+    n: int = 1
+    kind: ClassVar[str] = "step"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, count_of(where, args, what="step"))
+
+    @property
+    def args(self):
+        return self.n
+
+    def smaller(self):
+        if self.n > 1:
+            yield replace(self, n=self.n - 1)
+
+
+@dataclass(frozen=True)
+class Trim(Event):
+    """Drop the last n tokens of every running row."""
+
+    n: int = 1
+    kind: ClassVar[str] = "trim"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, count_of(where, args, what="trim"))
+
+    @property
+    def args(self):
+        return self.n
+
+    def smaller(self):
+        if self.n > 1:
+            yield replace(self, n=self.n - 1)
+
+
+@dataclass(frozen=True)
+class SpecRound(Event):
+    """A verify window of k+1 tokens for every row in one call; each row keeps
+    its accepted drafts plus one and rolls back the rest."""
+
+    k: int = 1
+    accepted: Mapping[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "spec_round"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        if not isinstance(args, dict) or set(args) - {"k", "accepted"} or "k" not in args:
+            raise ScheduleError(f'{where}: expected {{"k": drafts, "accepted": {{request: count}}}}')
+        k = count_of(where, args["k"], what="k")
+        accepted = amounts_of(where, args.get("accepted", {}), 0, "count")
+        for rid, a in accepted.items():
+            if a > k:
+                raise ScheduleError(f"{where}: {rid!r} accepts {a} of only k={k} drafts")
+        return cls(index, k, accepted)
+
+    @property
+    def args(self):
+        return {"k": self.k, "accepted": dict(self.accepted)}
+
+    @property
+    def named(self):
+        return tuple(self.accepted)
+
+    def without(self, rid):  # the round still runs for the other rows
+        return replace(self, accepted=without_key(self.accepted, rid))
+
+    def smaller(self):
+        if self.k > 1:
+            k = self.k - 1
+            yield replace(self, k=k, accepted={r: min(a, k) for r, a in self.accepted.items()})
+
+
+@dataclass(frozen=True)
+class Rollback(Event):
+    """Drop the last n tokens of the named rows (others 0)."""
+
+    amounts: Mapping[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "rollback"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        amounts = amounts_of(where, args, 0, "count")
+        if not amounts:
+            raise ScheduleError(f"{where}: rollback names no request")
+        return cls(index, amounts)
+
+    @property
+    def args(self):
+        return dict(self.amounts)
+
+    @property
+    def named(self):
+        return tuple(self.amounts)
+
+    def without(self, rid):
+        rest = without_key(self.amounts, rid)
+        return replace(self, amounts=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Extract(Event):
+    """Preempt: the row leaves the batch as a solo cache."""
+
+    request: str = ""
+    kind: ClassVar[str] = "extract"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, id_of(where, args))
+
+    @property
+    def args(self):
+        return self.request
+
+    @property
+    def named(self):
+        return (self.request,)
+
+    def without(self, rid):
+        return None if self.request == rid else self
+
+
+@dataclass(frozen=True)
+class SoloStep(Event):
+    """Extracted requests decode alone, each its own number of steps."""
+
+    steps: Mapping[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "solo_step"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        steps = amounts_of(where, args, 1, "steps")
+        if not steps:
+            raise ScheduleError(f"{where}: expected an object of extracted request id -> steps")
+        return cls(index, steps)
+
+    @property
+    def args(self):
+        return dict(self.steps)
+
+    @property
+    def named(self):
+        return tuple(self.steps)
+
+    def without(self, rid):
+        rest = without_key(self.steps, rid)
+        return replace(self, steps=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Reinsert(Event):
+    """The extracted request comes back (merge + extend)."""
+
+    request: str = ""
+    kind: ClassVar[str] = "reinsert"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, id_of(where, args))
+
+    @property
+    def args(self):
+        return self.request
+
+    @property
+    def named(self):
+        return (self.request,)
+
+    def without(self, rid):
+        return None if self.request == rid else self
+
+
+KINDS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,
+                                   Extract, SoloStep, Reinsert)}
+EVENT_KINDS = tuple(KINDS)
+
+
+def make_event(cls, source, index, args) -> Event:
+    """An event of kind ``cls`` from its JSON arguments, validated."""
+    return cls.parse(index, f"{source}: event #{index} {cls.kind} {json.dumps(args, separators=(',', ':'))}", args)
+
+
+def parse_event(source, index, doc) -> Event:
+    where = f"{source}: event #{index}"
+    if not isinstance(doc, dict) or len(doc) != 1:
+        raise ScheduleError(f"{where}: an event is an object with exactly one key, its kind")
+    (kind, args), = doc.items()
+    if kind not in KINDS:
+        raise ScheduleError(f"{where}: unknown event {kind!r} (known: {', '.join(EVENT_KINDS)})")
+    return make_event(KINDS[kind], source, index, args)
