@@ -13,7 +13,7 @@ from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import Reading, digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.l1 import SoloStates, _layer_parts
+from kvparity.suites.l1_solo import SoloStates, layer_parts
 from kvparity.suites.schedule import Request, parse
 
 TOKENS = 10
@@ -315,7 +315,7 @@ def test_a_solo_state_keeps_what_was_read_and_rereads_what_never_was():
     request = Request("a", prompt_len=9, quantized_kv_start=0, prefill_step_size=4)
     state = SoloStates().prefilled(kv, {}, request, 4, 64, 9)
     fresh = Reading()
-    expected = _layer_parts(fresh, state.solo.cache)
+    expected = layer_parts(fresh, state.solo.cache)
     fresh.evaluate()
     state.parts(Reading())  # never evaluated
     state.keep()

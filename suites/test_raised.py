@@ -69,7 +69,7 @@ def test_raising_on_the_solo_path_too_means_the_oracle_cannot_run(capsys, monkey
 
 
 @pytest.mark.parametrize("level, schedule, harness_part", [
-    ("L1", CATALOG / "join-longer-joiner.json", "kvparity.suites.l1.check_mask"),
+    ("L1", CATALOG / "join-longer-joiner.json", "kvparity.suites.l1_checks.check_mask"),
     ("L2", L2_SCHEDULE, "kvparity.suites.l2.compare_caches"),
     ("L3", L3_SCHEDULE, "kvparity.suites.l3.compare_request"),
 ])

@@ -7,7 +7,7 @@ NAME = "check"
 HELP = "exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged (for git bisect run)"
 DESCRIPTION = ("Run the catalog quietly and answer with the exit status: 0 parity holds, 1 parity broken, "
                "2 usage error (found before any work), 125 cannot judge here (git bisect run skips the commit), "
-               "128 kvparity itself failed (aborts the bisection). Made for `git bisect run kvparity check ...`.")
+               "128 kvparity itself failed (aborts the bisection), 130 interrupted. Made for `git bisect run kvparity check ...`.")
 
 
 def arguments(command):

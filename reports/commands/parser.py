@@ -21,7 +21,7 @@ EXAMPLES = """examples:
 models: {models}
 
 exit status: 0 parity holds, 1 parity broken, 2 usage error, 125 cannot judge here,
-128 the harness itself failed (aborts git bisect run)
+128 the harness itself failed (aborts git bisect run), 130 interrupted
 """
 
 

@@ -1,0 +1,400 @@
+"""L1's checks: after one event, every row of the batch, every extracted
+row and every source against the same requests alone in mlx-lm's caches.
+What each check compares is declared in ``suites/checks.py``."""
+
+from typing import List
+
+import mlx.core as mx
+import numpy as np
+
+from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, owned_arrays, shared_memory_later,
+                                    start_evaluating)
+from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
+                                    SHARED_PADDING, SOURCE)
+from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
+                                     state_triples, triple_job)
+from kvparity.suites.evidence import ScheduleResult
+from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
+from kvparity.suites.replay import Replay
+
+MASK_WIDTHS = (1, 3)
+
+
+class EventChecks:
+    """The checks of one event. Every array they read is taken when the
+    check is made and evaluated with all the others in one go at the end;
+    notes are queued in the order the checks are made and written then, so
+    the evidence reads as if each check had been noted at once."""
+
+    def __init__(self, result: ScheduleResult, at: int):
+        self.result, self.at = result, at
+        self.reading = Reading()
+        self.queue = []  # what to note, in order: (args of note) or a function that notes
+        self.jobs = []  # (request, (expected, actual, prefix, where), comparisons it counts for)
+
+    def note(self, *args):
+        self.queue.append(args)
+
+    def later(self, fn):
+        self.queue.append(fn)
+
+    def triples(self, rid, expected, actual, name, where):
+        job = triple_job(expected, actual, name, **where)
+        if isinstance(job, Divergence):
+            self.note(self.at, LAYOUT, [rid], 1, [job])
+        else:
+            self.jobs.append((rid, job, 1))
+
+    def named(self, rid, expected, actual, prefix, where, made=1):
+        self.jobs.append((rid, (expected, actual, prefix, where), made))
+
+    def flush(self):
+        """The byte comparisons queued so far are noted here, in order."""
+        jobs, self.jobs = self.jobs, []
+        compared = compare_later(self.reading, [job for _, job, _ in jobs])
+        self.later(lambda: self.note_per_row(
+            BYTES, ((rid, made, divergences) for (rid, _, made), divergences in zip(jobs, compared()))))
+
+    def note_per_row(self, check, entries):
+        """``check`` noted once per request; ``entries``: (request,
+        comparisons, divergences), several per request."""
+        rows = {}  # request -> [comparisons, divergences]
+        for rid, made, found in entries:
+            row = rows.setdefault(rid, [0, []])
+            row[0] += made
+            row[1] += found
+        for rid, (made, found) in rows.items():
+            self.result.note(self.at, check, [rid], made, found)
+
+    def done(self):
+        self.reading.evaluate()
+        queue, self.queue = self.queue, []
+        for item in queue:
+            if callable(item):
+                item()
+            else:
+                self.result.note(*item)
+
+
+def check_event(replay: Replay, backend, solo: SoloCaches, result: ScheduleResult, event):
+    """Every check after one event, each noting the comparisons it made."""
+    checks = EventChecks(result, event.index)
+    try:
+        _check_event(replay, backend, solo, checks, event)
+    except BaseException:
+        # What was checked before the implementation raised stays noted.
+        try:
+            checks.done()
+        except Exception:
+            pass  # the implementation's error is what the run reports
+        raise
+    checks.done()
+
+
+def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
+    """``backend``: the run's SyntheticBackend (its sources and what update_and_fetch returned)."""
+    batch_known = {}  # the batch's arrays as taken before any extract
+    check_sources(replay, backend, checks, event, batch_known)
+    check_preempted(replay, solo, checks, event)
+    batch = replay.layers[0] if replay.layers else None
+    if batch is None:
+        checks.flush()
+        return
+    before = checks.reading.take(owned_arrays(batch), batch_known)
+    layout = check_layout(batch, replay.rows, checks, event)
+    if layout is None:
+        return
+    size, _, pads, triples = layout
+    fetched = None
+    if backend.fetched is not None and backend.fetched[0] == replay.version:
+        fetched = state_triples(backend.fetched[1])
+    pad_slices = check_rows(replay.rows, solo, checks, event, batch, layout, fetched, batch_known)
+    checks.flush()
+    check_pad(pad_slices, checks)
+    check_unchanged(before, owned_arrays(batch), checks, replay.rows, event.label)
+    check_nbytes(batch, triples, checks, replay.rows, event.label)
+    check_mask(batch, replay.rows, size, pads, checks, event)
+
+
+def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event):
+    """Rows out of the batch: extracted ones hold the implementation's bytes,
+    waiting ones mlx-lm's own (compared, but no evidence)."""
+    label, at = event.label, event.index
+    for rid, alone in replay.preempted.items():
+        expected = solo.cache(rid)
+        made = 1 if rid in replay.extracted else 0
+        checks.note(at, OFFSET, [rid], made, [] if alone.cache.offset == expected.offset else [
+            Divergence(OFFSET, label, rid, expected=expected.offset, actual=alone.cache.offset)])
+        if made and hasattr(expected, "bits") and not alone.quantized:
+            # What extract returned is not quantized: said once, not per missing array.
+            unquantized = _not_triples(alone.cache, "extract", triples_of(solo.expected(rid, checks.reading)))
+            checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor="extracted",
+                                                           detail=unquantized)])
+            continue
+        checks.named(rid, solo.expected(rid, checks.reading), layer_parts(checks.reading, alone.cache),
+                     "extracted.", dict(event=label, request=rid), made)
+
+
+def check_layout(batch, rows, checks: EventChecks, event):
+    """Per-row offsets and pads, and a state of two triples: (size, offsets,
+    pads, triples), or None when the batch cannot be read row by row (noted)."""
+    label, at = event.label, event.index
+    size = batch.size()
+    offset, left_padding = batch.offset, batch.left_padding
+    mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
+    offsets, pads = _ints(offset), _ints(left_padding)
+    if len(offsets) != len(rows) or len(pads) != len(rows):
+        checks.note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
+                                                     f"left_padding {len(pads)} entries for {len(rows)} rows")])
+        return None
+    triples = state_triples(batch.state)
+    if triples is None:
+        checks.note(at, LAYOUT, rows, 1, [Divergence(
+            LAYOUT, label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
+                                                    "and the values' (packed, scales, biases) triples first")])
+        return None
+    checks.note(at, SHARED_PADDING, rows, 1,
+                [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns")]
+                if min(pads) > 0 else [])
+    return size, offsets, pads, triples
+
+
+def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout, fetched, batch_known) -> list:
+    """Each row's offset, left padding, bytes (in the state, in what
+    update_and_fetch returned, in extract) against its solo cache; returns
+    the pad columns' parts for the pad check. Every array is read once per
+    event: the batch before any extract (a later in-place change is caught
+    by check_unchanged), what update_and_fetch returned, and each oracle row
+    while its cache is untouched."""
+    size, offsets, pads, triples = layout
+    label, at, reading = event.label, event.index, checks.reading
+    pad_slices, fetched_known = [], {}
+    for i, rid in enumerate(rows):
+        expected_cache = solo.cache(rid)
+        where = dict(event=label, request=rid)
+        if not hasattr(expected_cache, "bits"):
+            checks.note(at, LAYOUT, [rid], 1, [Divergence(LAYOUT, detail="an unquantized row is in the batch",
+                                                          **where)])
+            continue
+        n, offset = expected_cache.offset, offsets[i]
+        checks.note(at, OFFSET, [rid], 1, [Divergence(OFFSET, expected=n, actual=offset, **where)] if offset != n
+                    else [])
+        if size - pads[i] != n:
+            checks.note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, n, size, pads[i], **where)])
+            continue  # the row's columns are unknown: bytes would only echo this
+        checks.note(at, LEFT_PADDING, [rid], 1)
+        lp = pads[i]
+        expected = triples_of(solo.expected(rid, reading))
+        row = (slice(i, i + 1), slice(None))
+        for name, triple in triples.items():
+            checks.triples(rid, expected[name], _parts(reading, triple, row + (slice(lp, size),), batch_known),
+                           f"batch.{name}", where)
+            pad_slices += [(rid, where, f"batch.{name}.{part}", lp, x) for part, x in
+                           zip(TRIPLE, _parts(reading, triple, row + (slice(None, lp),), batch_known))]
+            if fetched is not None:
+                checks.triples(rid, expected[name],
+                               _parts(reading, fetched[name], row + (slice(lp, size),), fetched_known),
+                               f"fetched.{name}", where)
+        check_extract(batch, i, expected_cache, expected, checks, where, batch_known)
+    return pad_slices
+
+
+def check_pad(pad_slices, checks: EventChecks):
+    """Hygiene: pad columns hold zeros."""
+
+    def entries():
+        for rid, where, tensor, lp, part in pad_slices:
+            # No pad columns (lp == 0): nothing to read, nothing can be non-zero.
+            if lp == 0 or not part.bits.any():
+                yield rid, 1, []
+                continue
+            first = int(np.flatnonzero(part.bits)[0])
+            yield rid, 1, [Divergence(PAD, tensor=tensor, index=first, expected=0,
+                                      actual=int(part.bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
+                                      **where)]
+
+    checks.later(lambda: checks.note_per_row(PAD, entries()))
+
+
+def check_nbytes(batch, triples, checks: EventChecks, rows, label):
+    """``nbytes`` counts at least the bytes the rows' own columns occupy."""
+    live = sum(x.nbytes for triple in triples.values() for x in triple)
+    held = batch.nbytes
+    ok = isinstance(held, int) and not isinstance(held, bool) and held >= live
+    checks.note(checks.at, NBYTES, rows, 1, [] if ok else [Divergence(
+        NBYTES, label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
+
+
+def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_known):
+    """``expected``: the solo row's keys and values triples, already taken;
+    ``batch_known``: the batch's arrays as taken before the extracts."""
+    extracted = batch.extract(i)
+    # Its copies compute while the next rows are checked.
+    start_evaluating(arrays_in(tuple(getattr(extracted, name, None) for name in ("keys", "values"))))
+    rid, at = where["request"], checks.at
+    offset = getattr(extracted, "offset", None)
+    if offset != solo.offset:
+        checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, expected=solo.offset, actual=offset,
+                                                          detail=f"offset of extract({i})", **where)])
+        return
+    known = {}
+    unquantized = _not_triples(extracted, f"extract({i})", expected)
+    if unquantized:  # nothing to compare byte for byte: one divergence says what came back
+        checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, tensor="extracted", detail=unquantized,
+                                                          **where)])
+    else:
+        bits, group_size = getattr(extracted, "bits", None), getattr(extracted, "group_size", None)
+        checks.note(at, EXTRACT, [rid], 1, [] if (bits, group_size) == (solo.bits, solo.group_size) else [
+            Divergence(EXTRACT, detail=f"extract({i}) returned a cache of bits {bits}, group_size {group_size}; "
+                                         f"the row's are {solo.bits}, {solo.group_size}", **where)])
+        for name in ("keys", "values"):
+            checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
+                           f"extracted.{name}", where)
+    shared = shared_memory_later(checks.reading, owned_arrays(extracted), owned_arrays(batch), known, batch_known)
+    checks.later(lambda: _note_alias(checks, at, [rid], shared(), dict(tensor="extract", **where),
+                                     "batch buffer"))
+
+
+def _not_triples(extracted, call: str, expected) -> str:
+    """What ``call`` (an extract) returned instead of the row's keys and
+    values triples, in words; empty when it returned triples."""
+    for name in ("keys", "values"):
+        stored = getattr(extracted, name, None)
+        if expected[name] is None and stored is None:
+            continue
+        if not (isinstance(stored, (tuple, list)) and len(stored) == 3):
+            return (f"{call} returned {in_words(stored, where_a_triple=True)} as {name}, "
+                    f"expected {a_triple(expected[name])}")
+    return ""
+
+
+def check_unchanged(before, after, checks: EventChecks, rows, label):
+    """``extract`` left the batch as it was: ``before``, the ticket of its
+    arrays taken before the extracts, against ``after`` by bytes (an array
+    written in place is still the same object)."""
+    changed = [Divergence(EXTRACT, label, detail="extract changed the batch")]
+    if len(before) != len(after):
+        checks.note(checks.at, EXTRACT, rows, 0, changed)
+        return
+    reading = checks.reading
+    after = reading.take(after)
+
+    def note_changed():
+        reading.evaluate()
+        if any(not _same_bits(a, b) for a, b in zip(reading[before], reading[after])):
+            checks.result.note(checks.at, EXTRACT, rows, 0, changed)
+
+    checks.later(note_changed)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal raw views; two views of one buffer with one layout without reading it."""
+    if a.shape != b.shape:
+        return False
+    same_buffer = a.strides == b.strides and a.__array_interface__["data"] == b.__array_interface__["data"]
+    return same_buffer or a.tobytes() == b.tobytes()
+
+
+def _note_alias(checks, at, rows, shared, where, whose):
+    checks.result.note(at, ALIAS, rows, 1, [] if shared is None else [
+        Divergence(ALIAS, actual=shared[2],
+                   detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of {whose} alive", **where)])
+
+
+def check_sources(replay: Replay, backend, checks: EventChecks, event, batch_known):
+    """merge/extend left their sources' bytes unchanged (parity); merge keeps
+    none of their buffers (hygiene)."""
+    label, at = event.label, event.index
+    batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
+    rows = replay.rows or list(replay.running())
+    named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
+    for member, caches, before in backend.sources:
+        after = [x for c in caches for x in owned_arrays(c)]
+        after_known = {}
+        # Always by bytes: an array written in place is still the same object.
+        compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})], after_known)
+        checks.later(lambda member=member, compared=compared: checks.result.note(
+            at, SOURCE, rows, 1,
+            [] if not compared()[0] else [Divergence(SOURCE, label, detail=f"{member} modified its source")]))
+        if member == "merge":
+            shared = shared_memory_later(checks.reading, batch_arrays, after, batch_known, after_known)
+            checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
+                                                           dict(event=label, tensor="merge"), "source buffer"))
+
+
+def check_mask(batch, rows, size, pads, checks: EventChecks, event):
+    label = event.label
+    for N in MASK_WIDTHS:
+        mask = _boolean_mask_later(checks.reading, batch.make_mask(N, return_array=True), len(rows), N, size + N)
+        checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask()))
+
+
+def _note_mask(checks, rows, size, pads, label, at, N, mask):
+    columns = np.arange(size + N)[None, :]
+    queries = np.arange(N)[:, None]
+    # Row i may see column c for query q when c >= pads[i] and c <= size + q.
+    expected_rows = (columns[None] >= np.array(pads, dtype=np.int64)[:, None, None]) & (columns <= size + queries)
+    equal = None if mask is None else (mask == expected_rows).all(axis=(1, 2))
+    for i, rid in enumerate(rows):
+        expected = expected_rows[i]
+        found = []
+        if mask is None or not equal[i]:
+            got = None if mask is None else mask[i]
+            index = None
+            if got is not None and got.shape == expected.shape:
+                index = int(np.flatnonzero(got != expected)[0])
+            found.append(Divergence(
+                MASK, label, rid, tensor=f"make_mask({N})", index=index,
+                expected=None if index is None else bool(expected.reshape(-1)[index]),
+                actual=None if index is None else bool(got.reshape(-1)[index]),
+                detail=f"row has {pads[i]} pad columns of {size}"))
+        checks.result.note(at, MASK, [rid], 1, found)
+
+
+def _boolean_mask_later(reading: Reading, mask, B, N, S):
+    """A function giving the mask as bool [B, N, S] once ``reading`` was
+    evaluated (its bits are taken now): None means attend everywhere,
+    "causal" means causal, additive masks attend where they are 0."""
+    if mask is None:
+        return lambda: np.ones((B, N, S), dtype=bool)
+    if isinstance(mask, str):
+        if mask != "causal":
+            return lambda: None
+        columns, queries = np.arange(S)[None, :], np.arange(N)[:, None]
+        return lambda: np.broadcast_to(columns <= S - N + queries, (B, N, S))
+    if not isinstance(mask, mx.array):
+        return lambda: None
+    boolean = mask.dtype == mx.bool_
+    ticket = reading.take([mask if boolean else mask.astype(mx.float32)])
+
+    def answer():
+        reading.evaluate()
+        (bits,) = reading[ticket]
+        # Boolean masks attend where true; additive ones where they are 0.
+        value = bits.astype(bool) if boolean else bits.view(np.float32) == 0
+        if value.ndim == 4:  # [B, heads, N, S]: one mask for every head
+            value = value[:, 0]
+        try:
+            return np.broadcast_to(value, (B, N, S))
+        except ValueError:
+            return None
+
+    return answer
+
+
+def _parts(reading: Reading, triple, index, known=None):
+    """``x[index]`` of each array, read with the event's other arrays;
+    ``known`` collects what was taken, so a second slice of the same arrays
+    at the same moment reads them once."""
+    return tuple(reading.parts(triple, index, known))
+
+
+def _solo_tokens(reading: Reading, cache, name, known=None):
+    triple = getattr(cache, name, None)
+    if triple is None:
+        return None
+    return _parts(reading, list(triple), (Ellipsis, slice(None, cache.offset), slice(None)), known)
+
+
+def _ints(x) -> List[int]:
+    return [int(v) for v in (x.tolist() if isinstance(x, mx.array) else x)]
