@@ -1,7 +1,9 @@
 """Event kinds: one small frozen class per kind of a schedule's timeline.
 
 An event is stored as an object with one key, its kind: ``{"step": 2}``.
-Each kind parses its own arguments through the small functions below, says
+Each kind parses its arguments through the small functions below (kinds
+whose arguments have the same shape share it: a list of requests, one
+request, a count; no kind derives from another kind), says
 which requests it names, and how shrinking may make it smaller
 (``suites/shrink.py`` asks the event, never its kind's name). What an event
 does to the batch is the replay core's ``Replay._<kind>`` (``suites/replay.py``).
@@ -88,116 +90,107 @@ class Event:
         return iter(())
 
 
+# Shapes of arguments several kinds share. A kind takes its shape's parsing
+# and shrinking; no kind derives from another kind.
+
+
 @dataclass(frozen=True)
-class Join(Event):
+class NamesRequests(Event):
+    """A kind whose argument is a list of request ids."""
+
+    requests: Tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, ids_of(where, args))
+
+    @property
+    def args(self):
+        return list(self.requests)
+
+    @property
+    def named(self):
+        return self.requests
+
+    def without(self, rid):
+        rest = without_id(self.requests, rid)
+        return replace(self, requests=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class NamesOneRequest(Event):
+    """A kind whose argument is one request id."""
+
+    request: str = ""
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, id_of(where, args))
+
+    @property
+    def args(self):
+        return self.request
+
+    @property
+    def named(self):
+        return (self.request,)
+
+    def without(self, rid):
+        return None if self.request == rid else self
+
+
+@dataclass(frozen=True)
+class Counts(Event):
+    """A kind whose argument is a count for every running row."""
+
+    n: int = 1
+
+    @classmethod
+    def parse(cls, index, where, args):
+        return cls(index, count_of(where, args, what=cls.kind))
+
+    @property
+    def args(self):
+        return self.n
+
+    def smaller(self):
+        if self.n > 1:
+            yield replace(self, n=self.n - 1)
+
+
+@dataclass(frozen=True)
+class Join(NamesRequests):
     """Each request prefills alone through mlx-lm, then merge + extend."""
 
-    requests: Tuple[str, ...] = ()
     kind: ClassVar[str] = "join"
 
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, ids_of(where, args))
-
-    @property
-    def args(self):
-        return list(self.requests)
-
-    @property
-    def named(self):
-        return self.requests
-
-    def without(self, rid):
-        rest = without_id(self.requests, rid)
-        return replace(self, requests=rest) if rest else None
-
 
 @dataclass(frozen=True)
-class BatchedJoin(Event):
+class BatchedJoin(NamesRequests):
     """The prompts prefill in one right-padded call (prepare/finalize)."""
 
-    requests: Tuple[str, ...] = ()
     kind: ClassVar[str] = "batched_join"
 
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, ids_of(where, args))
-
-    @property
-    def args(self):
-        return list(self.requests)
-
-    @property
-    def named(self):
-        return self.requests
-
-    def without(self, rid):
-        rest = without_id(self.requests, rid)
-        return replace(self, requests=rest) if rest else None
-
 
 @dataclass(frozen=True)
-class Leave(Event):
+class Leave(NamesRequests):
     """The rows finish: filter keeps the others."""
 
-    requests: Tuple[str, ...] = ()
     kind: ClassVar[str] = "leave"
 
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, ids_of(where, args))
-
-    @property
-    def args(self):
-        return list(self.requests)
-
-    @property
-    def named(self):
-        return self.requests
-
-    def without(self, rid):
-        rest = without_id(self.requests, rid)
-        return replace(self, requests=rest) if rest else None
-
 
 @dataclass(frozen=True)
-class Step(Event):
+class Step(Counts):
     """n decode steps: one token for every running row per step."""
 
-    n: int = 1
     kind: ClassVar[str] = "step"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, count_of(where, args, what="step"))
-
-    @property
-    def args(self):
-        return self.n
-
-    def smaller(self):
-        if self.n > 1:
-            yield replace(self, n=self.n - 1)
 
 
 @dataclass(frozen=True)
-class Trim(Event):
+class Trim(Counts):
     """Drop the last n tokens of every running row."""
 
-    n: int = 1
     kind: ClassVar[str] = "trim"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, count_of(where, args, what="trim"))
-
-    @property
-    def args(self):
-        return self.n
-
-    def smaller(self):
-        if self.n > 1:
-            yield replace(self, n=self.n - 1)
 
 
 @dataclass(frozen=True)
@@ -265,26 +258,10 @@ class Rollback(Event):
 
 
 @dataclass(frozen=True)
-class Extract(Event):
+class Extract(NamesOneRequest):
     """Preempt: the row leaves the batch as a solo cache."""
 
-    request: str = ""
     kind: ClassVar[str] = "extract"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, id_of(where, args))
-
-    @property
-    def args(self):
-        return self.request
-
-    @property
-    def named(self):
-        return (self.request,)
-
-    def without(self, rid):
-        return None if self.request == rid else self
 
 
 @dataclass(frozen=True)
@@ -315,26 +292,10 @@ class SoloStep(Event):
 
 
 @dataclass(frozen=True)
-class Reinsert(Event):
+class Reinsert(NamesOneRequest):
     """The extracted request comes back (merge + extend)."""
 
-    request: str = ""
     kind: ClassVar[str] = "reinsert"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        return cls(index, id_of(where, args))
-
-    @property
-    def args(self):
-        return self.request
-
-    @property
-    def named(self):
-        return (self.request,)
-
-    def without(self, rid):
-        return None if self.request == rid else self
 
 
 KINDS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,

@@ -21,7 +21,10 @@ def test_every_kind_is_its_own_class():
     events = [parse_event("<t>", i, doc) for i, doc in enumerate(EVERY_KIND)]
     for event, doc in zip(events, EVERY_KIND):
         assert event.to_json() == doc
-        assert type(event).__bases__ == (Event,)  # no kind inherits from another
+        # no kind inherits from another kind: only from Event or a shape of arguments
+        assert all(base is Event or not base.kind for base in type(event).__mro__[1:-1]), type(event)
+    kinds = [type(e) for e in events]
+    assert not any(isinstance(e, other) for e in events for other in kinds if other is not type(e))
     assert not isinstance(Trim(0, 2), Step)
 
 
