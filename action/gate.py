@@ -1,0 +1,44 @@
+"""Run the gate, ``kvparity run`` on the Metal GPU, from the action's inputs.
+
+The inputs come as environment variables (never spliced into a script). The
+exit status is written to ``$GITHUB_OUTPUT`` as ``exit-status`` and this step
+exits 0, so the summary and the upload still run after a failing gate; the
+action's last step exits with that status.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+
+from kvparity.reports.verdicts import EXIT_USAGE
+from workflow_commands import error
+
+
+def gate_command(environ) -> list:
+    """kvparity run's arguments; optional inputs left empty are left out.
+    The Python running this script is the one kvparity was installed into."""
+    command = [sys.executable, "-m", "kvparity", "run", "--impl", environ["KVPARITY_IMPL"],
+               "--level", environ["KVPARITY_LEVELS"], "--device", "gpu", "--policy", environ["KVPARITY_POLICY"]]
+    for option, name in (("--engine", "KVPARITY_ENGINE"), ("--expectations", "KVPARITY_EXPECTATIONS")):
+        if environ.get(name, "").strip():
+            command += [option, environ[name].strip()]
+    return command + ["--out", environ["KVPARITY_OUT"]]
+
+
+def main() -> int:
+    if not os.environ.get("KVPARITY_IMPL", "").strip():
+        # GitHub does not enforce a composite action's required inputs.
+        print(error("kvparity gate", "the input impl is empty: name your cache as MODULE:FACTORY"))
+        status = EXIT_USAGE
+    else:
+        command = gate_command(os.environ)
+        print("+", shlex.join(command), flush=True)
+        status = subprocess.run(command).returncode
+    with open(os.environ["GITHUB_OUTPUT"], "a", encoding="utf-8") as output:
+        output.write(f"exit-status={status}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
