@@ -205,6 +205,9 @@ def implementation(pytestconfig):
     if spec is None:
         pytest.exit("kvparity: no implementation under test: give --kvparity-impl MODULE:FACTORY "
                     "(or impl in [tool.kvparity], kvparity_impl in the ini file)", returncode=4)
+    # As on the command line, the repository under test can import its own modules.
+    if str(pytestconfig.rootpath) not in sys.path:
+        sys.path.insert(0, str(pytestconfig.rootpath))
     try:
         return load_implementation(spec)
     except ImplementationError as error:
