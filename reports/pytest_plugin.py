@@ -90,6 +90,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
+    levels(config)  # bad settings are refused before anything is collected
+    if setting(config, "schedules") is not None:
+        config.stash[THEIR_SCHEDULES] = their_schedules(config)
 
 
 def tool_table(config) -> dict:
@@ -166,20 +169,18 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-def pytest_generate_tests(metafunc):
-    """``kvparity_schedule``: each (file, level) of the folders --kvparity-schedules names."""
-    if "kvparity_schedule" not in metafunc.fixturenames:
-        return
-    value = setting(metafunc.config, "schedules")
-    if value is None:
-        metafunc.parametrize("kvparity_schedule", [pytest.param(
-            None, marks=pytest.mark.skip(reason="no schedule folders given (--kvparity-schedules)"))])
-        return
+THEIR_SCHEDULES = pytest.StashKey[list]()
+
+
+def their_schedules(config) -> list:
+    """(path, level) of each schedule file in the folders --kvparity-schedules
+    names, at each chosen level that takes it; every file is checked before
+    anything runs. A folder without schedule files is a usage error."""
     from kvparity.suites.replay import ScheduleError
     from kvparity.suites.runners import RUNNERS, load_schedule
 
-    chosen, cases = levels(metafunc.config), []
-    for folder in (Path(v) for v in value.split(",")):
+    chosen, cases = levels(config), []
+    for folder in (Path(v) for v in setting(config, "schedules").split(",")):
         paths = sorted(folder.glob("*.json"))
         if not paths:
             raise pytest.UsageError(f"--kvparity-schedules {folder}: no schedule files (*.json) there")
@@ -188,9 +189,20 @@ def pytest_generate_tests(metafunc):
                 schedule = load_schedule(path)
             except ScheduleError as error:
                 raise pytest.UsageError(str(error)) from None
-            cases += [pytest.param((path, level), id=f"{path.stem}-{level}")
-                      for level in chosen if RUNNERS[level].takes(schedule)]
-    metafunc.parametrize("kvparity_schedule", cases)
+            cases += [(path, level) for level in chosen if RUNNERS[level].takes(schedule)]
+    return cases
+
+
+def pytest_generate_tests(metafunc):
+    """``kvparity_schedule``: each (file, level) of ``their_schedules``."""
+    if "kvparity_schedule" not in metafunc.fixturenames:
+        return
+    cases = metafunc.config.stash.get(THEIR_SCHEDULES, None)
+    if cases is None:
+        metafunc.parametrize("kvparity_schedule", [pytest.param(
+            None, marks=pytest.mark.skip(reason="no schedule folders given (--kvparity-schedules)"))])
+        return
+    metafunc.parametrize("kvparity_schedule", [pytest.param(c, id=f"{c[0].stem}-{c[1]}") for c in cases])
 
 
 # -- fixtures -------------------------------------------------------------------------
