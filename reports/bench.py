@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,6 +21,7 @@ import mlx.core as mx
 from tabulate import tabulate
 
 import kvparity.suites
+from kvparity.suites.adapter import REFERENCE
 
 SUITE = Path(kvparity.suites.__file__).parent / "test_benchmarks.py"
 RATIO_HEADERS = ["ratio", "case", "measured", "target", "met?"]
@@ -43,29 +45,37 @@ def run_benchmarks(
     """Run the suite into ``out_dir/benchmark.json``; write and return ``benchmarks.md``.
 
     The suite runs in a fresh interpreter (MLX state and model caches stay out
-    of this process), from the repository root so that its pytest
-    configuration applies. A failing suite still gets its table written when
-    pytest produced the JSON; then BenchmarkFailed says so (``measured``).
-    Paths are not named in the message: ``out_dir`` may be a staging
-    directory that is renamed or removed afterwards.
+    of this process) through the kvparity pytest plugin, from an empty
+    directory with an empty configuration of its own: the same run from a
+    checkout, a wheel or a team's repository, whose pytest settings stay out
+    of it. A failing suite still gets its table written when pytest produced
+    the JSON; then BenchmarkFailed says so (``measured``). Paths are not
+    named, by the message or by pytest-benchmark (quiet): ``out_dir`` may be a
+    staging directory that is renamed or removed afterwards.
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "benchmark.json"
     json_path.unlink(missing_ok=True)
-    argv = [
-        sys.executable, "-m", "pytest", str(SUITE),
-        "-m", "benchmark_suite",
-        f"--benchmark-json={json_path}",
-        "--benchmark-columns=median,iqr,rounds",
-        "--benchmark-sort=fullname",
-        *(["--impl", impl] if impl else []),
-        *pytest_args,
-    ]
-    env = {**os.environ, "KVPARITY_BENCH_QUICK": "1" if quick else "0"}
-    start = time.perf_counter()
-    status = subprocess.run(argv, env=env, cwd=SUITE.parent.parent).returncode
-    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="kvparity-bench-") as empty:
+        config = Path(empty) / "pytest.ini"
+        config.write_text("[pytest]\n")
+        argv = [
+            sys.executable, "-m", "pytest", str(SUITE),
+            "-c", str(config), "--rootdir", empty, "-p", "no:cacheprovider", "--import-mode=importlib",
+            "-m", "benchmark_suite",
+            f"--benchmark-json={json_path}",
+            "--benchmark-quiet",
+            "--benchmark-sort=fullname",
+            "--kvparity-impl", impl or REFERENCE,
+            *pytest_args,
+        ]
+        # The repository under test is the working directory, as for the other commands.
+        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "KVPARITY_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": path}
+        start = time.perf_counter()
+        status = subprocess.run(argv, env=env, cwd=empty).returncode
+        seconds = time.perf_counter() - start
     if not json_path.exists():
         raise BenchmarkFailed(f"benchmark suite wrote no results (pytest exit {status})", measured=False)
 

@@ -14,6 +14,7 @@ date, which fails the run under a policy with ``unexpected_passes: gate``
 import json
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from importlib.resources import files
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -23,8 +24,8 @@ from kvparity.suites.checks import CHECKS
 from kvparity.suites.events import EVENT_KINDS
 from kvparity.suites.levels import LEVELS
 
-SCHEMA_PATH = Path(__file__).parent / "schema" / "expectations.schema.json"
-EXAMPLES = Path(__file__).parent / "examples" / "expectations"  # shipped expectations files
+SCHEMA_PATH = Path(files(__package__) / "schema" / "expectations.schema.json")  # package data
+EXAMPLES = Path(files(__package__) / "examples" / "expectations")  # shipped expectations files
 # What became of a declaration in a run.
 MATCHED = "matched"
 UNEXPECTEDLY_PASSING = "unexpectedly passing"  # its check was compared in its scope and never diverged

@@ -14,12 +14,13 @@ data movement: bit-exact on every backend, whatever the policy says; and
 import json
 import math
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Mapping, Optional
 
 from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
 
-POLICIES = Path(__file__).parent / "policies"
+POLICIES = Path(files(__package__) / "policies")  # package data
 GATES = ("bit-exact", "ulp", "kl")
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
 TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)

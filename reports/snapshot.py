@@ -24,10 +24,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 
 CONTROLS = "kvparity.impl.negative_controls"
-EXPECTATIONS = Path(__file__).parent / "examples" / "expectations" / "extract-bfloat16.json"
+EXPECTATIONS = Path(files(__package__) / "examples" / "expectations" / "extract-bfloat16.json")
 # Every field of a result and a row that a verdict is made of.
 RESULT_FIELDS = ("schedule", "level", "implementation", "verdict", "stopped", "reason", "event_kinds", "members")
 ROW_FIELDS = ("request", "verdict", "tier", "required", "reason", "counts")

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections import Counter
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional
 
@@ -30,7 +31,7 @@ from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import OUTCOMES
 
 SCHEMA = "kvparity.report/2"
-SCHEMA_PATH = Path(__file__).parent / "schema" / "report.schema.json"
+SCHEMA_PATH = Path(files(__package__) / "schema" / "report.schema.json")  # package data
 
 
 class ReportDirectory(AtomicDirectory):

@@ -39,11 +39,15 @@ class RunOptions:
         return None if self.real_model else self.model
 
 
-def load_schedule(path):
-    """A schedule file of either kind: events (L1, L2) or arrivals (L3)."""
-    doc = read_document(path)
+def schedule_of(doc, source: str):
+    """A schedule document of either kind: events (L1, L2) or arrivals (L3)."""
     kind = doc.get("kind") if isinstance(doc, dict) else None
-    return (arrivals.parse if kind == arrivals.KIND else parse)(doc, source=str(path))
+    return (arrivals.parse if kind == arrivals.KIND else parse)(doc, source=source)
+
+
+def load_schedule(path):
+    """A schedule file of either kind."""
+    return schedule_of(read_document(path), str(path))
 
 
 def is_arrivals(schedule) -> bool:

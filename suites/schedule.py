@@ -23,6 +23,7 @@ A bad file gets a ``ScheduleError`` naming the file, the event and the reason.
 import json
 import os
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -33,7 +34,7 @@ from kvparity.suites.replay import ScheduledCall, ScheduleError, dry_run
 LEVELS = ("L1", "L2")
 DEFAULT_PREFILL_STEP = 2048
 
-CATALOG = Path(__file__).parent / "catalog"
+CATALOG = Path(files(__package__) / "catalog")  # package data, also in a wheel
 REAL_CATALOG = CATALOG / "real"  # schedules for the real model (SmolLM2)
 
 

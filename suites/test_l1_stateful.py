@@ -14,9 +14,6 @@ from kvparity.suites.fuzz import YOUNG_THRESHOLD, fewer_collections, generate, m
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import load
 
-EXAMPLES = int(os.environ.get("KVPARITY_FUZZ_EXAMPLES", "300"))
-
-
 def fuzz_settings(examples, **overrides):
     return settings(
         max_examples=examples,
@@ -29,13 +26,13 @@ def fuzz_settings(examples, **overrides):
     )
 
 
-def test_generated_schedules(implementation, policy, judged, tmp_path):
+def test_generated_schedules(implementation, policy, judged, generated_examples, tmp_path):
     machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path))
-    generate(machine, settings=fuzz_settings(EXAMPLES))
-    assert machine.schedules_started >= EXAMPLES
+    generate(machine, settings=fuzz_settings(generated_examples))
+    assert machine.schedules_started >= generated_examples
     # Most generated rows go through the batch; waiting-only ones have no evidence.
-    assert machine.row_outcomes.get(PASS, 0) >= EXAMPLES, machine.row_outcomes
+    assert machine.row_outcomes.get(PASS, 0) >= generated_examples, machine.row_outcomes
 
 
 # Shrinking costs a minute or more for some bugs: two run by default, the

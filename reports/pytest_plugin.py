@@ -1,0 +1,359 @@
+"""kvparity as a pytest plugin (the ``pytest11`` entry point ``kvparity``).
+
+Wherever kvparity is installed, pytest gets its settings and fixtures::
+
+    pytest --kvparity-impl mypkg.cache:Factory -m kvparity --pyargs kvparity
+
+runs kvparity's suites (the catalog at each level, the generated schedules,
+the negative-control self-check) against that class, and a team's own tests
+can run schedules through ``kvparity_run`` and gate them with
+``kvparity_assert``. Every test collected from kvparity's package carries the
+``kvparity`` marker.
+
+Each setting comes from the command line (``--kvparity-NAME``), else from
+``[tool.kvparity]`` in the root's pyproject.toml (``NAME``), else from an ini
+key (``kvparity_NAME`` in pytest.ini or ``[tool.pytest.ini_options]``).
+Relative paths in a file are read from the root, on the command line from
+the current directory.
+
+The plugin loads in every pytest run where kvparity is installed: the
+harness (and MLX with it) is imported only when a kvparity fixture runs.
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+import kvparity.reports
+import kvparity.suites
+from kvparity.suites.levels import LEVELS
+
+# The folders kvparity's tests are collected from.
+TEST_FOLDERS = tuple(Path(p.__file__).resolve().parent for p in (kvparity.suites, kvparity.reports))
+# In a checkout those folders sit beside pyproject.toml, and the harness's
+# own tests run too; installed, only the suites that gate an implementation
+# are collected (the rest test the harness on its sources).
+CHECKOUT = (TEST_FOLDERS[0].parent / "pyproject.toml").is_file()
+# The test modules that gate the implementation under test, and the level
+# each runs (None: the levels of its schedules).
+GATE_MODULES = {
+    "test_l1_catalog": "L1", "test_l1_stateful": "L1", "test_negative_controls": "L1",
+    "test_l2_catalog": "L2", "test_l2_stateful": "L2",
+    "test_l3": "L3",
+    "test_schedule_dirs": None,
+}
+MARKERS = (
+    "kvparity: a test of kvparity's own package (select them with -m kvparity)",
+    "slow: long-running checks kept out of the default run (CI runs them separately)",
+    "real_model: runs the real SmolLM2-135M model (slower; CI runs it in its own step)",
+    "benchmark_suite: pytest-benchmark measurements (CI runs a short version)",
+)
+SHOWN = 5  # divergences quoted in a failure
+DEFAULT_EXAMPLES = 300  # generated L1 schedules
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # --kvparity-NAME, [tool.kvparity] NAME, ini kvparity_NAME
+    metavar: str
+    help: str
+    is_path: bool = False
+
+    @property
+    def dest(self) -> str:
+        return f"kvparity_{self.name}"
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("impl", "MODULE:FACTORY", "batch cache implementation under test (a class or a factory returning one)"),
+    Setting("engine", "MODULE:FACTORY", "L3: the engine serving arrivals (default: mlx-lm's BatchGenerator)"),
+    Setting("levels", "L1,L2,L3", "levels whose suites run (default: all)"),
+    Setting("policy", "NAME|FILE", "verdict policy (default: cpu, bit-exact)"),
+    Setting("expectations", "FILE", "declared divergences (JSON) of the implementation: they do not gate",
+            is_path=True),
+    Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", is_path=True),
+    Setting("examples", "N", f"generated L1 schedules (default: {DEFAULT_EXAMPLES})"),
+)}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("kvparity", "kvparity: parity of a batched quantized KV cache")
+    for s in SETTINGS.values():
+        group.addoption(f"--kvparity-{s.name}", dest=s.dest, default=None, metavar=s.metavar, help=s.help)
+        parser.addini(s.dest, f"kvparity: {s.help}", default=None)
+
+
+def pytest_configure(config):
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+    levels(config)  # bad settings are refused before anything is collected
+    if setting(config, "schedules") is not None:
+        config.stash[THEIR_SCHEDULES] = their_schedules(config)
+
+
+def tool_table(config) -> dict:
+    """``[tool.kvparity]`` of the root's pyproject.toml, or {}."""
+    path = config.rootpath / "pyproject.toml"
+    if not path.is_file():
+        return {}
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pytest itself needs tomli before 3.11
+        import tomli as tomllib
+    with path.open("rb") as file:
+        table = tomllib.load(file).get("tool", {}).get("kvparity", {})
+    unknown = sorted(set(table) - set(SETTINGS))
+    if unknown:
+        raise pytest.UsageError(f"{path}: [tool.kvparity]: unknown {', '.join(unknown)} "
+                                f"(known: {', '.join(SETTINGS)})")
+    return table
+
+
+def setting(config, name: str):
+    """A setting's value: the command line, [tool.kvparity], the ini key, or None."""
+    s = SETTINGS[name]
+    given = config.getoption(s.dest)
+    if given is not None:
+        return given
+    value = tool_table(config).get(name)
+    if value is None:
+        value = config.getini(s.dest)
+    if value is None:
+        return None
+    if s.is_path:  # read from the root, as pytest reads paths in its ini file
+        values = value if isinstance(value, list) else str(value).split(",")
+        return ",".join(str(config.rootpath / v.strip()) for v in values)
+    return ",".join(value) if isinstance(value, list) else str(value)
+
+
+def levels(config):
+    value = setting(config, "levels")
+    chosen = tuple(LEVELS) if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in LEVELS]
+    if unknown or not chosen:
+        raise pytest.UsageError(f"--kvparity-levels {value!r}: expected some of {', '.join(LEVELS)}")
+    return chosen
+
+
+def in_package(path: Path) -> bool:
+    return any(folder in Path(path).resolve().parents for folder in TEST_FOLDERS)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Installed, only the gate's modules are collected from kvparity's package."""
+    if CHECKOUT or not in_package(collection_path) or collection_path.suffix != ".py":
+        return None
+    if collection_path.name.startswith("test_") and collection_path.stem not in GATE_MODULES:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark kvparity's tests, and deselect the gate's suites of levels not chosen."""
+    chosen = levels(config)
+    kept, dropped = [], []
+    for item in items:
+        path = Path(str(item.path))
+        if not in_package(path):
+            kept.append(item)
+            continue
+        item.add_marker(pytest.mark.kvparity)
+        level = GATE_MODULES.get(path.stem)
+        (dropped if level is not None and level not in chosen else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+THEIR_SCHEDULES = pytest.StashKey[list]()
+
+
+def their_schedules(config) -> list:
+    """(path, level) of each schedule file in the folders --kvparity-schedules
+    names, at each chosen level that takes it; every file is checked before
+    anything runs. A folder without schedule files is a usage error."""
+    from kvparity.suites.replay import ScheduleError
+    from kvparity.suites.runners import RUNNERS, load_schedule
+
+    chosen, cases = levels(config), []
+    for folder in (Path(v) for v in setting(config, "schedules").split(",")):
+        paths = sorted(folder.glob("*.json"))
+        if not paths:
+            raise pytest.UsageError(f"--kvparity-schedules {folder}: no schedule files (*.json) there")
+        for path in paths:
+            try:
+                schedule = load_schedule(path)
+            except ScheduleError as error:
+                raise pytest.UsageError(str(error)) from None
+            cases += [(path, level) for level in chosen if RUNNERS[level].takes(schedule)]
+    return cases
+
+
+def pytest_generate_tests(metafunc):
+    """``kvparity_schedule``: each (file, level) of ``their_schedules``."""
+    if "kvparity_schedule" not in metafunc.fixturenames:
+        return
+    cases = metafunc.config.stash.get(THEIR_SCHEDULES, None)
+    if cases is None:
+        metafunc.parametrize("kvparity_schedule", [pytest.param(
+            None, marks=pytest.mark.skip(reason="no schedule folders given (--kvparity-schedules)"))])
+        return
+    metafunc.parametrize("kvparity_schedule", [pytest.param(c, id=f"{c[0].stem}-{c[1]}") for c in cases])
+
+
+# -- fixtures -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def implementation(pytestconfig):
+    """The implementation under test (``suites.adapter.Implementation``)."""
+    from kvparity.suites.adapter import ImplementationError, load_implementation
+
+    spec = setting(pytestconfig, "impl")
+    if spec is None:
+        pytest.exit("kvparity: no implementation under test: give --kvparity-impl MODULE:FACTORY "
+                    "(or impl in [tool.kvparity], kvparity_impl in the ini file)", returncode=4)
+    # As on the command line, the repository under test can import its own modules.
+    if str(pytestconfig.rootpath) not in sys.path:
+        sys.path.insert(0, str(pytestconfig.rootpath))
+    try:
+        return load_implementation(spec)
+    except ImplementationError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def engine(pytestconfig) -> Optional[str]:
+    """L3's engine, ``package.module:factory``; None for mlx-lm's BatchGenerator."""
+    return setting(pytestconfig, "engine")
+
+
+@pytest.fixture(scope="session")
+def policy(pytestconfig):
+    from kvparity.reports.policy import PolicyError, load_policy
+
+    try:
+        return load_policy(setting(pytestconfig, "policy") or "cpu")
+    except PolicyError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def expectations(pytestconfig):
+    from kvparity.reports.expectations import ExpectationsError, load_expectations
+
+    path = setting(pytestconfig, "expectations")
+    try:
+        return None if path is None else load_expectations(path)
+    except ExpectationsError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def generated_examples(pytestconfig) -> int:
+    """How many L1 schedules the generator runs (KVPARITY_FUZZ_EXAMPLES if no setting gives it)."""
+    value = setting(pytestconfig, "examples") or os.environ.get("KVPARITY_FUZZ_EXAMPLES", str(DEFAULT_EXAMPLES))
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"--kvparity-examples {value!r}: expected a positive integer")
+    return int(value)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real model, fetched once; its suites skip, saying why, where it cannot be had."""
+    from kvparity.oracle.models import ModelUnavailable, load_model
+
+    try:
+        return load_model("smollm2")
+    except ModelUnavailable as error:
+        pytest.skip(str(error))
+
+
+def describe(judged) -> str:
+    """A schedule run's verdict (``reports.verdicts.judge``) in words: each
+    row that did not pass, and its first divergences."""
+    from kvparity.suites.evidence import PASS
+
+    result = judged.evidence
+    lines = [f"{result.level} {result.schedule}: {judged.verdict} ({result.path})"]
+    if result.reason:
+        lines.append(f"  {result.reason}")
+    for row in judged.rows:
+        if row.verdict != PASS:
+            divergences = sorted(row.evidence.divergences, key=lambda d: d.order)
+            lines.append(f"  row {row.evidence.request!r}: {row.verdict}, {row.evidence.checks} comparisons"
+                         + (f"; {row.reason}" if row.reason else ""))
+            lines += [f"    {d.message()}" for d in divergences[:SHOWN]]
+    return "\n".join(lines)
+
+
+def assert_parity(judged):
+    """Pass with evidence, skip as not supported, or fail saying why: a
+    missing capability is never a pass, and neither is a run that compared
+    nothing. Returns the verdict."""
+    from kvparity.suites.evidence import EXPECTED_DIVERGENCE, NOT_SUPPORTED, PASS
+
+    __tracebackhide__ = True  # a failure points at the test that asked
+    if judged.verdict == NOT_SUPPORTED:
+        pytest.skip(f"not supported: {judged.evidence.reason}")
+    if judged.verdict not in (PASS, EXPECTED_DIVERGENCE):
+        raise AssertionError(describe(judged))
+    return judged
+
+
+@pytest.fixture(scope="session")
+def judged():
+    """``judged(result, policy="cpu")``: the verdict of a run under a policy
+    (a name, a file or a Policy), its evidence as ``.evidence``. The suites
+    gather evidence; the verdict is the reports' business, handed to them here."""
+    from kvparity.reports.policy import Policy, load_policy
+    from kvparity.reports.verdicts import judge
+
+    def verdict(result, under="cpu"):
+        return judge(result, under if isinstance(under, Policy) else load_policy(under))
+
+    return verdict
+
+
+@pytest.fixture(scope="session")
+def gate(policy, expectations):
+    """``gate(result)``: ``assert_parity`` of the run judged under the
+    policy; divergences the expectations declare do not gate."""
+    from kvparity.reports.verdicts import judge
+
+    def check(result, under=None):
+        return assert_parity(judge(result, under or policy, expectations))
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def kvparity_run(implementation, engine, policy, expectations):
+    """``kvparity_run(schedule, level="L1")``: run a schedule file (a path) or
+    a schedule written as a dict on the implementation under test at that
+    level; returns the verdict (``reports.verdicts.ScheduleVerdict``) under
+    the policy and expectations, its evidence as ``.evidence``. A schedule
+    the level does not take is a usage error before anything runs."""
+    from kvparity.reports.verdicts import judge
+    from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule, schedule_of
+
+    def run(schedule, level="L1"):
+        if level not in RUNNERS:
+            raise pytest.UsageError(f"kvparity_run: level {level!r}: expected one of {', '.join(RUNNERS)}")
+        loaded = schedule_of(schedule, "<inline schedule>") if isinstance(schedule, dict) else load_schedule(schedule)
+        runner = RUNNERS[level]
+        if not runner.takes(loaded):
+            raise pytest.UsageError(f"kvparity_run: {loaded.path or loaded.name}: not a schedule {level} runs")
+        return judge(runner.run(loaded, implementation, RunOptions(engine=engine)), policy, expectations)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def kvparity_assert():
+    """``kvparity_assert(verdict)``: ``assert_parity``, for a team's own tests."""
+    return assert_parity
