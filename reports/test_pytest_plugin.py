@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvparity.reports import pytest_plugin
 from kvparity.suites.schedule import CATALOG
 
@@ -28,6 +30,7 @@ def pytest_in(repo: Path, *args):
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # pytest processes at two levels
 def test_their_schedule_folders_run_at_the_chosen_levels(tmp_path):
     """Their own schedules gate like the catalog, from [tool.kvparity] or the command line."""
     folder = tmp_path / "schedules"

@@ -289,6 +289,7 @@ def test_gate_command_from_inputs(monkeypatch):
     assert command[-6:] == ["--engine", "eng:E", "--expectations", "exp.json", "--out", "out"]
 
 
+@pytest.mark.slow  # three kvparity processes
 def test_gate_records_kvparity_status_and_succeeds(tmp_path):
     """The step itself exits 0 so the summary and upload run; the status is
     kvparity's own (here 125: this MLX has no GPU, or 2: a bad level)."""
