@@ -62,7 +62,10 @@ def run_benchmarks(
         *(["--impl", impl] if impl else []),
         *pytest_args,
     ]
-    env = {**os.environ, "KVPARITY_BENCH_QUICK": "1" if quick else "0"}
+    # A pytest of its own, never a pytest-xdist worker: pytest-benchmark turns
+    # itself off where it finds a worker's variables (inherited from a run under -n).
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST_")}
+    env["KVPARITY_BENCH_QUICK"] = "1" if quick else "0"
     start = time.perf_counter()
     status = subprocess.run(argv, env=env, cwd=SUITE.parent.parent).returncode
     seconds = time.perf_counter() - start

@@ -90,6 +90,20 @@ def test_bench_prints_the_final_path(suite, tmp_path, capsys):
     assert (report / "benchmark.json").exists() and (report / "benchmarks.md").exists()
 
 
+def test_bench_measures_when_started_inside_a_pytest_xdist_worker(suite, tmp_path, monkeypatch):
+    """pytest-benchmark turns itself off where it finds a pytest-xdist worker's
+    variables; the suite's own pytest is not a worker, whoever starts it (this
+    file's tests run under ``pytest -n`` too)."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    suite(TINY)
+    out_dir = tmp_path / "reports"
+    assert main(["bench", "--quick", "--out", str(out_dir)]) == EXIT_OK
+    (report,) = _reports(out_dir)
+    (measured,) = json.loads((report / "benchmark.json").read_text())["benchmarks"]
+    assert measured["extra_info"]["metric"] == "tiny" and measured["stats"]["rounds"] == 1
+
+
 def test_bench_fails_when_its_suite_fails(suite, tmp_path, capsys):
     suite(TINY + BREAKS)
     out_dir = tmp_path / "reports"
