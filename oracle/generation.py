@@ -21,7 +21,6 @@ is anything with the attributes in ``GENERATION_FIELDS`` (an L3
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from typing import List
 
@@ -32,7 +31,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.oracle.arrays import digest
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
-from kvparity.oracle.trace import oracle_cache
+from kvparity.oracle.trace import drop_entry, oracle_cache
 
 GENERATION_FORMAT = "kvparity.l3-solo/1"
 # What a generation depends on, besides the model and the machine.
@@ -96,7 +95,7 @@ def cached_generate_alone(model, request, model_sha256: str, use_cache: bool = T
                 return SoloGeneration(manifest["tokens"], vectors)
         except (OSError, ValueError, KeyError, RuntimeError):
             pass
-        shutil.rmtree(directory, ignore_errors=True)
+        drop_entry(directory)
     solo = generate_alone(model, request)
     try:
         with AtomicDirectory(directory.parent, directory.name) as staging:

@@ -8,12 +8,15 @@ match their hashes is refused, never compared.
 Solo runs are cached under ``<cache dir>/oracle/<key>/`` where the key hashes
 the model, the request, the calls it sees, the kv settings, the mlx and
 mlx-lm versions and the device: a second run of a suite reuses them.
+Several processes may share the cache (``pytest -n``, two CI jobs): an entry
+appears complete or not at all, and leaves the same way (``drop_entry``).
 """
 
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +25,7 @@ import mlx.core as mx
 from kvparity.oracle.gguf import cache_dir
 from kvparity.oracle.arrays import digest
 from kvparity.oracle.solo import SoloCall, SoloTrace
-from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.atomic import STAGING, AtomicDirectory
 from kvparity.oracle.machine import machine
 
 FORMAT = "kvparity.trace/1"
@@ -119,6 +122,24 @@ def oracle_cache() -> Path:
     return Path(os.environ.get("KVPARITY_ORACLE_CACHE", cache_dir() / "oracle"))
 
 
+def drop_entry(directory):
+    """Remove a cache entry at once: it is renamed to a staging name of this
+    process, where no reader looks (and which the next writer removes should
+    this process die), then deleted. Deleting it in place would let another
+    process read it half gone, or leave a half-deleted entry that is never
+    stored again if this process were killed. Another process dropping the
+    same entry first is no error."""
+    directory = Path(directory)
+    if not directory.parent.is_dir():
+        return
+    doomed = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=directory.parent))
+    try:
+        os.replace(directory, doomed)  # onto the empty staging directory: one rename
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def cached_solo(run, schedule, rid: str, model) -> SoloTrace:
     """``run()`` computes the trace; reuse a stored one with the same key."""
     directory = oracle_cache() / request_key(schedule, rid, model)
@@ -126,7 +147,7 @@ def cached_solo(run, schedule, rid: str, model) -> SoloTrace:
         try:
             return load_trace(directory)
         except TraceError:
-            shutil.rmtree(directory, ignore_errors=True)  # recompute a damaged entry
+            drop_entry(directory)  # recompute a damaged entry
     trace = run()
     save_trace(trace, directory, {"model": model.name, "model_sha256": model.sha256})
     return trace

@@ -70,9 +70,12 @@ def run_benchmarks(
             "--kvparity-impl", impl or REFERENCE,
             *pytest_args,
         ]
-        # The repository under test is the working directory, as for the other commands.
+        # The repository under test is the working directory, as for the other commands. A pytest
+        # of its own, never a pytest-xdist worker: pytest-benchmark turns itself off where it finds
+        # a worker's variables (inherited from a run under -n).
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "KVPARITY_BENCH_QUICK": "1" if quick else "0", "PYTHONPATH": path}
+        env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST_")}
+        env.update(KVPARITY_BENCH_QUICK="1" if quick else "0", PYTHONPATH=path)
         start = time.perf_counter()
         status = subprocess.run(argv, env=env, cwd=empty).returncode
         seconds = time.perf_counter() - start

@@ -2,11 +2,14 @@
 the exit status and paths of the commands that run the benchmark suite."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from kvparity.reports import bench as bench_module
-from kvparity.reports.bench import ratio_table
+from kvparity.reports.bench import SUITE, ratio_table
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.suites.schedule import CATALOG
 
@@ -90,6 +93,20 @@ def test_bench_prints_the_final_path(suite, tmp_path, capsys):
     assert (report / "benchmark.json").exists() and (report / "benchmarks.md").exists()
 
 
+def test_bench_measures_when_started_inside_a_pytest_xdist_worker(suite, tmp_path, monkeypatch):
+    """pytest-benchmark turns itself off where it finds a pytest-xdist worker's
+    variables; the suite's own pytest is not a worker, whoever starts it (this
+    file's tests run under ``pytest -n`` too)."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    suite(TINY)
+    out_dir = tmp_path / "reports"
+    assert main(["bench", "--quick", "--out", str(out_dir)]) == EXIT_OK
+    (report,) = _reports(out_dir)
+    (measured,) = json.loads((report / "benchmark.json").read_text())["benchmarks"]
+    assert measured["extra_info"]["metric"] == "tiny" and measured["stats"]["rounds"] == 1
+
+
 def test_bench_fails_when_its_suite_fails(suite, tmp_path, capsys):
     suite(TINY + BREAKS)
     out_dir = tmp_path / "reports"
@@ -134,3 +151,23 @@ def test_run_bench_whose_suite_measured_nothing_still_writes_the_report(suite, t
     suite("def broken(:\n")
     report, captured = _run_bench_failing(tmp_path / "reports", capsys)
     assert "benchmark suite wrote no results" in captured.err
+
+
+# -- the real suite under pytest-xdist --------------------------------------------------
+
+
+def test_the_benchmark_suite_is_skipped_in_a_pytest_xdist_worker_saying_why():
+    """In a worker (the variable pytest-xdist sets, and pytest-benchmark reads)
+    every benchmark is skipped with the reason; outside one the same
+    benchmark measures."""
+
+    def one_benchmark(**worker):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+        return subprocess.run([sys.executable, "-m", "pytest", str(SUITE), "-m", "benchmark_suite", "-q", "-rs",
+                               "-k", "test_bytes_per_token and 4-64-quantized"],
+                              env={**env, **worker}, cwd=SUITE.parent.parent, capture_output=True, text=True)
+
+    skipped = one_benchmark(PYTEST_XDIST_WORKER="gw0")
+    assert "1 skipped" in skipped.stdout and "do not run under pytest-xdist" in skipped.stdout, skipped.stdout
+    measured = one_benchmark()
+    assert measured.returncode == 0 and "1 passed" in measured.stdout, measured.stdout

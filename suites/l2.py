@@ -25,7 +25,6 @@ tensor, flat index and both values; it is never blamed on the
 implementation, never a pass, and the stored trace is dropped from the cache.
 """
 
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -34,7 +33,7 @@ import mlx.core as mx
 
 from kvparity.oracle.models import load_model, random_model_for
 from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
-from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
+from kvparity.oracle.trace import cached_solo, drop_entry, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import (
     TRIPLE, Divergence, compare_named, first_difference, in_words, left_padding_divergence, state_triples,
@@ -205,7 +204,7 @@ def solo_traces(schedule, model, use_cache=True, repeat=False) -> Dict[str, Solo
             differs = trace_difference(rid, traces[rid], again)
             if differs is not None:
                 if use_cache:  # a trace that differs from itself is no golden
-                    shutil.rmtree(oracle_cache() / request_key(schedule, rid, model), ignore_errors=True)
+                    drop_entry(oracle_cache() / request_key(schedule, rid, model))
                 raise differs
     return traces
 

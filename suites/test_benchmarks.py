@@ -7,7 +7,8 @@ is about also records the ratio's definition and target under ``ratios``.
 ``kvparity.reports.bench`` turns the JSON into a table. Nothing here asserts
 a time or a ratio: a benchmark fails only if the code under it fails.
 
-Deselected by default; run with ``pytest -m benchmark_suite``. Set
+Deselected by default; run with ``pytest -m benchmark_suite``, without
+``-n``: under pytest-xdist every benchmark is skipped, saying why. Set
 ``KVPARITY_BENCH_QUICK=1`` for the short grids CI runs. ``--impl`` picks the
 cache as for the other suites.
 """
@@ -32,7 +33,14 @@ from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.fuzz import generate, make_machine
 
-pytestmark = pytest.mark.benchmark_suite
+# pytest-benchmark turns itself off in a pytest-xdist worker (it reads the
+# same variable), and a timing would share the cores with the other workers.
+UNDER_XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+pytestmark = [
+    pytest.mark.benchmark_suite,
+    pytest.mark.skipif(UNDER_XDIST, reason="benchmarks do not run under pytest-xdist (-n): pytest-benchmark "
+                       "is off in a worker and timings would share the cores; run them without -n or with kvparity bench"),
+]
 
 QUICK = os.environ.get("KVPARITY_BENCH_QUICK", "") not in ("", "0")
 
