@@ -20,7 +20,7 @@ from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l1 import run_l1
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.schedule import CATALOG, ScheduleError, load, parse
 from kvparity.suites.shrink import first_failure
 
 GOOD = "from kvparity.impl.batch_quantized import BatchQuantizedKVCache as Cache\n"
@@ -150,6 +150,33 @@ def test_bisect_finds_the_first_event_and_writes_a_minimal_replayable_schedule(t
     assert first_failure(shrunk).check == first_failure(full).check
     assert judge(run_l1(minimal, load_implementation()), CPU).verdict == PASS
     assert main(["replay", str(out), "--level", "L1", "--impl", spec]) == EXIT_BROKEN
+
+
+def test_a_shrunk_schedule_is_a_fixed_point(tmp_path, capsys):
+    # Three requests, an extend that forgets the running rows' padding: two suffice.
+    spec = "kvparity.impl.negative_controls:ExtendForgetsExistingPadding"
+    source = tmp_path / "extend-three.json"
+    source.write_text(json.dumps({
+        "name": "extend-three", "levels": ["L1"],
+        "requests": {"a": {"prompt_len": 5}, "b": {"prompt_len": 9}, "c": {"prompt_len": 20}},
+        "events": [{"join": ["a", "b"]}, {"step": 2}, {"join": ["c"]}, {"step": 2}],
+    }))
+    out = tmp_path / "min.json"
+    assert main(["bisect", str(source), "--impl", spec, "--out", str(out)]) == EXIT_BROKEN
+    assert "shrunk to 2 of 3 requests" in capsys.readouterr().out
+    # Nothing more can go: removing any one request or event no longer fails the same way.
+    minimal, broken = json.loads(out.read_text()), load_implementation(spec)
+    check = first_failure(judge(run_l1(load(out), broken), CPU)).check
+    for smaller in ([{**minimal, "events": minimal["events"][:i] + minimal["events"][i + 1:]}
+                     for i in range(len(minimal["events"]))]
+                    + [{**minimal, "requests": {r: x for r, x in minimal["requests"].items() if r != rid},
+                        "events": [e for e in minimal["events"] if rid not in json.dumps(e)]}
+                       for rid in minimal["requests"]]):
+        try:
+            verdict = judge(run_l1(parse(smaller), broken), CPU)
+        except ScheduleError:
+            continue
+        assert verdict.verdict != FAIL or first_failure(verdict).check != check, smaller
 
 
 def test_bisect_on_a_passing_schedule_says_so(tmp_path, capsys):
