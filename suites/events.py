@@ -3,7 +3,7 @@
 An event is stored as an object with one key, its kind: ``{"step": 2}``.
 Each kind parses its arguments through the small functions below (kinds
 whose arguments have the same shape share it: a list of requests, one
-request, a count; no kind derives from another kind), says
+request, a count, counts per request; no kind derives from another kind), says
 which requests it names, and how shrinking may make it smaller
 (``suites/shrink.py`` asks the event, never its kind's name). What an event
 does to the batch is the replay core's ``Replay._<kind>`` (``suites/replay.py``).
@@ -140,6 +140,35 @@ class NamesOneRequest(Event):
 
 
 @dataclass(frozen=True)
+class CountsPerRequest(Event):
+    """A kind whose argument maps request ids to counts."""
+
+    amounts: Mapping[str, int] = field(default_factory=dict)
+    minimum: ClassVar[int] = 0  # the least count a request may get
+    what: ClassVar[str] = "count"  # a count's name, in errors
+    when_empty: ClassVar[str] = ""  # the error for an empty object
+
+    @classmethod
+    def parse(cls, index, where, args):
+        amounts = amounts_of(where, args, cls.minimum, cls.what)
+        if not amounts:
+            raise ScheduleError(f"{where}: {cls.when_empty}")
+        return cls(index, amounts)
+
+    @property
+    def args(self):
+        return dict(self.amounts)
+
+    @property
+    def named(self):
+        return tuple(self.amounts)
+
+    def without(self, rid):
+        rest = without_key(self.amounts, rid)
+        return replace(self, amounts=rest) if rest else None
+
+
+@dataclass(frozen=True)
 class Counts(Event):
     """A kind whose argument is a count for every running row."""
 
@@ -231,30 +260,13 @@ class SpecRound(Event):
 
 
 @dataclass(frozen=True)
-class Rollback(Event):
+class Rollback(CountsPerRequest):
     """Drop the last n tokens of the named rows (others 0)."""
 
-    amounts: Mapping[str, int] = field(default_factory=dict)
     kind: ClassVar[str] = "rollback"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        amounts = amounts_of(where, args, 0, "count")
-        if not amounts:
-            raise ScheduleError(f"{where}: rollback names no request")
-        return cls(index, amounts)
-
-    @property
-    def args(self):
-        return dict(self.amounts)
-
-    @property
-    def named(self):
-        return tuple(self.amounts)
-
-    def without(self, rid):
-        rest = without_key(self.amounts, rid)
-        return replace(self, amounts=rest) if rest else None
+    minimum: ClassVar[int] = 0
+    what: ClassVar[str] = "count"
+    when_empty: ClassVar[str] = "rollback names no request"
 
 
 @dataclass(frozen=True)
@@ -265,30 +277,13 @@ class Extract(NamesOneRequest):
 
 
 @dataclass(frozen=True)
-class SoloStep(Event):
+class SoloStep(CountsPerRequest):
     """Extracted requests decode alone, each its own number of steps."""
 
-    steps: Mapping[str, int] = field(default_factory=dict)
     kind: ClassVar[str] = "solo_step"
-
-    @classmethod
-    def parse(cls, index, where, args):
-        steps = amounts_of(where, args, 1, "steps")
-        if not steps:
-            raise ScheduleError(f"{where}: expected an object of extracted request id -> steps")
-        return cls(index, steps)
-
-    @property
-    def args(self):
-        return dict(self.steps)
-
-    @property
-    def named(self):
-        return tuple(self.steps)
-
-    def without(self, rid):
-        rest = without_key(self.steps, rid)
-        return replace(self, steps=rest) if rest else None
+    minimum: ClassVar[int] = 1
+    what: ClassVar[str] = "steps"
+    when_empty: ClassVar[str] = "expected an object of extracted request id -> steps"
 
 
 @dataclass(frozen=True)

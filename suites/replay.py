@@ -256,9 +256,9 @@ class Replay:
         self.keep_rows([r for r in self.rows if r != rid])
 
     def _solo_step(self, event):
-        for rid in event.steps:
+        for rid in event.amounts:
             self.require_preempted(rid)
-        for rid, n in event.steps.items():
+        for rid, n in event.amounts.items():
             for _ in range(n):
                 self.backend.append_alone(rid, self.preempted[rid], 1, self.call(rid, "append", 1))
 
