@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from itertools import combinations, product
 from typing import Dict, Iterable, List, Tuple
 
-from kvparity.oracle.models import RANDOM_CONFIGS, SMOLLM2
+from kvparity.oracle.models import RANDOM_MODELS, SMOLLM2, random_model
+from kvparity.suites.events import Reinsert
 from kvparity.suites.l2 import model_for
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES
@@ -36,8 +37,8 @@ PATHS = {
     "refill": "the batch's arrays are created again after every row left",
 }
 GROWTH_BOUNDARIES = {"growth-past-256": STEP, "growth-past-512": 2 * STEP}
-# L2: the random models' families (named {family}-h{head_dim}-{dtype}) and the real model.
-MODEL_FAMILIES = tuple(sorted({config["model_type"] for config in RANDOM_CONFIGS.values()})) + (SMOLLM2,)
+# L2: the random models' families and the real model.
+MODEL_FAMILIES = tuple(sorted({model.family for model in RANDOM_MODELS.values()})) + (SMOLLM2,)
 
 # The factors of a cell, in the order cells are named.
 FACTORS = ("path", "bits", "head_dim", "group_size", "dtype")
@@ -133,7 +134,7 @@ class Paths:
 
     def begin(self, event):
         self.had_rows = self.had_rows or self.replay.layers is not None
-        self.reinserting = event.kind == "reinsert" and event.request in self.replay.extracted
+        self.reinserting = isinstance(event, Reinsert) and event.request in self.replay.extracted
 
     def watch(self, member, caches):
         if member == "merge":
@@ -196,5 +197,7 @@ def cells_of(schedule) -> List[Cell]:
 
 
 def family_of(schedule) -> str:
-    """The model family an L2 schedule runs on."""
-    return model_for(schedule).partition("-")[0]
+    """The model family an L2 schedule runs on (the real model is its own)."""
+    name = model_for(schedule)
+    model = random_model(name)
+    return model.family if model else name

@@ -101,16 +101,22 @@ def survey(models, implementation, deadline, out=None, saved=lambda: None) -> Li
     return out
 
 
-def _survey_setting(model, implementation, bits, group_size, entry):
-    """One request alone twice, then a small batch: into ``entry``."""
+def _oracle_twice(model, schedule, entry) -> bool:
+    """mlx-lm's solo path twice on ``schedule``: ``entry["oracle"]`` says how
+    it went (``ok``, ``nondeterministic`` or ``raised``, with the detail)."""
     try:
-        solo_traces(model, parse(_probe_doc(model, bits, group_size)), twice=True)
+        solo_traces(model, schedule, twice=True)
         entry["oracle"] = "ok"
     except OracleNondeterministic as error:
         entry["oracle"], entry["detail"] = "nondeterministic", str(error)
     except Exception as error:
         entry["oracle"], entry["detail"] = "raised", error_text(error)
-    if entry["oracle"] != "ok":
+    return entry["oracle"] == "ok"
+
+
+def _survey_setting(model, implementation, bits, group_size, entry):
+    """One request alone twice, then a small batch: into ``entry``."""
+    if not _oracle_twice(model, parse(_probe_doc(model, bits, group_size)), entry):
         return
     schedule = parse(_small_batch_doc(model, bits, group_size))
     try:
@@ -158,13 +164,7 @@ def _catalog_schedule(model, implementation, schedule, unfit, entry):
     elif implementation.missing(schedule.needs):
         entry["oracle"] = "skipped: needs " + ", ".join(implementation.missing(schedule.needs))
     else:
-        try:
-            solo_traces(model, schedule, twice=True)
-            entry["oracle"] = "ok"
-        except OracleNondeterministic as error:
-            entry["oracle"], entry["detail"] = "nondeterministic", str(error)
-        except Exception as error:
-            entry["oracle"], entry["detail"] = "raised", error_text(error)
+        _oracle_twice(model, schedule, entry)
     if entry["oracle"] != "ok":
         return
     try:
