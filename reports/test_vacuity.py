@@ -292,3 +292,15 @@ def test_a_whole_catalog_run_that_misses_a_cell_of_the_coverage_model_cannot_jud
     assert result.verdict == PASS and run_verdict.cells["missing"]
     assert run_verdict.exit_status == EXIT_CANNOT_JUDGE
     assert any(gap.startswith("the coverage model's cells not reached at L1") for gap in run_verdict.gaps)
+
+
+def test_a_schedule_built_in_memory_is_judged_and_reaches_no_cell():
+    # A generated schedule has no file to read its cells from; it still gets its verdict.
+    from kvparity.reports.policy import load_policy
+    from kvparity.suites.l1 import run_l1
+    from kvparity.suites.schedule import parse
+
+    doc = load(CATALOG / "join-empty.json").to_json()
+    result = run_l1(parse(doc, source="<generated L1>"), load_implementation())
+    run_verdict = verdicts.verdict_of_run([verdicts.judge(result, load_policy("cpu"))])
+    assert run_verdict.cells is None and run_verdict.exit_status == EXIT_OK

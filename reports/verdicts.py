@@ -13,6 +13,7 @@ it; the evidence records are never written.
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -211,8 +212,10 @@ def check_table(verdicts: List[ScheduleVerdict]) -> Dict[str, Dict[str, Counter]
 def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
     """The coverage model's requirements (paths x settings) that the L1
     schedule runs reached: only a run that went to its end reached the cells
-    of its schedule. None when no L1 schedule ran."""
-    runs = [r for r in results if r.level == "L1" and r.path]
+    of its schedule, read again from its file (a schedule built in memory,
+    such as a generated one, has none and reaches no cell). None when no L1
+    schedule from a file ran."""
+    runs = [r for r in results if r.level == "L1" and r.path and Path(r.path).is_file()]
     if not runs:
         return None
     cells = [cell for r in runs if not r.stopped for cell in coverage_model.cells_of(load(r.path))]
