@@ -156,6 +156,7 @@ def test_run_bench_whose_suite_measured_nothing_still_writes_the_report(suite, t
 # -- the real suite under pytest-xdist --------------------------------------------------
 
 
+@pytest.mark.slow  # a pytest process that measures a benchmark
 def test_the_benchmark_suite_is_skipped_in_a_pytest_xdist_worker_saying_why():
     """In a worker (the variable pytest-xdist sets, and pytest-benchmark reads)
     every benchmark is skipped with the reason; outside one the same

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 WRITERS = 4
 SHARED = (12, 13)  # prompt lengths every writer stores
 MODEL = "llama-h64-bf16"
@@ -106,6 +108,7 @@ def entry_states(cache: Path, seen: set):
             pass
 
 
+@pytest.mark.slow  # four processes, each importing mlx-lm
 def test_concurrent_writers_leave_every_entry_complete_and_none_lost(tmp_path):
     from kvparity.oracle.atomic import STAGING
     from kvparity.oracle.trace import load_trace
