@@ -490,6 +490,18 @@ def _attention_peak(loaded, cache, base):
     ) - held
 
 
+def test_memory_figures_are_bytes():
+    """On this backend the memory API reads a known allocation as its size, so
+    the long-context figures are bytes: 64 MiB of float32 held, then a copy."""
+    size = 64 * 2**20
+    mx.synchronize()
+    base = mx.get_active_memory()
+    held = mx.zeros((size // 4,), dtype=mx.float32)
+    assert size <= _peak_of(lambda: held, base) < size + 2**20
+    assert mx.get_active_memory() - base == size
+    assert 2 * size <= _peak_of(lambda: held + 1, base) < 2 * size + 2**20
+
+
 # Both variants of one case run back to back; dense does not depend on bits
 # and runs again for each (a repeat, in the same conditions as its partner).
 @pytest.mark.parametrize("variant", ["quantized", "dense"])
