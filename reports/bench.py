@@ -28,6 +28,9 @@ RATIO_HEADERS = ["ratio", "case", "measured", "target", "met?"]
 DECODE_HEADERS = [
     "model", "B", "variant", "KV", "step ms", "tokens/s", "cache MiB", "step peak MiB"
 ]
+LONG_CONTEXT_HEADERS = [
+    "model", "B", "context", "variant", "KV", "floor MiB", "attention MiB", "step peak MiB", "decode peak MiB"
+]
 
 
 class BenchmarkFailed(RuntimeError):
@@ -140,7 +143,9 @@ def ratio_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
                     for side in ("numerator", "denominator")
                 ]
                 if all(sides):
-                    num, den = (_value(b, ratio["quantity"]) for b in sides)
+                    # A ratio of two quantities (peak / floor) names the denominator's.
+                    quantities = (ratio["quantity"], ratio.get("denominator_quantity") or ratio["quantity"])
+                    num, den = (_value(b, q) for b, q in zip(sides, quantities))
                     value = num / den if den else None
             rows.append([
                 ratio["name"],
@@ -170,6 +175,21 @@ def decode_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
             round(info["cache_bytes"] / 2**20, 2), round(info["step_peak_bytes"] / 2**20, 2),
         ])
     return DECODE_HEADERS, rows
+
+
+def long_context_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
+    """(headers, rows): the memory of long-context decodes, in MiB beyond the weights."""
+    rows = []
+    for bench in _load(benchmark_json_path):
+        info = bench.get("extra_info", {})
+        if info.get("metric") != "long-context":
+            continue
+        mib = [
+            round(info[key] / 2**20, 2)
+            for key in ("floor_bytes", "attention_bytes", "step_peak_bytes", "decode_peak_bytes")
+        ]
+        rows.append([info["model"], info["B"], info["context"], info["variant"], info["kv_dtype"], *mib])
+    return LONG_CONTEXT_HEADERS, rows
 
 
 def render_markdown(
@@ -202,4 +222,16 @@ def render_markdown(
     headers, rows = decode_table(benchmark_json_path)
     if rows:
         lines += ["## Decode steps", "", tabulate(rows, headers, tablefmt="github"), ""]
+    headers, rows = long_context_table(benchmark_json_path)
+    if rows:
+        lines += [
+            "## Long-context memory",
+            "",
+            "Beyond the weights: the floor is the cache's own bytes; attention is what "
+            "mlx-lm's attention over one layer allocates beyond them; the step is the "
+            "last of 256 decoded tokens, the decode all 256, through one growth of the buffers.",
+            "",
+            tabulate(rows, headers, tablefmt="github"),
+            "",
+        ]
     return "\n".join(lines)

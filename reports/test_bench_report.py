@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvparity.reports import bench as bench_module
-from kvparity.reports.bench import SUITE, ratio_table
+from kvparity.reports.bench import SUITE, long_context_table, ratio_table
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.suites.schedule import CATALOG
 
@@ -26,6 +26,9 @@ JOIN = {"name": "join: re-merge / extend time", "numerator": "remerge", "denomin
         "quantity": "time", "target": [">=", 3.0]}
 MEMORY = {"name": "memory: quantized / bf16 bytes per token", "numerator": "quantized",
           "denominator": "bf16", "quantity": "bytes_per_token", "target": ["<=", 0.3]}
+FLOOR = {"name": "long context: quantized decode peak / its floor", "numerator": "quantized",
+         "denominator": "quantized", "quantity": "decode_peak_bytes",
+         "denominator_quantity": "floor_bytes", "target": None}
 
 
 def test_ratios_targets_and_missing_sides(tmp_path):
@@ -38,6 +41,8 @@ def test_ratios_targets_and_missing_sides(tmp_path):
         bench("bits=4", "quantized", 0.0, [MEMORY], metric="memory", bytes_per_token=36.0),
         bench("bits=4", "bf16", 0.0, metric="memory", bytes_per_token=128.0),
         bench("B=64 width=1024", "extend", 1.0, [JOIN]),  # its re-merge side did not run
+        bench("B=4 context=8192", "quantized", 0.0, [FLOOR], metric="long-context",
+              decode_peak_bytes=25.0, floor_bytes=10.0),
     ]}))
     headers, rows = ratio_table(path)
     assert headers == ["ratio", "case", "measured", "target", "met?"]
@@ -46,6 +51,21 @@ def test_ratios_targets_and_missing_sides(tmp_path):
     assert table[JOIN["name"], "B=4 width=1024"] == [2.0, ">= 3", "NO"]
     assert table[MEMORY["name"], "bits=4"] == [0.281, "<= 0.3", "yes"]
     assert table[JOIN["name"], "B=64 width=1024"] == [None, ">= 3", "n/a"]
+    # Two quantities of one variant: the decode's peak over the cache's own bytes.
+    assert table[FLOOR["name"], "B=4 context=8192"] == [2.5, "", ""]
+
+
+def test_long_context_table_in_mib(tmp_path):
+    path = tmp_path / "benchmark.json"
+    info = dict(model="llama-h64-bf16", B=4, context=8192, kv_dtype="4-bit", floor_bytes=10 * 2**20,
+                attention_bytes=2**19, step_peak_bytes=21 * 2**20, decode_peak_bytes=25 * 2**20)
+    path.write_text(json.dumps({"benchmarks": [
+        bench("B=4 context=8192", "quantized", 0.0, metric="long-context", **info),
+        bench("B=16 width=1024", "extend", 1.0, [JOIN]),
+    ]}))
+    headers, rows = long_context_table(path)
+    assert headers[-4:] == ["floor MiB", "attention MiB", "step peak MiB", "decode peak MiB"]
+    assert rows == [["llama-h64-bf16", 4, 8192, "quantized", "4-bit", 10.0, 0.5, 21.0, 25.0]]
 
 
 # -- `kvparity bench` and `run --bench`: a failing suite fails the command --------------

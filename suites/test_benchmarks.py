@@ -5,7 +5,8 @@ speed cancels out. Every benchmark records what it measured in ``extra_info``
 (``metric``, ``case``, ``variant``, and any byte counts); the variant a ratio
 is about also records the ratio's definition and target under ``ratios``.
 ``kvparity.reports.bench`` turns the JSON into a table. Nothing here asserts
-a time or a ratio: a benchmark fails only if the code under it fails.
+a time or a ratio: a benchmark fails only if the code under it fails (or, for
+the memory figures, if MLX's memory counters do not read a known allocation).
 
 Deselected by default; run with ``pytest -m benchmark_suite``, without
 ``-n``: under pytest-xdist every benchmark is skipped, saying why. Set
@@ -26,9 +27,10 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
-from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from kvparity.oracle.models import ModelUnavailable, load_model
+from kvparity.oracle.models import ModelUnavailable, load_model, random_model_for
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.fuzz import generate, make_machine
@@ -70,6 +72,7 @@ class Ratio:
     denominator: Optional[str]  # None: no ratio, the numerator's quantity itself (a rate)
     quantity: str = "time"  # "time": median seconds; otherwise an extra_info key
     targets: tuple = ()  # (case, ">=" or "<=", value)
+    denominator_quantity: Optional[str] = None  # the denominator's, where it differs
 
     def record(self, case):
         target = next(([op, x] for c, op, x in self.targets if c == case), None)
@@ -78,6 +81,7 @@ class Ratio:
             "numerator": self.numerator,
             "denominator": self.denominator,
             "quantity": self.quantity,
+            "denominator_quantity": self.denominator_quantity or self.quantity,
             "target": target,
         }
 
@@ -372,6 +376,166 @@ def test_bytes_per_token(benchmark, implementation, variant, bits, head_dim):
         head_dim=head_dim,
         kv_heads=heads,
         bytes_per_token=cache.nbytes / (B * T),
+    )
+
+
+# -- long-context memory ------------------------------------------------------------
+# Peak memory of decoding at long context, beyond what was held before the caches
+# were built (the weights), for the cache under test and for mlx-lm's BatchKVCache
+# in the model's dtype, against the floor: the cache's own bytes. The largest point
+# (B=8, 16k tokens, head_dim 128) holds 260 MiB of bf16 keys and values (2 layers
+# x K and V x 8 rows x 2 kv heads x 16.6k tokens x 128 x 2 bytes) and peaks under
+# 400 MiB while its buffers grow.
+LONG_BATCHES = (4,) if QUICK else (4, 8)
+LONG_CONTEXTS = (8192,) if QUICK else (4096, 8192, 16384)
+LONG_HEAD_DIMS = (64,) if QUICK else (64, 128)
+LONG_BITS = (4,) if QUICK else (4, 8)
+GROWTH = 256  # decoded tokens: one growth of every buffer (mlx-lm's step)
+
+
+def _long_case(B, context, head_dim, bits):
+    return f"B={B} context={context} head_dim={head_dim} bits={bits}"
+
+
+LONG_DECODE = Ratio(
+    "long context: quantized / dense decode peak", "quantized", "dense", quantity="decode_peak_bytes",
+    targets=tuple((_long_case(B, 8192, d, 4), "<=", 0.35) for B in LONG_BATCHES for d in LONG_HEAD_DIMS),
+)
+LONG_STEP = Ratio("long context: quantized / dense step peak", "quantized", "dense", quantity="step_peak_bytes")
+# How far the quantized decode stays above the cache's own bytes, and what the
+# decode ratio would be if it used nothing beyond them.
+LONG_FLOOR = Ratio(
+    "long context: quantized decode peak / its floor", "quantized", "quantized",
+    quantity="decode_peak_bytes", denominator_quantity="floor_bytes",
+)
+LONG_FLOOR_VS_DENSE = Ratio(
+    "long context: quantized floor / dense decode peak", "quantized", "dense",
+    quantity="floor_bytes", denominator_quantity="decode_peak_bytes",
+)
+
+
+def _long_caches(variant, Batch, loaded, B, context, bits):
+    """One batch cache per layer, built one layer at a time: B rows of random
+    keys and values, the longest ``context`` tokens, merged into full buffers."""
+    caches = []
+    for layer in range(loaded.num_layers):
+        rows = []
+        for row in range(B):
+            length = context - (97 * row) % GROWTH  # rows differ: the batch is padded
+            k, v = (
+                mx.random.normal((1, loaded.n_kv_heads, length, loaded.head_dim), key=key).astype(loaded.dtype)
+                for key in mx.random.split(mx.random.key(1000 * layer + row))
+            )
+            cache = KVCache()
+            cache.update_and_fetch(k, v)
+            if variant == "quantized":
+                cache = cache.to_quantized(group_size=GROUP_SIZE, bits=bits)
+            _eval_cache(cache)
+            rows.append(cache)
+        caches.append((Batch if variant == "quantized" else BatchKVCache).merge(rows))
+        _eval_cache(caches[-1])
+    return caches
+
+
+def _peak_of(fn, base):
+    """Peak memory while ``fn`` runs and its result is evaluated, beyond ``base``."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    mx.eval(fn())
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+def _decode_through_growth(loaded, caches, base):
+    """Peaks of each of GROWTH decoded tokens, from full buffers to full again.
+
+    The model decodes the token that grows the buffers, the one after and the
+    last one (the longest context); the tokens between are appended by the
+    caches' own update_and_fetch: a model step at 16k tokens takes seconds on
+    a CPU, and between those steps attention differs only by a token of context.
+    """
+    B = caches[0].offset.shape[0]
+    tokens = _next_tokens(B, loaded.vocab_size)
+    shape = (B, loaded.n_kv_heads, 1, loaded.head_dim)
+    new = mx.random.normal(shape, key=mx.random.key(B)).astype(loaded.dtype)
+    mx.eval(new)
+
+    def append():
+        return [c.update_and_fetch(new, new) for c in caches]
+
+    peaks = []
+    for token in range(GROWTH):
+        if token in (0, 1, GROWTH - 1):
+            peaks.append(_peak_of(lambda: loaded.model(tokens, cache=caches), base))
+        else:
+            peaks.append(_peak_of(append, base))
+    return peaks
+
+
+def _attention_peak(loaded, cache, base):
+    """What mlx-lm's attention over one layer's cache allocates beyond what is
+    held: the cache's own keys and values, as the model would get them."""
+    cache.trim(1)  # the buffer is full: the token appended below must not grow it
+    mask = cache.make_mask(1)
+    shape = (cache.offset.shape[0], loaded.n_kv_heads, 1, loaded.head_dim)
+    keys, values = cache.update_and_fetch(*(mx.zeros(shape, loaded.dtype),) * 2)
+    queries = mx.random.normal((shape[0], loaded.n_heads, 1, loaded.head_dim), key=mx.random.key(0))
+    queries = queries.astype(loaded.dtype)
+    mx.eval(mask, keys, values, queries)
+    held = mx.get_active_memory() - base
+    return _peak_of(
+        lambda: scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=loaded.head_dim**-0.5, mask=mask
+        ),
+        base,
+    ) - held
+
+
+def test_memory_figures_are_bytes():
+    """On this backend the memory API reads a known allocation as its size, so
+    the long-context figures are bytes: 64 MiB of float32 held, then a copy."""
+    size = 64 * 2**20
+    mx.synchronize()
+    base = mx.get_active_memory()
+    held = mx.zeros((size // 4,), dtype=mx.float32)
+    assert size <= _peak_of(lambda: held, base) < size + 2**20
+    assert mx.get_active_memory() - base == size
+    assert 2 * size <= _peak_of(lambda: held + 1, base) < 2 * size + 2**20
+
+
+# Both variants of one case run back to back; dense does not depend on bits
+# and runs again for each (a repeat, in the same conditions as its partner).
+@pytest.mark.parametrize("variant", ["quantized", "dense"])
+@pytest.mark.parametrize("bits", LONG_BITS)
+@pytest.mark.parametrize("head_dim", LONG_HEAD_DIMS)
+@pytest.mark.parametrize("context", LONG_CONTEXTS)
+@pytest.mark.parametrize("B", LONG_BATCHES)
+def test_long_context_memory(benchmark, implementation, variant, B, context, head_dim, bits):
+    """Decode GROWTH tokens for B rows after ``context`` tokens of random keys and values."""
+    loaded = _model(random_model_for(head_dim, "bfloat16"))
+    mx.synchronize()
+    base = mx.get_active_memory()  # the weights and whatever earlier benchmarks keep
+    peaks = []
+
+    def decode():
+        caches = _long_caches(variant, implementation.batch_class, loaded, B, context, bits)
+        peaks.extend(_decode_through_growth(loaded, caches, base))
+        return caches
+
+    caches = benchmark.pedantic(decode, rounds=1, iterations=1)
+    floor = sum(c.nbytes for c in caches)  # full buffers: every column is a token or padding
+    attention = _attention_peak(loaded, caches[0], base)
+    case = _long_case(B, context, head_dim, bits)
+    _record(
+        benchmark, "long-context", case, variant,
+        [LONG_DECODE, LONG_STEP, LONG_FLOOR, LONG_FLOOR_VS_DENSE] if variant == "quantized" else [],
+        model=loaded.name, B=B, context=context, head_dim=head_dim,
+        kv_dtype=f"{bits}-bit" if variant == "quantized" else str(loaded.dtype).split(".")[-1],
+        floor_bytes=floor,
+        step_peak_bytes=peaks[-1],
+        decode_peak_bytes=max(peaks),
+        attention_bytes=attention,
+        layers=loaded.num_layers,
     )
 
 
