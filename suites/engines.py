@@ -187,6 +187,7 @@ class BatchGeneratorEngine:
     prompt cache, inside the pieces of mlx-lm's server loop."""
 
     serves_conversations = True
+    store_class = LRUPromptCache
 
     def __init__(self, model, batch_class: type, settings: EngineSettings):
         self.model = model
@@ -218,7 +219,7 @@ class BatchGeneratorEngine:
             limits = {"max_size": self.settings.prompt_cache_size}
             if self.settings.prompt_cache_bytes is not None:
                 limits["max_bytes"] = self.settings.prompt_cache_bytes
-            store = LRUPromptCache(**limits)
+            store = self.store_class(**limits)
             applied.update({f"prompt_cache_{k}": getattr(store, k) for k in limits})
         elif any(r.continues is not None for r in requests):
             raise EngineUnsupported("a conversation's turns need a prompt cache (settings.prompt_cache_size)")

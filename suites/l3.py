@@ -52,6 +52,7 @@ from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, 
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
+FROM_STORE = "prompt tokens from a stored entry"  # a row metric of conversations
 
 
 def engine_requests(schedule: ArrivalSchedule, vocab_size: int, tokenizer=None) -> List[EngineRequest]:
@@ -97,11 +98,11 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
             prompt = run.prompts.get(request.id)
             if prompt is not None and prompt != request.prompt:  # a next turn, as the engine served it
                 request = replace(request, prompt=prompt, continues=None)
-            oracle = semantics(request)
+            origin = ""
             use = run.prefixes.get(request.id)
             if use is not None:  # started from a stored entry: the oracle starts from the same one
                 entry = run.stored[use.entry]
-                oracle += f", from {entry.describe()}: {use.cached} prompt tokens"
+                origin = f"from {entry.describe()}: {use.cached} prompt tokens"
                 solo = solo_from_entry(result, loaded, request, entry, use)
                 if solo is None:
                     continue
@@ -112,7 +113,9 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                 if solo is None:
                     return result
                 solo = solo[request.id]
-            compare_request(result, request, solo, run.outputs.get(request.id), oracle)
+            compare_request(result, request, solo, run.outputs.get(request.id), origin)
+            if schedule.conversation:
+                result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
         result.seconds = time.perf_counter() - start
     return result
 
@@ -191,9 +194,10 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
 
 
 def compare_request(result: ScheduleResult, request: EngineRequest, expected: SoloGeneration,
-                    actual: Optional[Generated], oracle: Optional[str] = None):
+                    actual: Optional[Generated], origin: str = ""):
     """Note one request's tokens and log-probs against its generation alone,
-    up to and including the first differing token."""
+    up to and including the first differing token. ``origin``: the stored
+    entry both started from, in words (empty: from nothing)."""
     rid = request.id
     tokens = actual.tokens if actual is not None else []
     logprobs = actual.logprobs if actual is not None else []
@@ -206,7 +210,7 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
         found.append(Divergence(
             check, f"{SERVE_LABEL}, engine step {step}", rid, tensor="logprobs" if check == "logprobs" else "tokens",
             step=i, index=index, expected=want, actual=got,
-            detail=f"token {i} at engine step {step}" + (f"; {detail}" if detail else "")))
+            detail="; ".join(part for part in (f"token {i} at engine step {step}", origin, detail) if part)))
 
     for i, want in enumerate(expected.tokens):
         if i >= len(tokens):
@@ -233,7 +237,7 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
             n = len(expected.tokens)
             diverged("length", n, None, n, len(tokens), "more tokens than max_tokens")
     result.row(rid).metrics = {"tokens compared": made["tokens"], "log-prob vectors compared": made["vectors"],
-                               "log-prob values compared": made["values"], "oracle": oracle or semantics(request)}
+                               "log-prob values compared": made["values"], "oracle": ", ".join(part for part in (semantics(request), origin) if part)}
     result.note(0, "tokens", [rid], made["tokens"])
     result.note(0, "logprobs", [rid], made["vectors"] + made["values"])
     for divergence in found:  # each under its own check, in the order found
