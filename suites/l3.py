@@ -95,24 +95,26 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     run = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
     if run is not None:
         for request in requests:
-            prompt = run.prompts.get(request.id)
-            if prompt is not None and prompt != request.prompt:  # a next turn, as the engine served it
-                request = replace(request, prompt=prompt, continues=None)
-            origin = ""
+            if request.continues is not None:  # a next turn: its prompt as the engine served it
+                if request.id not in run.prompts:
+                    result.stop(NOT_SUPPORTED, f"the engine served {request.id!r}, a next turn, without "
+                                               f"saying its prompt (EngineRun.prompts)")
+                    return result
+                request = replace(request, prompt=run.prompts[request.id], continues=None)
             use = run.prefixes.get(request.id)
-            if use is not None:  # started from a stored entry: the oracle starts from the same one
+            if use is None:  # from nothing: the solo from scratch
+                origin = ""
+                if request.id not in solos:  # a next turn the store had nothing for
+                    solos.update(generate_solos(result, loaded, [request], use_cache) or {})
+                solo = solos.get(request.id)
+            else:  # from a stored entry: the oracle starts from the same one
                 entry = run.stored[use.entry]
                 origin = f"from {entry.describe()}: {use.cached} prompt tokens"
                 solo = solo_from_entry(result, loaded, request, entry, use)
-                if solo is None:
-                    continue
-            elif request.id in solos:
-                solo = solos[request.id]
-            else:  # a next turn the store no longer held: from scratch, as the engine did
-                solo = generate_solos(result, loaded, [request], use_cache)
-                if solo is None:
+            if solo is None:  # the oracle could not run (the run stopped), or noted why not
+                if result.stopped:
                     return result
-                solo = solo[request.id]
+                continue
             compare_request(result, request, solo, run.outputs.get(request.id), origin)
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
