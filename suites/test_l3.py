@@ -16,7 +16,7 @@ from kvparity.suites.checks import CHECKS
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 from kvparity.suites.arrivals import catalog_paths, load, parse
 from kvparity.suites.schedule import ScheduleError
-from kvparity.suites.arrivals_strategy import arrival_documents, check_document
+from kvparity.suites.arrivals_strategy import arrival_documents, check_document, conversation_documents
 from kvparity.suites.engines import EngineError, load_engine_factory, quantized_row_class
 from kvparity.suites.l3 import FROM_STORE, explain, prefill_modes, run_l3
 
@@ -376,3 +376,28 @@ def test_an_engine_without_conversations_is_not_supported(implementation, judged
 def test_conversations_in_both_prefill_modes(path, implementation, judged):
     for variant in prefill_modes(load(path)).values():
         assert_passed(judged(run_l3(variant, implementation)))
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=conversation_documents())
+def test_generated_conversations(doc, implementation, judged, tmp_path_factory):
+    check_document(doc, implementation, judged, folder=tmp_path_factory.getbasetemp() / "found")
+
+
+@pytest.mark.slow
+def test_generated_conversations_find_a_merge_that_reads_a_trimmed_row(tmp_path, judged):
+    broken = load_implementation(f"{THIS_MODULE}:MergeReadsRowBufferLength")
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(doc=conversation_documents(max_users=2, max_turns=2))
+    def search(doc):
+        check_document(doc, broken, judged, folder=tmp_path)
+
+    with pytest.raises(AssertionError, match="written to"):
+        search()
+    (found,) = tmp_path.glob("*.json")
+    doc = json.loads(found.read_text())
+    result = run_l3(parse(doc, str(found)), broken)
+    assert judged(result).verdict == FAIL  # replays
+    assert all("from stored entry" in d.message() for d in result.divergences)  # only rows from the store
