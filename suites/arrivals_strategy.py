@@ -55,12 +55,13 @@ def arrival_documents(draw, max_requests=5):
 
 
 @st.composite
-def conversation_documents(draw, max_users=3, max_turns=3):
+def conversation_documents(draw, max_users=3, max_turns=3, system_lengths=st.one_of(st.none(), st.integers(1, 30))):
     """Users chatting through mlx-lm's prompt cache: each user's turns
-    continue the previous one, first turns may share a system prompt, and
-    the cache's entry and byte limits may evict what a later turn needs."""
+    continue the previous one, first turns may share a system prompt (of a
+    length from ``system_lengths``; None: no system prompt), and the cache's
+    entry and byte limits may evict what a later turn needs."""
     model, bits, group_size = draw(st.sampled_from(KV_ON_MODELS), label="model and kv")
-    system = draw(st.one_of(st.none(), st.integers(1, 30)), label="system prompt_len")
+    system = draw(system_lengths, label="system prompt_len")
     requests = {}
     for user in range(draw(st.integers(1, max_users), label="users")):
         previous = None
