@@ -326,7 +326,12 @@ class _Serving:
                 record.from_store.append(r.id)
                 cache = self.engine.mergeable(cache)
             # The server's one segment of a request without a system message:
-            # the prompt after what came from the store, a "user" segment.
+            # the prompt after what came from the store, a "user" segment. (A
+            # system message would be a segment of its own, stored on its own;
+            # that splits the prefill at its end, a call boundary generate_step
+            # alone does not have, and a prefix computed in another call is not
+            # bit-identical. A shared system prompt reaches the store here as
+            # the start of another user's longer entry, trimmed.)
             (uid,) = self.generator.insert_segments(segments=[[rest]], max_tokens=[r.max_tokens], caches=[cache],
                                                     all_tokens=[prompt[:cached]])
             self.by_uid[uid] = r.id

@@ -57,6 +57,11 @@ def test_catalog_covers_the_issue():
     schedules = [load(p) for p in PATHS]
     assert any(max(r.prompt_len for r in s.requests.values()) > 256 for s in schedules)
     assert {r.bits for s in schedules for r in s.requests.values()} == {2, 3, 4, 5, 6, 8}
+    # conversations: several users with several turns sharing a system prompt, a trim, store limits
+    assert {"chat-shared-system-prompt", "stored-prompt-longer", "prompt-cache-evicts"} <= names
+    assert any(s.system and len({r.id for r in s.requests.values() if r.system}) >= 3
+               and sum(r.continues is not None for r in s.requests.values()) >= 3 for s in schedules)
+    assert any(s.engine.prompt_cache_bytes for s in schedules)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
