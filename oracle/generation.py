@@ -19,8 +19,8 @@ from the same stored prefix (``generate_from_prefix``): mlx-lm's own
 ``LRUPromptCache`` holding that entry, ``fetch_nearest_cache`` (a deep copy,
 trimmed to the common prefix when the stored prompt is longer), then
 ``generate_step(rest, prompt_cache=that copy)``. Not the request prefilled
-from scratch: a prefix computed in another call is not bit-identical to one
-computed in the same prefill, and that is mlx-lm's behaviour, not the cache's.
+from scratch: a prefix computed in another call need not be bit-identical to
+one computed in the same prefill, and that is mlx-lm's behaviour, not the cache's.
 
 Where L2's oracle (``oracle/solo.py``) replays the calls a schedule makes,
 this one lets mlx-lm generate freely: the engine decides the calls. A request

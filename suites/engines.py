@@ -329,8 +329,8 @@ class _Serving:
             # the prompt after what came from the store, a "user" segment. (A
             # system message would be a segment of its own, stored on its own;
             # that splits the prefill at its end, a call boundary generate_step
-            # alone does not have, and a prefix computed in another call is not
-            # bit-identical. A shared system prompt reaches the store here as
+            # alone does not have, and a prefix computed in another call need not
+            # be bit-identical. A shared system prompt reaches the store here as
             # the start of another user's longer entry, trimmed.)
             (uid,) = self.generator.insert_segments(segments=[[rest]], max_tokens=[r.max_tokens], caches=[cache],
                                                     all_tokens=[prompt[:cached]])

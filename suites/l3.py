@@ -16,7 +16,7 @@ engine stored, as they were when it stored them: what ``extract`` returned,
 copied at that moment into mlx-lm's own ``QuantizedKVCache``. Not the
 entry's bytes when it is fetched (an entry that changed after it was stored
 is the bug to catch), and not an entry the oracle computes itself (a prefix
-computed in another call is not bit-identical; the finished turn that stored
+computed in another call need not be bit-identical; the finished turn that stored
 it is compared on its own). mlx-lm's ``LRUPromptCache`` then does its own
 deep copy and trim of it.
 
