@@ -346,6 +346,8 @@ class _Serving:
             self.put(cache, tokens[:], self.segment_types[uid].pop(), self.by_uid[uid], step, record)
 
     def put(self, layers, tokens, kind: str, rid: str, step: int, record: EngineStep):
+        """Store a row's layers as the server does, and keep for the oracle
+        mlx-lm's own copy of the bytes they hold now."""
         number = len(self.stored)
         stored = StoredPrefix(number, tuple(tokens), None, rid, step, kind)
         copies = []

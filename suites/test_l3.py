@@ -6,10 +6,12 @@ import copy
 import inspect
 import json
 
+import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.suites.adapter import load_implementation
@@ -293,6 +295,26 @@ class MergeReadsRowBufferLength(BatchQuantizedKVCache):
         return super().merge(rows)
 
 
+class ExtractDequantizes(BatchQuantizedKVCache):
+    """extract hands out the row dequantized, in mlx-lm's ``KVCache``, and
+    merge quantizes such rows again (at the trim file's 5 bits, group 64): it
+    serves stored rows that mlx-lm's ``QuantizedKVCache`` cannot hold as they
+    were stored."""
+
+    def extract(self, idx):
+        row = super().extract(idx)
+        cache = KVCache()
+        cache.keys, cache.values = (mx.dequantize(*triple, group_size=self.group_size, bits=self.bits)
+                                    for triple in (row.keys, row.values))
+        cache.offset = row.offset
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        return super().merge([c.to_quantized(group_size=64, bits=5) if isinstance(c, KVCache) else c
+                              for c in caches])
+
+
 THIS_MODULE = "kvparity.suites.test_l3"
 TRIM = next(p for p in CONVERSATIONS if p.stem == "stored-prompt-longer")
 
@@ -370,6 +392,16 @@ def test_a_stored_entry_that_changes_after_storing_fails(implementation, judged)
     result = run_l3(load(TRIM), implementation, f"{TEST_ENGINES}:stored_entries_change")
     assert judged(result).verdict == FAIL
     assert {d.request for d in result.divergences} == {"exact", "prefix", "branch"}
+
+
+def test_a_stored_entry_that_is_no_quantized_cache_fails_under_extract(judged):
+    result = run_l3(load(TRIM), load_implementation(f"{THIS_MODULE}:ExtractDequantizes"))
+    assert judged(result).verdict == FAIL
+    assert {(d.check, d.request) for d in result.divergences} == {
+        ("extract", "exact"), ("extract", "prefix"), ("extract", "branch")}
+    prefix = next(d for d in result.divergences if d.request == "prefix")
+    assert ("stored entry #0 (user, 15 tokens of 'long', step 0), which 'prefix' started from, is no solo "
+            "QuantizedKVCache: layer 0 is a KVCache") in prefix.message()
 
 
 def test_an_engine_without_conversations_is_not_supported(implementation, judged):
