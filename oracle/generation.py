@@ -13,6 +13,15 @@ engine uses:
 * ``quantized_kv_start: N``: ``generate_step(..., kv_bits, kv_group_size,
   quantized_kv_start=N)``, mlx-lm's delayed conversion.
 
+A request that an engine started from a stored prompt cache (a conversation's
+next turn, a shared system prompt) is compared with the same request alone
+from the same stored prefix (``generate_from_prefix``): mlx-lm's own
+``LRUPromptCache`` holding that entry, ``fetch_nearest_cache`` (a deep copy,
+trimmed to the common prefix when the stored prompt is longer), then
+``generate_step(rest, prompt_cache=that copy)``. Not the request prefilled
+from scratch: a prefix computed in another call need not be bit-identical to
+one computed in the same prefill, and that is mlx-lm's behaviour, not the cache's.
+
 Where L2's oracle (``oracle/solo.py``) replays the calls a schedule makes,
 this one lets mlx-lm generate freely: the engine decides the calls. A request
 is anything with the attributes in ``GENERATION_FIELDS`` (an L3
@@ -22,13 +31,13 @@ is anything with the attributes in ``GENERATION_FIELDS`` (an L3
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, trim_prompt_cache
 
-from kvparity.oracle.arrays import digest
+from kvparity.oracle.arrays import digest, handles
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
 from kvparity.oracle.trace import drop_entry, oracle_cache
@@ -67,6 +76,78 @@ def generate_alone(model, request) -> SoloGeneration:
         logprobs.append(vector)
     mx.eval(logprobs)
     return SoloGeneration(tokens, logprobs)
+
+
+# An engine serves one model: the key LRUPromptCache files its entries under.
+PROMPT_CACHE_MODEL = "model"
+
+
+class NotQuantized(Exception):
+    """A stored entry that mlx-lm's QuantizedKVCache cannot hold."""
+
+
+def quantized_copy(cache) -> QuantizedKVCache:
+    """mlx-lm's own ``QuantizedKVCache`` holding the bytes ``cache`` holds now
+    (new handles on its arrays: what is later written into the originals in
+    place does not reach it). ``cache`` is one layer of what ``extract``
+    returned, which the protocol says is a solo ``QuantizedKVCache``."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if not (hasattr(cache, "bits") and isinstance(keys, (tuple, list)) and isinstance(values, (tuple, list))):
+        raise NotQuantized(f"a {type(cache).__name__}, not a quantized cache with key and value triples")
+    copy = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    copy.keys, copy.values = tuple(handles(keys)), tuple(handles(values))
+    copy.offset = int(cache.offset)
+    mx.eval(copy.keys, copy.values)
+    return copy
+
+
+def fetch_nearest(store: LRUPromptCache, prompt: Sequence[int]):
+    """``store.fetch_nearest_cache`` for ``prompt``: (cache or None, the tokens
+    still to feed). An exact hit leaves nothing to feed, which BatchGenerator
+    refuses (an empty prompt) and generate_step cannot start from; both then
+    give the last token back: mlx-lm's ``trim_prompt_cache`` by one, and feed it."""
+    cache, rest = store.fetch_nearest_cache(PROMPT_CACHE_MODEL, list(prompt))
+    if cache is not None and not rest:
+        trim_prompt_cache(cache, 1)
+        rest = list(prompt[-1:])
+    return cache, list(rest)
+
+
+@dataclass
+class StoredPrefix:
+    """A prompt cache an engine stored: its key tokens and mlx-lm's own
+    ``QuantizedKVCache`` per layer holding the bytes it stored."""
+
+    number: int  # in the order the engine stored entries
+    tokens: Tuple[int, ...]
+    layers: Optional[List[QuantizedKVCache]]  # None: see ``unusable``
+    source: str  # the request whose row it was extracted from
+    step: int  # the engine step it was stored at
+    kind: str  # LRUPromptCache's cache_type: "user" (a prompt) or "assistant" (a finished turn)
+    unusable: str = ""  # why mlx-lm's QuantizedKVCache cannot hold what was stored
+
+    def describe(self) -> str:
+        return f"stored entry #{self.number} ({self.kind}, {len(self.tokens)} tokens of {self.source!r}, step {self.step})"
+
+
+def generate_from_prefix(model, request, prompt: Sequence[int],
+                         stored: StoredPrefix) -> Tuple[SoloGeneration, int]:
+    """``prompt`` alone through mlx-lm from ``stored``: an LRUPromptCache holding
+    that entry, ``fetch_nearest`` (mlx-lm's deep copy and trim), then
+    generate_step on the rest, greedy. Returns the generation and how many
+    prompt tokens came from the stored entry."""
+    store = LRUPromptCache()
+    store.insert_cache(PROMPT_CACHE_MODEL, list(stored.tokens), list(stored.layers))
+    cache, rest = fetch_nearest(store, prompt)
+    if cache is None:
+        raise ValueError(f"{stored.describe()} is no prefix of the prompt it was fetched for")
+    tokens, logprobs = [], []
+    for token, vector in generate_step(mx.array(rest), model, max_tokens=request.max_tokens,
+                                       prefill_step_size=request.prefill_step_size, prompt_cache=cache):
+        tokens.append(token)
+        logprobs.append(vector)
+    mx.eval(logprobs)
+    return SoloGeneration(tokens, logprobs), len(prompt) - len(rest)
 
 
 def generation_key(request, model_sha256: str) -> str:

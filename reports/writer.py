@@ -294,9 +294,12 @@ def model_rows(verdicts: List[ScheduleVerdict]):
 def timeline_rows(verdicts: List[ScheduleVerdict]):
     """L3: per schedule run and engine step, what the engine did."""
     names = lambda ids: ", ".join(ids)
-    return (["schedule", "step", "arrived", "prompt batch", "joined", "generation batch", "finished", "widths"],
-            [[r.schedule, s["step"], names(s["arrived"]), names(s["prompt_batch"]), names(s["joined"]),
-              names(s["generation_batch"]), names(s["finished"]), f"{s['prompt_width']}/{s['generation_width']}"]
+    # conversations: arrivals that started from the prompt cache, rows stored into it
+    return (["schedule", "step", "arrived", "from store", "prompt batch", "joined", "generation batch", "finished",
+             "stored", "widths"],
+            [[r.schedule, s["step"], names(s["arrived"]), names(s.get("from_store", [])), names(s["prompt_batch"]),
+              names(s["joined"]), names(s["generation_batch"]), names(s["finished"]), names(s.get("stored", [])),
+              f"{s['prompt_width']}/{s['generation_width']}"]
              for r in (v.evidence for v in verdicts) for s in r.timeline])
 
 

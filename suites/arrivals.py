@@ -18,6 +18,19 @@ documented in suites/catalog/l3/README.md::
       }
     }
 
+Conversations (served through mlx-lm's ``LRUPromptCache``, which the engine
+block's ``prompt_cache_size`` turns on): a request may ``continue`` an
+earlier one (its prompt is that request's prompt, its generated tokens, then
+its own tokens; it arrives ``arrival`` steps after that request finished),
+and a first turn may start with the file's shared ``system`` prompt::
+
+      "engine": {"prompt_cache_size": 10, "prompt_cache_bytes": 1000000},
+      "system": {"prompt_len": 24, "seed": 7},
+      "requests": {
+        "u1": {"arrival": 0, "system": true, "prompt_len": 6, "max_tokens": 4},
+        "u1-2": {"continues": "u1", "arrival": 1, "prompt_len": 3, "max_tokens": 4}
+      }
+
 ``load`` validates a file completely before anything runs; a bad file raises
 ``ScheduleError`` naming the file, the field or request, and the reason.
 """
@@ -37,9 +50,13 @@ L3_CATALOG = CATALOG / "l3"
 L3_REAL_CATALOG = CATALOG / "real" / "l3"
 DEFAULT_KV = {"bits": 4, "group_size": 64}
 
-ENGINE_FIELDS = ("completion_batch_size", "prefill_batch_size", "prefill_step_size")
+ENGINE_FIELDS = ("completion_batch_size", "prefill_batch_size", "prefill_step_size",
+                 "prompt_cache_size", "prompt_cache_bytes")
 KV_FIELDS = ("bits", "group_size", "quantized_kv_start")
-REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size")
+REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size",
+                  "continues", "system")
+PROMPT_FIELDS = ("prompt_len", "prompt", "text")
+SYSTEM = "system"  # the shared system prompt's id (its synthetic tokens are drawn from it and its seed)
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,22 @@ class ArrivalRequest:
     prompt: Optional[Tuple[int, ...]] = None
     text: Optional[str] = None  # tokenized by the model's tokenizer
     seed: int = 0
+    # The request this one continues (a chat's next turn): its prompt is that
+    # request's prompt, the tokens it generated, then this request's own
+    # tokens; ``arrival`` counts engine steps after that request finished.
+    continues: Optional[str] = None
+    system: bool = False  # the prompt starts with the file's shared system prompt
+
+
+@dataclass(frozen=True)
+class SystemPrompt:
+    """The file's shared system prompt: tokens that first turns start with."""
+
+    id: str = SYSTEM
+    prompt_len: int = 0
+    prompt: Optional[Tuple[int, ...]] = None
+    text: Optional[str] = None
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +101,9 @@ class EngineSettingsSpec:
     completion_batch_size: Optional[int] = None
     prefill_batch_size: Optional[int] = None
     prefill_step_size: Optional[int] = None
+    # mlx-lm's LRUPromptCache(max_size, max_bytes); None: no prompt cache
+    prompt_cache_size: Optional[int] = None
+    prompt_cache_bytes: Optional[int] = None
 
 
 @dataclass
@@ -77,8 +113,14 @@ class ArrivalSchedule:
     model: str
     requests: Dict[str, ArrivalRequest]
     engine: EngineSettingsSpec = field(default_factory=EngineSettingsSpec)
+    system: Optional[SystemPrompt] = None
     path: Optional[str] = None
     doc: dict = field(default_factory=dict, repr=False)  # as loaded, for writing back
+
+    @property
+    def conversation(self) -> bool:
+        """Served through a prompt cache (mlx-lm's LRUPromptCache)."""
+        return self.engine.prompt_cache_size is not None
 
     @property
     def kv_settings(self) -> List[tuple]:
@@ -114,7 +156,8 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
     if isinstance(doc, dict) and "events" in doc:
         reject(source, "schedule", "this is an event schedule (L1/L2); an L3 file has \"kind\": \"arrivals\" "
                                   "and per-request arrival steps instead of events")
-    check_fields(source, "schedule", doc, ("kind", "name", "description", "model", "kv", "engine", "requests"),
+    check_fields(source, "schedule", doc, ("kind", "name", "description", "model", "kv", "engine", "system",
+                                           "requests"),
           ("kind", "name", "requests"))
     if doc["kind"] != KIND:
         reject(source, "kind", f"expected {KIND!r}, got {doc['kind']!r}")
@@ -133,24 +176,24 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
     requests_doc = doc["requests"]
     if not isinstance(requests_doc, dict) or not requests_doc:
         reject(source, "requests", "expected a non-empty object of request id -> request")
+    system = _system(source, doc["system"]) if "system" in doc else None
     requests = {rid: _request(source, rid, spec, kv, default_step) for rid, spec in requests_doc.items()}
+    _check_conversations(source, requests, engine, system)
     return ArrivalSchedule(
         name=doc["name"],
         description=str(doc.get("description", "")),
         model=model,
         requests=requests,
         engine=engine,
+        system=system,
         path=source,
         doc=doc,
     )
 
 
-def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
-    where = f"request {rid!r}"
-    if not rid:
-        reject(source, "requests", "a request id must be a non-empty string")
-    check_fields(source, where, spec, REQUEST_FIELDS, ("arrival", "max_tokens"))
-    given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
+def _prompt(source, where, spec) -> dict:
+    """Exactly one of prompt_len, prompt or text, checked."""
+    given = [k for k in PROMPT_FIELDS if k in spec]
     if len(given) != 1:
         reject(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
     prompt = text = None
@@ -166,6 +209,26 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
         text = spec["text"]
     else:
         prompt_len = check_int(source, f"{where} prompt_len", spec["prompt_len"], 1)
+    return {"prompt_len": prompt_len, "prompt": prompt, "text": text,
+            "seed": check_int(source, f"{where} seed", spec.get("seed", 0))}
+
+
+def _system(source, spec) -> SystemPrompt:
+    check_fields(source, "system", spec, PROMPT_FIELDS + ("seed",))
+    return SystemPrompt(**_prompt(source, "system", spec))
+
+
+def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
+    where = f"request {rid!r}"
+    if not rid:
+        reject(source, "requests", "a request id must be a non-empty string")
+    check_fields(source, where, spec, REQUEST_FIELDS, ("arrival", "max_tokens"))
+    continues = spec.get("continues")
+    if continues is not None and (not isinstance(continues, str) or not continues):
+        reject(source, f"{where} continues", f"expected a request id, got {continues!r}")
+    system = spec.get("system", False)
+    if not isinstance(system, bool):
+        reject(source, f"{where} system", f"expected true or false, got {system!r}")
     own_kv = _kv(source, f"{where} kv", spec.get("kv", {}), kv)
     return ArrivalRequest(
         id=rid,
@@ -176,19 +239,55 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
         quantized_kv_start=own_kv.get("quantized_kv_start"),
         prefill_step_size=check_int(source, f"{where} prefill_step_size",
                                     spec.get("prefill_step_size", default_step), 1),
-        prompt_len=prompt_len,
-        prompt=prompt,
-        text=text,
-        seed=check_int(source, f"{where} seed", spec.get("seed", 0)),
+        continues=continues,
+        system=system,
+        **_prompt(source, where, spec),
     )
+
+
+def _check_conversations(source, requests: Dict[str, ArrivalRequest], engine: EngineSettingsSpec,
+                         system: Optional[SystemPrompt]):
+    """Turns name an earlier request of the same kv settings, without cycles,
+    and only where a prompt cache serves them."""
+    if engine.prompt_cache_bytes is not None and engine.prompt_cache_size is None:
+        reject(source, "engine.prompt_cache_bytes", "needs engine.prompt_cache_size (the prompt cache's entry limit)")
+    for r in requests.values():
+        where = f"request {r.id!r}"
+        if r.system and system is None:
+            reject(source, f"{where} system", "the file has no \"system\" prompt")
+        if r.continues is None:
+            continue
+        if r.system:
+            reject(source, f"{where} system", "a turn that continues another already starts with its prompt")
+        if engine.prompt_cache_size is None:
+            reject(source, f"{where} continues", "a conversation needs engine.prompt_cache_size (mlx-lm's "
+                                                  "LRUPromptCache serves the turns)")
+        earlier = requests.get(r.continues)
+        if earlier is None:
+            reject(source, f"{where} continues", f"no request {r.continues!r} (known: {', '.join(requests)})")
+        mine, theirs = (r.bits, r.group_size, r.quantized_kv_start), (earlier.bits, earlier.group_size,
+                                                                     earlier.quantized_kv_start)
+        if mine != theirs:
+            reject(source, f"{where} kv", f"differs from {earlier.id!r}, which it continues: "
+                                          f"(bits, group_size, quantized_kv_start) {mine} vs {theirs}")
+    for r in requests.values():  # every turn leads back to a first turn
+        turns, turn = [], r
+        while turn.continues is not None:
+            if turn.id in turns:
+                reject(source, f"request {r.id!r} continues", f"turns continue each other in a cycle: "
+                                                             f"{' -> '.join(turns + [turn.id])}")
+            turns.append(turn.id)
+            turn = requests[turn.continues]
 
 
 def check_fits(schedule: ArrivalSchedule, head_dim: int, vocab_size: int, has_tokenizer: bool) -> Optional[str]:
     """Why the schedule cannot run on a model of this shape, or None."""
     for r in schedule.requests.values():
-        where = f"{schedule.path}: request {r.id!r}"
         if head_dim % r.group_size:
-            return f"{where}: group_size={r.group_size} does not divide head_dim={head_dim}"
+            return f"{schedule.path}: request {r.id!r}: group_size={r.group_size} does not divide head_dim={head_dim}"
+    prompts = list(schedule.requests.values()) + ([schedule.system] if schedule.system else [])
+    for r in prompts:
+        where = f"{schedule.path}: " + ("system" if isinstance(r, SystemPrompt) else f"request {r.id!r}")
         if r.text is not None and not has_tokenizer:
             return f"{where}: a text prompt needs a tokenizer; the model has none"
         if r.prompt is not None and max(r.prompt) >= vocab_size:

@@ -24,6 +24,20 @@ per-layer caches come in through its public ``caches=`` argument as
 instances of ``quantized_row_class(batch_class)``, whose ``merge`` builds the
 implementation's batch; from then on mlx-lm alone decides merges, batched
 prefill (``prepare``/``finalize``), ``extend``, ``filter`` and ``extract``.
+
+Conversations (``settings.prompt_cache_size``; requests with ``continues``):
+the engine runs the pieces of mlx-lm's server loop (``mlx_lm/server.py``)
+around the generator, unmodified: an ``LRUPromptCache`` store;
+``fetch_nearest_cache`` for each arriving prompt, whose copy goes in through
+``insert_segments(..., caches=, all_tokens=)``; ``extract_cache`` of a row
+whose prompt segment ended, stored as a "user" entry; and each finished row's
+``prompt_cache`` (what ``extract`` returned) stored as an "assistant" entry
+under its ``all_tokens``. An engine that serves conversations says so with
+``serves_conversations = True`` and returns, in its ``EngineRun``, each
+request's full prompt, every entry it stored (``StoredPrefix``, mlx-lm's own
+``QuantizedKVCache`` holding the bytes at the time it was stored) and which
+entry each request started from: the oracle starts the same request alone
+from that entry.
 """
 
 import inspect
@@ -33,8 +47,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache
 
+from kvparity.oracle.generation import (
+    PROMPT_CACHE_MODEL, NotQuantized, StoredPrefix, fetch_nearest, quantized_copy,
+)
 from kvparity.suites.adapter import ImplementationError, resolve
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
@@ -58,6 +75,10 @@ class EngineRequest:
     group_size: int
     quantized_kv_start: Optional[int]  # None: quantized from the first token
     prefill_step_size: int
+    # A chat's next turn: the id of the request it continues. Its prompt is
+    # that request's prompt, the tokens it generated, then ``prompt`` (this
+    # turn's own tokens); it arrives ``arrival`` steps after that request finished.
+    continues: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,8 @@ class EngineSettings:
     completion_batch_size: Optional[int] = None
     prefill_batch_size: Optional[int] = None
     prefill_step_size: Optional[int] = None
+    prompt_cache_size: Optional[int] = None  # LRUPromptCache(max_size); None: no prompt cache
+    prompt_cache_bytes: Optional[int] = None  # LRUPromptCache(max_bytes); None: mlx-lm's default
 
 
 @dataclass
@@ -89,6 +112,8 @@ class EngineStep:
     joined: List[str] = field(default_factory=list)  # moved into the generation batch
     generation_rows: List[str] = field(default_factory=list)  # produced a token
     finished: List[str] = field(default_factory=list)
+    stored: List[str] = field(default_factory=list)  # rows whose cache went into the prompt cache
+    from_store: List[str] = field(default_factory=list)  # arrivals that started from a stored entry
 
     @property
     def prompt_width(self) -> int:
@@ -99,19 +124,45 @@ class EngineStep:
         return len(self.generation_rows)
 
 
+@dataclass(frozen=True)
+class PrefixUse:
+    """A request that started from a stored entry."""
+
+    entry: int  # StoredPrefix.number
+    cached: int  # prompt tokens that came from the entry
+
+
 @dataclass
 class EngineRun:
     outputs: Dict[str, Generated]
     timeline: Optional[List[EngineStep]] = None  # None: the engine does not say
     settings: Dict[str, object] = field(default_factory=dict)  # as the engine applied them
+    # Conversations only: full prompts as served (a turn's is known only
+    # then), the entries stored, and which one each request started from.
+    prompts: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    stored: Dict[int, StoredPrefix] = field(default_factory=dict)
+    prefixes: Dict[str, PrefixUse] = field(default_factory=dict)
 
 
-def quantized_row_class(batch_class: type) -> type:
-    """A solo quantized cache (mlx-lm's ``QuantizedKVCache``) whose class
-    merges into ``batch_class``: what ``BatchGenerator`` needs per layer to
-    batch a request, since mlx-lm's own ``QuantizedKVCache`` has no ``merge``."""
+class StoredEntry(list):
+    """The layers of one stored prompt cache, as the store holds them (what
+    ``extract`` returned), numbered: ``fetch_nearest_cache`` hands out a deep
+    copy, and the copy keeps the number, so the engine knows which entry
+    mlx-lm picked."""
 
-    class QuantizedRow(QuantizedKVCache):
+    def __init__(self, layers, number: int):
+        super().__init__(layers)
+        self.number = number
+
+
+@lru_cache(maxsize=None)
+def quantized_row_class(batch_class: type, base: type = QuantizedKVCache) -> type:
+    """A solo quantized cache (mlx-lm's ``QuantizedKVCache``, or ``base``)
+    whose class merges into ``batch_class``: what ``BatchGenerator`` needs per
+    layer to batch a request, since mlx-lm's own ``QuantizedKVCache`` has no
+    ``merge``."""
+
+    class QuantizedRow(base):
         @classmethod
         def merge(cls, rows):
             return batch_class.merge(rows)
@@ -120,7 +171,7 @@ def quantized_row_class(batch_class: type) -> type:
             # the base class answers 0; batching code reads a row's length here
             return self.offset
 
-    QuantizedRow.__name__ = QuantizedRow.__qualname__ = f"QuantizedRowOf{batch_class.__name__}"
+    QuantizedRow.__name__ = QuantizedRow.__qualname__ = f"{base.__name__}RowOf{batch_class.__name__}"
     return QuantizedRow
 
 
@@ -132,13 +183,20 @@ def uniform(requests: Sequence[EngineRequest], attribute: str, why: str):
 
 
 class BatchGeneratorEngine:
-    """mlx-lm's BatchGenerator, unmodified, with the cache under test."""
+    """mlx-lm's BatchGenerator, unmodified, with the cache under test; with a
+    prompt cache, inside the pieces of mlx-lm's server loop."""
+
+    serves_conversations = True
+    store_class = LRUPromptCache
 
     def __init__(self, model, batch_class: type, settings: EngineSettings):
         self.model = model
+        self.batch_class = batch_class
         self.row_class = quantized_row_class(batch_class)
         self.settings = settings
         self.name = f"mlx_lm.generate.BatchGenerator[{batch_class.__name__}]"
+        if settings.prompt_cache_size is not None:
+            self.name = f"mlx_lm.server's loop ({self.name}, LRUPromptCache)"
 
     def serve(self, requests: Sequence[EngineRequest]) -> EngineRun:
         if any(r.quantized_kv_start is not None for r in requests):
@@ -150,59 +208,158 @@ class BatchGeneratorEngine:
         uniform(requests, "bits", "one batch cache holds one bit width")
         uniform(requests, "group_size", "one batch cache holds one group size")
         step_size = uniform(requests, "prefill_step_size", "BatchGenerator has one prefill_step_size")
-        knobs = {k: v for k, v in vars(self.settings).items() if v is not None}
+        knobs = {k: getattr(self.settings, k) for k in ("completion_batch_size", "prefill_batch_size")
+                 if getattr(self.settings, k) is not None}
         knobs["prefill_step_size"] = step_size
         generator = BatchGenerator(self.model, **knobs)
         applied = {k: getattr(generator, k) for k in ("completion_batch_size", "prefill_batch_size",
                                                       "prefill_step_size")}
-        layers = len(self.model.layers)
+        store = None
+        if self.settings.prompt_cache_size is not None:
+            limits = {"max_size": self.settings.prompt_cache_size}
+            if self.settings.prompt_cache_bytes is not None:
+                limits["max_bytes"] = self.settings.prompt_cache_bytes
+            store = self.store_class(**limits)
+            applied.update({f"prompt_cache_{k}": getattr(store, k) for k in limits})
+        elif any(r.continues is not None for r in requests):
+            raise EngineUnsupported("a conversation's turns need a prompt cache (settings.prompt_cache_size)")
         try:
-            return self._drive(generator, sorted(requests, key=lambda r: r.arrival), layers, applied)
+            return _Serving(self, generator, store, requests).run(applied)
         finally:
             generator.close()
 
-    def _drive(self, generator, requests, layers, applied) -> EngineRun:
-        outputs = {r.id: Generated() for r in requests}
-        by_uid: Dict[int, str] = {}
+    def rows(self, request: EngineRequest) -> list:
+        """Empty quantized rows, one per layer: a request that starts from nothing."""
+        return [self.row_class(group_size=request.group_size, bits=request.bits) for _ in self.model.layers]
+
+    def mergeable(self, entry: list) -> list:
+        """What mlx-lm's store handed back (a deep copy of what ``extract``
+        returned, perhaps trimmed) made to merge into the class under test, in
+        place: each layer's class becomes a ``quantized_row_class`` of its own;
+        its arrays and offset stay exactly as mlx-lm left them."""
+        for layer in entry:
+            layer.__class__ = quantized_row_class(self.batch_class, type(layer))
+        return list(entry)
+
+
+class _Serving:
+    """One ``serve``: requests handed to the generator at their steps, its
+    responses collected, and with a store, the server loop's fetches and stores."""
+
+    def __init__(self, engine: BatchGeneratorEngine, generator, store: Optional[LRUPromptCache], requests):
+        self.engine, self.generator, self.store = engine, generator, store
+        self.requests = sorted(requests, key=lambda r: r.arrival)
+        self.outputs = {r.id: Generated() for r in requests}
+        self.by_uid: Dict[int, str] = {}
+        self.prompts: Dict[str, Tuple[int, ...]] = {}
+        self.stored: Dict[int, StoredPrefix] = {}
+        self.prefixes: Dict[str, PrefixUse] = {}
+        self.segment_types: Dict[int, List[str]] = {}  # per uid, as the server keeps them (reversed)
+        # first turns arrive at their step; a next turn once the turn it continues finished
+        self.due = {r.id: r.arrival for r in requests if r.continues is None}
+
+    def run(self, applied) -> EngineRun:
         timeline: List[EngineStep] = []
-        pending = list(requests)
-        unfinished = {r.id for r in requests}
+        pending = list(self.requests)
+        unfinished = {r.id for r in self.requests}
         # Each step prefills a chunk or generates a token for some request:
         # more steps than that means the engine stalled.
-        limit = max(r.arrival for r in requests) + sum(
-            len(r.prompt) // r.prefill_step_size + 2 + r.max_tokens for r in requests)
+        everything = sum(len(r.prompt) + r.max_tokens for r in self.requests)
+        limit = sum(r.arrival + r.max_tokens + 2 + everything // r.prefill_step_size for r in self.requests)
         step = 0
         while unfinished:
             if step > limit:
                 raise RuntimeError(f"engine stalled: {sorted(unfinished)} unfinished after {step} steps")
             record = EngineStep(step)
-            arriving = [r for r in pending if r.arrival <= step]
-            pending = pending[len(arriving):]
+            arriving = [r for r in pending if self.due.get(r.id, step + 1) <= step]
             if arriving:
-                uids = generator.insert(
-                    [list(r.prompt) for r in arriving],
-                    max_tokens=[r.max_tokens for r in arriving],
-                    caches=[[self.row_class(group_size=r.group_size, bits=r.bits) for _ in range(layers)]
-                            for r in arriving],
-                )
-                by_uid.update(zip(uids, (r.id for r in arriving)))
-                record.arrived = [r.id for r in arriving]
-            prompt_responses, generation_responses = generator.next()
+                pending = [r for r in pending if r not in arriving]
+                self.insert(arriving, step, record)
+            prompt_responses, generation_responses = self.generator.next()
             for response in prompt_responses:
-                (record.joined if response.end_of_prompt else record.prompt_rows).append(by_uid[response.uid])
+                (record.joined if response.end_of_prompt else record.prompt_rows).append(self.by_uid[response.uid])
+            if self.store is not None:
+                self.store_segments(prompt_responses, step, record)
             for response in generation_responses:
-                rid = by_uid[response.uid]
+                rid = self.by_uid[response.uid]
                 record.generation_rows.append(rid)
-                out = outputs[rid]
+                out = self.outputs[rid]
                 out.tokens.append(response.token)
                 out.logprobs.append(response.logprobs)
                 out.steps.append(step)
                 if response.finish_reason is not None:
                     record.finished.append(rid)
                     unfinished.discard(rid)
+                    for r in pending:  # its next turns count their arrival from here
+                        if r.continues == rid:
+                            self.due[r.id] = step + 1 + r.arrival
+                    if self.store is not None:
+                        self.put(response.prompt_cache, response.all_tokens, "assistant", rid, step, record)
             timeline.append(record)
             step += 1
-        return EngineRun(outputs, timeline, applied)
+        return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes)
+
+    def prompt(self, request: EngineRequest) -> Tuple[int, ...]:
+        if request.continues is None:
+            return tuple(request.prompt)
+        earlier = request.continues
+        return self.prompts[earlier] + tuple(self.outputs[earlier].tokens) + tuple(request.prompt)
+
+    def insert(self, arriving: List[EngineRequest], step: int, record: EngineStep):
+        record.arrived = [r.id for r in arriving]
+        for r in arriving:
+            self.prompts[r.id] = self.prompt(r)
+        if self.store is None:
+            uids = self.generator.insert([list(self.prompts[r.id]) for r in arriving],
+                                         max_tokens=[r.max_tokens for r in arriving],
+                                         caches=[self.engine.rows(r) for r in arriving])
+            self.by_uid.update(zip(uids, (r.id for r in arriving)))
+            return
+        for r in arriving:  # as mlx_lm.server does for each request it can batch
+            prompt = list(self.prompts[r.id])
+            cache, rest = fetch_nearest(self.store, prompt)
+            cached = len(prompt) - len(rest)
+            if cache is None:
+                cache = self.engine.rows(r)
+            else:
+                self.prefixes[r.id] = PrefixUse(cache.number, cached)
+                record.from_store.append(r.id)
+                cache = self.engine.mergeable(cache)
+            # The server's one segment of a request without a system message:
+            # the prompt after what came from the store, a "user" segment. (A
+            # system message would be a segment of its own, stored on its own;
+            # that splits the prefill at its end, a call boundary generate_step
+            # alone does not have, and a prefix computed in another call need not
+            # be bit-identical. A shared system prompt reaches the store here as
+            # the start of another user's longer entry, trimmed.)
+            (uid,) = self.generator.insert_segments(segments=[[rest]], max_tokens=[r.max_tokens], caches=[cache],
+                                                    all_tokens=[prompt[:cached]])
+            self.by_uid[uid] = r.id
+            self.segment_types[uid] = ["user"]
+
+    def store_segments(self, prompt_responses, step: int, record: EngineStep):
+        """Rows whose prompt segment ended are extracted and stored (the
+        server's "Save the caches at end of segments"); they keep going."""
+        ended = [r.uid for r in prompt_responses
+                 if r.end_of_segment and not r.end_of_prompt and self.segment_types[r.uid]]
+        for uid, (cache, tokens) in self.generator.extract_cache(ended).items():
+            self.put(cache, tokens[:], self.segment_types[uid].pop(), self.by_uid[uid], step, record)
+
+    def put(self, layers, tokens, kind: str, rid: str, step: int, record: EngineStep):
+        """Store a row's layers as the server does, and keep for the oracle
+        mlx-lm's own copy of the bytes they hold now."""
+        number = len(self.stored)
+        stored = StoredPrefix(number, tuple(tokens), None, rid, step, kind)
+        copies = []
+        try:
+            for layer in layers:
+                copies.append(quantized_copy(layer))
+            stored.layers = copies
+        except NotQuantized as error:
+            stored.unusable = f"layer {len(copies)} is {error}"
+        self.stored[number] = stored
+        self.store.insert_cache(PROMPT_CACHE_MODEL, list(tokens), StoredEntry(layers, number), cache_type=kind)
+        record.stored.append(rid)
 
 
 def mlx_lm_batch_generator(model, batch_class: type, settings: EngineSettings) -> BatchGeneratorEngine:

@@ -9,6 +9,17 @@ the first token, as BatchGenerator computes it, or with ``quantized_kv_start:
 N`` mlx-lm's delayed conversion, which BatchGenerator cannot serve (not
 supported) and an engine that converts can.
 
+Conversations (a prompt cache in the engine block): a request the engine
+started from a stored entry is compared with the same prompt alone from the
+same entry (``generate_from_prefix``). "The same entry" is the bytes the
+engine stored, as they were when it stored them: what ``extract`` returned,
+copied at that moment into mlx-lm's own ``QuantizedKVCache``. Not the
+entry's bytes when it is fetched (an entry that changed after it was stored
+is the bug to catch), and not an entry the oracle computes itself (a prefix
+computed in another call need not be bit-identical; the finished turn that stored
+it is compared on its own). mlx-lm's ``LRUPromptCache`` then does its own
+deep copy and trim of it.
+
 Comparison, per request: tokens position by position, and at each position
 the log-probs bit for bit (dtype, shape and bytes; the full vector when the
 engine gives one, else the chosen token's value against the oracle vector's
@@ -19,13 +30,15 @@ run has, ``#0 serve``; ``reports/verdicts.judge`` says what it means.
 """
 
 import time
+from dataclasses import replace
 from typing import Dict, List, Optional
 
-from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, semantics
+from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
+from kvparity.suites.checks import EXTRACT
 from kvparity.suites.compare import Divergence, first_difference
 from kvparity.suites.engines import (
     EngineRequest,
@@ -39,19 +52,24 @@ from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, 
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
+FROM_STORE = "prompt tokens from a stored entry"  # a row metric of conversations
 
 
 def engine_requests(schedule: ArrivalSchedule, vocab_size: int, tokenizer=None) -> List[EngineRequest]:
+    """The requests as an engine gets them: a first turn's prompt starts with
+    the system prompt when it asks for it; a next turn's holds its own tokens."""
+    system = tuple(prompt_tokens(schedule.system, vocab_size, tokenizer)) if schedule.system else ()
     return [
         EngineRequest(
             id=r.id,
-            prompt=tuple(prompt_tokens(r, vocab_size, tokenizer)),
+            prompt=(system if r.system else ()) + tuple(prompt_tokens(r, vocab_size, tokenizer)),
             arrival=r.arrival,
             max_tokens=r.max_tokens,
             bits=r.bits,
             group_size=r.group_size,
             quantized_kv_start=r.quantized_kv_start,
             prefill_step_size=r.prefill_step_size,
+            continues=r.continues,
         )
         for r in schedule.requests.values()
     ]
@@ -72,11 +90,34 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
         result.stop(NOT_SUPPORTED, unfit)
         return result
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
-    solos = generate_solos(result, loaded, requests, use_cache)
+    first_turns = [r for r in requests if r.continues is None]
+    solos = generate_solos(result, loaded, first_turns, use_cache)
     run = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
     if run is not None:
         for request in requests:
-            compare_request(result, request, solos[request.id], run.outputs.get(request.id))
+            if request.continues is not None:  # a next turn: its prompt as the engine served it
+                if request.id not in run.prompts:
+                    result.stop(NOT_SUPPORTED, f"the engine served {request.id!r}, a next turn, without "
+                                               f"saying its prompt (EngineRun.prompts)")
+                    return result
+                request = replace(request, prompt=run.prompts[request.id], continues=None)
+            use = run.prefixes.get(request.id)
+            if use is None:  # from nothing: the solo from scratch
+                origin = ""
+                if request.id not in solos:  # a next turn the store had nothing for
+                    solos.update(generate_solos(result, loaded, [request], use_cache) or {})
+                solo = solos.get(request.id)
+            else:  # from a stored entry: the oracle starts from the same one
+                entry = run.stored[use.entry]
+                origin = f"from {entry.describe()}: {use.cached} prompt tokens"
+                solo = solo_from_entry(result, loaded, request, entry, use)
+            if solo is None:  # the oracle could not run (the run stopped), or noted why not
+                if result.stopped:
+                    return result
+                continue
+            compare_request(result, request, solo, run.outputs.get(request.id), origin)
+            if schedule.conversation:
+                result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
         result.seconds = time.perf_counter() - start
     return result
 
@@ -95,6 +136,21 @@ def generate_solos(result: ScheduleResult, loaded, requests, use_cache) -> Optio
     return solos
 
 
+def solo_from_entry(result: ScheduleResult, loaded, request: EngineRequest, entry, use) -> Optional[SoloGeneration]:
+    """The request alone from the entry the engine started it from; None (and
+    a divergence noted) when mlx-lm's QuantizedKVCache cannot hold that entry."""
+    if entry.layers is None:
+        result.note(0, EXTRACT, [request.id], 0, [Divergence(
+            EXTRACT, SERVE_LABEL, request.id, detail=f"{entry.describe()}, which {request.id!r} started from, "
+                                                     f"is no solo QuantizedKVCache: {entry.unusable}")])
+        return None
+    solo, cached = generate_from_prefix(loaded.model, request, request.prompt, entry)
+    if cached != use.cached:  # one entry, one trie: mlx-lm picks the same prefix
+        raise RuntimeError(f"request {request.id!r}: the engine took {use.cached} prompt tokens from "
+                           f"{entry.describe()}, the oracle {cached}")
+    return solo
+
+
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
           requests) -> Optional[EngineRun]:
     """The engine's run, or None when it stopped: what raised is worded as at
@@ -106,6 +162,10 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     calls_before = dict(implementation.calls)
     with implementation.watching():
         engine = make_engine(engine_spec, loaded.model, implementation.batch_class, settings)
+        if schedule.conversation and not getattr(engine, "serves_conversations", False):
+            result.stop(NOT_SUPPORTED, f"the engine {engine.name} does not serve conversations "
+                                       f"(no serves_conversations = True): this file needs a prompt cache")
+            return None
         try:
             run = engine.serve(requests)
         except EngineUnsupported as error:
@@ -129,15 +189,17 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     result.timeline = [
         {"step": s.step, "arrived": s.arrived, "prompt_batch": s.prompt_rows, "joined": s.joined,
          "generation_batch": s.generation_rows, "finished": s.finished,
-         "prompt_width": s.prompt_width, "generation_width": s.generation_width}
+         "prompt_width": s.prompt_width, "generation_width": s.generation_width,
+         "stored": s.stored, "from_store": s.from_store}
         for s in run.timeline or ()]
     return run
 
 
 def compare_request(result: ScheduleResult, request: EngineRequest, expected: SoloGeneration,
-                    actual: Optional[Generated]):
+                    actual: Optional[Generated], origin: str = ""):
     """Note one request's tokens and log-probs against its generation alone,
-    up to and including the first differing token."""
+    up to and including the first differing token. ``origin``: the stored
+    entry both started from, in words (empty: from nothing)."""
     rid = request.id
     tokens = actual.tokens if actual is not None else []
     logprobs = actual.logprobs if actual is not None else []
@@ -150,7 +212,7 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
         found.append(Divergence(
             check, f"{SERVE_LABEL}, engine step {step}", rid, tensor="logprobs" if check == "logprobs" else "tokens",
             step=i, index=index, expected=want, actual=got,
-            detail=f"token {i} at engine step {step}" + (f"; {detail}" if detail else "")))
+            detail="; ".join(part for part in (f"token {i} at engine step {step}", origin, detail) if part)))
 
     for i, want in enumerate(expected.tokens):
         if i >= len(tokens):
@@ -177,7 +239,7 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
             n = len(expected.tokens)
             diverged("length", n, None, n, len(tokens), "more tokens than max_tokens")
     result.row(rid).metrics = {"tokens compared": made["tokens"], "log-prob vectors compared": made["vectors"],
-                               "log-prob values compared": made["values"], "oracle": semantics(request)}
+                               "log-prob values compared": made["values"], "oracle": ", ".join(part for part in (semantics(request), origin) if part)}
     result.note(0, "tokens", [rid], made["tokens"])
     result.note(0, "logprobs", [rid], made["vectors"] + made["values"])
     for divergence in found:  # each under its own check, in the order found
@@ -191,9 +253,10 @@ def describe_timeline(timeline: List[dict]) -> List[str]:
     lines = []
     for s in timeline:
         parts = [f"step {s['step']:3d}"]
-        for label, key in (("arrive", "arrived"), ("prefill", "prompt_batch"), ("join", "joined"),
-                           ("generate", "generation_batch"), ("finish", "finished")):
-            if s[key]:
+        for label, key in (("arrive", "arrived"), ("from store", "from_store"), ("prefill", "prompt_batch"),
+                           ("join", "joined"), ("generate", "generation_batch"), ("finish", "finished"),
+                           ("store", "stored")):
+            if s.get(key):
                 parts.append(f"{label} {','.join(s[key])}")
         lines.append("  ".join(parts))
     return lines

@@ -4,13 +4,17 @@
 (``oracle/generation.py``, mlx-lm's ``generate_step``): it must pass
 (trivially, which is the point: the adapter's plumbing is all it exercises). The broken ones must
 fail: ``drops_last_token`` loses a request's last token, ``swaps_outputs``
-hands two requests each other's output.
+hands two requests each other's output, and ``stored_entries_change``
+(mlx-lm's BatchGenerator in the server loop) writes into each prompt cache
+entry after storing it, as a store sharing memory with a batch would see.
 """
 
 from typing import Sequence
 
+from mlx_lm.models.cache import LRUPromptCache
+
 from kvparity.oracle.generation import generate_alone
-from kvparity.suites.engines import EngineRequest, EngineRun, EngineSettings, Generated
+from kvparity.suites.engines import BatchGeneratorEngine, EngineRequest, EngineRun, EngineSettings, Generated
 
 
 class SerialEngine:
@@ -62,7 +66,22 @@ class SwapsOutputs(SerialEngine):
         return run
 
 
+class StoreWhoseEntriesChange(LRUPromptCache):
+    """Zeroes the first key token of every layer of an entry, in place, once
+    it is stored: later fetches copy the changed bytes."""
+
+    def insert_cache(self, model, tokens, prompt_cache, **kwargs):
+        super().insert_cache(model, tokens, prompt_cache, **kwargs)
+        for layer in prompt_cache:
+            layer.keys[0][..., :1, :] = 0
+
+
+class StoredEntriesChange(BatchGeneratorEngine):
+    store_class = StoreWhoseEntriesChange
+
+
 serial = SerialEngine
 chosen_logprob_only = ChosenLogprobOnly
 drops_last_token = DropsLastToken
 swaps_outputs = SwapsOutputs
+stored_entries_change = StoredEntriesChange

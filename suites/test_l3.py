@@ -2,22 +2,29 @@
 serve arrivals with the cache under test; every request must come out exactly
 as it does alone through generate_step."""
 
+import copy
 import inspect
 import json
 
+import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache
 
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.checks import CHECKS
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 from kvparity.suites.arrivals import catalog_paths, load, parse
-from kvparity.suites.arrivals_strategy import arrival_documents, check_document
+from kvparity.suites.schedule import ScheduleError
+from kvparity.suites.arrivals_strategy import arrival_documents, check_document, conversation_documents
 from kvparity.suites.engines import EngineError, load_engine_factory, quantized_row_class
-from kvparity.suites.l3 import explain, prefill_modes, run_l3
+from kvparity.suites.l3 import FROM_STORE, explain, prefill_modes, run_l3
 
 PATHS = catalog_paths()
+CONVERSATIONS = [p for p in PATHS if load(p).conversation]
 TEST_ENGINES = "kvparity.suites.l3_test_engines"
 CONTROLS = "kvparity.impl.negative_controls"
 
@@ -52,6 +59,11 @@ def test_catalog_covers_the_issue():
     schedules = [load(p) for p in PATHS]
     assert any(max(r.prompt_len for r in s.requests.values()) > 256 for s in schedules)
     assert {r.bits for s in schedules for r in s.requests.values()} == {2, 3, 4, 5, 6, 8}
+    # conversations: several users with several turns sharing a system prompt, a trim, store limits
+    assert {"chat-shared-system-prompt", "stored-prompt-longer", "prompt-cache-evicts"} <= names
+    assert any(s.system and len({r.id for r in s.requests.values() if r.system}) >= 3
+               and sum(r.continues is not None for r in s.requests.values()) >= 3 for s in schedules)
+    assert any(s.engine.prompt_cache_bytes for s in schedules)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
@@ -65,6 +77,9 @@ def test_catalog_on_batch_generator(path, implementation, judged):
     timeline = result.timeline
     assert sorted(r for s in timeline for r in s["finished"]) == sorted(schedule.requests)
     assert max(s["generation_width"] for s in timeline) <= completion_batch_size(schedule)
+    if schedule.conversation:  # turns started from stored entries, and the oracle from the same ones
+        started = {r for s in timeline for r in s["from_store"]}
+        assert started and {row.request for row in result.rows if row.metrics[FROM_STORE] > 0} == started
 
 
 def test_burst_waits_for_free_rows(implementation, judged):
@@ -178,7 +193,10 @@ def test_a_cache_that_refuses_a_required_member_is_refused_at_l3(judged):
 # Which controls L3 catches on the catalog, and for the rest, why not (tested
 # below on the members BatchGenerator actually calls).
 CAUGHT_AT_L3 = {"MaskIgnoresLeftPadding", "RopeOffsetIgnoresLeftPadding", "ExtendForgetsExistingPadding",
-                "GrowthDropsTail"}
+                "GrowthDropsTail",
+                # only with conversations: merge then sees filled rows of different
+                # lengths, and a row extracted into the store keeps decoding
+                "LeftPaddingOffByOne", "MergeRequantizes", "ExtractWritesTheBatch"}
 
 
 @pytest.mark.parametrize("control", ["MaskIgnoresLeftPadding", "RopeOffsetIgnoresLeftPadding"])
@@ -193,7 +211,9 @@ def test_members_batch_generator_calls(implementation, judged):
 
     counts = Counter()
     for path in PATHS:
-        if path.stem != "long-prompt-crosses-256":  # slow, and calls nothing the others do not
+        # long-prompt-crosses-256 is slow and calls nothing the others do not;
+        # conversations add only merges of filled rows (test_conversation_* below)
+        if path.stem != "long-prompt-crosses-256" and path not in CONVERSATIONS:
             counts.update(assert_passed(judged(run_l3(load(path), implementation))).members)
     # what it exercises ...
     for member in ("merge", "extend", "filter", "extract", "update_and_fetch", "make_mask", "prepare", "finalize"):
@@ -253,3 +273,171 @@ def test_generated_arrivals_find_and_write_a_bug(tmp_path, judged):
     doc = json.loads(found.read_text())
     assert judged(run_l3(parse(doc, str(found)), mask_bug)).verdict == FAIL  # replays
     assert len(doc["requests"]) >= 2  # shrunk, yet a left-padding bug needs two rows
+
+
+# -- conversations: mlx-lm's server loop and its prompt cache ---------------------------
+
+
+class MergeReadsRowBufferLength(BatchQuantizedKVCache):
+    """merge takes a filled row's length from its key buffer, not its offset:
+    right for every row BatchGenerator makes (empty, or exactly sized by
+    extract), wrong for a stored row that mlx-lm trimmed (the buffer keeps the
+    trimmed tokens). Caught only where a stored prompt is longer than the new one."""
+
+    @classmethod
+    def merge(cls, caches):
+        rows = []
+        for cache in caches:
+            row = copy.copy(cache)
+            if cache.keys is not None:
+                row.offset = cache.keys[0].shape[-2]
+            rows.append(row)
+        return super().merge(rows)
+
+
+class ExtractDequantizes(BatchQuantizedKVCache):
+    """extract hands out the row dequantized, in mlx-lm's ``KVCache``, and
+    merge quantizes such rows again (at the trim file's 5 bits, group 64): it
+    serves stored rows that mlx-lm's ``QuantizedKVCache`` cannot hold as they
+    were stored."""
+
+    def extract(self, idx):
+        row = super().extract(idx)
+        cache = KVCache()
+        cache.keys, cache.values = (mx.dequantize(*triple, group_size=self.group_size, bits=self.bits)
+                                    for triple in (row.keys, row.values))
+        cache.offset = row.offset
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        return super().merge([c.to_quantized(group_size=64, bits=5) if isinstance(c, KVCache) else c
+                              for c in caches])
+
+
+THIS_MODULE = "kvparity.suites.test_l3"
+TRIM = next(p for p in CONVERSATIONS if p.stem == "stored-prompt-longer")
+
+
+def conversation(*edits):
+    """A valid two-turn conversation, with ``(path, value)`` edits (value
+    None: the key removed)."""
+    doc = {"kind": "arrivals", "name": "turns", "engine": {"prompt_cache_size": 4},
+           "system": {"prompt_len": 5},
+           "requests": {"a": {"arrival": 0, "system": True, "prompt_len": 3, "max_tokens": 2},
+                        "a2": {"continues": "a", "arrival": 0, "prompt_len": 2, "max_tokens": 2}}}
+    for path, value in edits:
+        *parents, key = path
+        target = doc
+        for parent in parents:
+            target = target[parent]
+        if value is None:
+            del target[key]
+        else:
+            target[key] = value
+    return doc
+
+
+A, A2 = ("requests", "a"), ("requests", "a2")
+
+
+@pytest.mark.parametrize("edits, message", [
+    ([(A2 + ("continues",), "zz")], "request 'a2' continues: no request 'zz'"),
+    ([(A2 + ("continues",), 3)], "request 'a2' continues: expected a request id"),
+    ([(A + ("continues",), "a2"), (A + ("system",), None)],
+     "request 'a' continues: turns continue each other in a cycle: a -> a2 -> a"),
+    ([(A2 + ("kv",), {"bits": 8})], "request 'a2' kv: differs from 'a', which it continues"),
+    ([(A2 + ("system",), True)], "request 'a2' system: a turn that continues another already starts with its prompt"),
+    ([(A + ("system",), "yes")], "request 'a' system: expected true or false"),
+    ([(("system",), None)], "request 'a' system: the file has no \"system\" prompt"),
+    ([(("system", "size"), 1)], "system: unknown field 'size'"),
+    ([(("system", "prompt_len"), None)], "system: give exactly one of prompt_len, prompt"),
+    ([(("engine", "prompt_cache_size"), None)],
+     "request 'a2' continues: a conversation needs engine.prompt_cache_size"),
+    ([(("engine", "prompt_cache_size"), None), (("engine", "prompt_cache_bytes"), 100)],
+     "engine.prompt_cache_bytes: needs engine.prompt_cache_size"),
+    ([(("engine", "prompt_cache_size"), 0)], "engine.prompt_cache_size: expected an integer >= 1"),
+])
+def test_bad_conversation_files_are_refused_before_anything_runs(edits, message):
+    with pytest.raises(ScheduleError) as error:
+        parse(conversation(*edits), source="chat.json")
+    assert str(error.value).startswith(f"chat.json: {message}"), str(error.value)
+    parse(conversation(), source="chat.json")  # the unchanged file is valid
+
+
+def test_stored_prompts_longer_than_the_new_one_are_trimmed_by_mlx_lm(implementation, judged):
+    result = assert_passed(judged(run_l3(load(TRIM), implementation)))
+    # 'long' stores its prompt less its last token (15 tokens) when its prefill
+    # ends: 'exact' is that prompt (an exact hit gives back one token to feed),
+    # 'prefix' its first 9 tokens (trimmed to 8), 'branch' shares 12.
+    assert {row.request: row.metrics[FROM_STORE] for row in result.rows} == {
+        "long": 0, "exact": 14, "prefix": 8, "branch": 12}
+    assert all("from stored entry #0 (user, 15 tokens of 'long'" in row.metrics["oracle"]
+               for row in result.rows if row.request != "long")
+
+
+def test_merge_that_reads_a_row_buffer_fails_on_trimmed_entries(judged):
+    broken = load_implementation(f"{THIS_MODULE}:MergeReadsRowBufferLength")
+    result = run_l3(load(TRIM), broken)
+    assert judged(result).verdict == FAIL
+    # every request whose stored entry mlx-lm trimmed, and only those
+    assert {d.request for d in result.divergences} == {"exact", "prefix", "branch"}
+    first = next(d for d in result.divergences if d.request == "prefix")
+    assert "#0 serve, engine step" in first.event
+    assert "from stored entry #0 (user, 15 tokens of 'long', step 0): 8 prompt tokens" in first.message()
+
+
+def test_a_stored_entry_that_changes_after_storing_fails(implementation, judged):
+    # The oracle starts from the bytes as they were stored, not as fetched.
+    result = run_l3(load(TRIM), implementation, f"{TEST_ENGINES}:stored_entries_change")
+    assert judged(result).verdict == FAIL
+    assert {d.request for d in result.divergences} == {"exact", "prefix", "branch"}
+
+
+def test_a_stored_entry_that_is_no_quantized_cache_fails_under_extract(judged):
+    result = run_l3(load(TRIM), load_implementation(f"{THIS_MODULE}:ExtractDequantizes"))
+    assert judged(result).verdict == FAIL
+    assert {(d.check, d.request) for d in result.divergences} == {
+        ("extract", "exact"), ("extract", "prefix"), ("extract", "branch")}
+    prefix = next(d for d in result.divergences if d.request == "prefix")
+    assert ("stored entry #0 (user, 15 tokens of 'long', step 0), which 'prefix' started from, is no solo "
+            "QuantizedKVCache: layer 0 is a KVCache") in prefix.message()
+
+
+def test_an_engine_without_conversations_is_not_supported(implementation, judged):
+    result = run_l3(load(TRIM), implementation, f"{TEST_ENGINES}:serial")
+    assert judged(result).verdict == NOT_SUPPORTED and "serves_conversations" in result.reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONVERSATIONS, ids=[p.stem for p in CONVERSATIONS])
+def test_conversations_in_both_prefill_modes(path, implementation, judged):
+    for variant in prefill_modes(load(path)).values():
+        assert_passed(judged(run_l3(variant, implementation)))
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=conversation_documents())
+def test_generated_conversations(doc, implementation, judged, tmp_path_factory):
+    check_document(doc, implementation, judged, folder=tmp_path_factory.getbasetemp() / "found")
+
+
+@pytest.mark.slow
+def test_generated_conversations_find_a_merge_that_reads_a_trimmed_row(tmp_path, judged):
+    broken = load_implementation(f"{THIS_MODULE}:MergeReadsRowBufferLength")
+
+    # A trimmed entry needs two first turns sharing the system prompt: always give one.
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(doc=conversation_documents(max_users=2, max_turns=2, system_lengths=st.integers(8, 30)))
+    def search(doc):
+        check_document(doc, broken, judged, folder=tmp_path)
+
+    with pytest.raises(AssertionError, match="written to"):
+        search()
+    (found,) = tmp_path.glob("*.json")
+    doc = json.loads(found.read_text())
+    result = run_l3(parse(doc, str(found)), broken)
+    assert judged(result).verdict == FAIL  # replays
+    assert all("from stored entry" in d.message() for d in result.divergences)  # only rows from the store
