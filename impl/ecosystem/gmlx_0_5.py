@@ -18,6 +18,13 @@ differences of protocol, each translated here and nothing else:
   (kv_cache.py:255); gmlx's own accounting, ``cache_nbytes``
   (kv_cache.py:142), then counts the arrays of ``state``. The adapter
   answers with the same.
+
+Being a subclass changes one thing the adapter must undo: gmlx's
+``_BaseCache.__init_subclass__`` resets ``_kv_routed`` and ``_kv_grid`` to
+False on every subclass that does not set them (kv_cache.py:206-210), which
+would switch off the append gmlx's class runs (kv_cache.py:2680-2681: the
+capacity grid, and writes into fresh handles) for a slice write into the
+arrays it holds. The adapter sets both back to the class's own values.
 """
 
 from gmlx.cache.kv_cache import BatchQuantizedKVCache, QuantizedKVCache, cache_nbytes
@@ -34,6 +41,10 @@ def as_gmlx_row(row) -> QuantizedKVCache:
 
 
 class GmlxBatchQuantizedKVCache(BatchQuantizedKVCache):
+    # gmlx's own append, which its __init_subclass__ turns off in a subclass.
+    _kv_routed = BatchQuantizedKVCache._kv_routed
+    _kv_grid = BatchQuantizedKVCache._kv_grid
+
     @classmethod
     def merge(cls, caches):
         rows = [as_gmlx_row(c) for c in caches]
