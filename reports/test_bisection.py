@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
+from kvparity.impl.negative_controls import ExtractReturnsViews, TrimForgetsOffset
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l1 import run_l1
@@ -202,3 +203,26 @@ def test_bisect_at_l2(tmp_path, capsys):
     assert code == EXIT_BROKEN, capsys.readouterr()
     doc = json.loads(out.read_text())
     assert len(doc["events"]) <= 2 and len(doc["requests"]) == 2
+
+
+class ViewsThenTrimForgetsOffset(ExtractReturnsViews, TrimForgetsOffset):
+    """A hygiene finding (extract shares the batch's memory) before a parity
+    failure (trim leaves the offsets)."""
+
+
+def test_bisect_follows_the_failure_not_an_earlier_hygiene_finding(tmp_path):
+    spec = f"{__name__}:ViewsThenTrimForgetsOffset"
+    source = tmp_path / "views-then-trim.json"
+    source.write_text(json.dumps({
+        "name": "views-then-trim", "levels": ["L1"],
+        "requests": {"a": {"prompt_len": 12}, "b": {"prompt_len": 5}},
+        "events": [{"join": ["a", "b"]}, {"step": 2}, {"extract": "b"}, {"reinsert": "b"},
+                   {"step": 1}, {"trim": 2}, {"step": 1}],
+    }))
+    broken = load_implementation(spec)
+    full = judge(run_l1(load(source), broken), CPU)
+    assert {d.check for row in full.rows for d in row.evidence.divergences} >= {"alias", "offset"}
+    assert first_failure(full).check == "offset"
+    out = tmp_path / "min.json"
+    assert main(["bisect", str(source), "--impl", spec, "--out", str(out)]) == EXIT_BROKEN
+    assert main(["replay", str(out), "--level", "L1", "--impl", spec]) == EXIT_BROKEN

@@ -48,6 +48,7 @@ class RowVerdict:
     tier: Optional[str]  # the strongest tier the row reached
     required: str  # the tier the policy asked for
     declared: Mapping[int, int]  # divergence position -> declaration expecting it
+    failing: Tuple = ()  # the divergences that made it FAIL: gating ones, or logits short of the tier
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
         tier = None if not row.checks else (TIER_DIVERGED if gating else BIT_EXACT)
         required, logits_ok = BIT_EXACT, True
     missing = [c for c in level.requires if not row.compared(c)]
+    failing = tuple(gating) if logits_ok else tuple(gating) + tuple(
+        d for d in undeclared if d.check == LOGITS and d not in gating)
     if gating or not logits_ok:
         verdict = FAIL
         reason = (min(gating, key=lambda d: d.order).message() if gating else
@@ -107,7 +110,8 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
         verdict, reason = EXPECTED_DIVERGENCE, _declared(declared, expectations)
     else:
         verdict, reason = PASS, ""
-    return RowVerdict(row, verdict, reason, tier, required, MappingProxyType(declared))
+    failing = failing if verdict == FAIL else ()
+    return RowVerdict(row, verdict, reason, tier, required, MappingProxyType(declared), failing)
 
 
 def _declared(declared: Mapping[int, int], expectations) -> str:

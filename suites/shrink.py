@@ -18,9 +18,11 @@ from kvparity.suites.schedule import ScheduleError, parse
 
 
 def first_failure(judged):
-    """The earliest divergence of a failed row of a judged run (a
-    ``reports.verdicts.ScheduleVerdict``), or None."""
-    found = [d for row in judged.rows if row.verdict == FAIL for d in row.evidence.divergences]
+    """The earliest divergence that failed a row of a judged run (a
+    ``reports.verdicts.ScheduleVerdict``), or None. Hygiene findings and
+    declared divergences inform but do not fail a row, so shrinking never
+    follows them."""
+    found = [d for row in judged.rows for d in row.failing]
     return min(found, key=lambda d: d.order, default=None)
 
 
