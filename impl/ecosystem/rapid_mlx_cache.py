@@ -39,9 +39,9 @@ def as_rapid_row(row, group_size: int, bits: int):
     if isinstance(row, MlxLmQuantizedKVCache):
         restored = KVCache()  # as Scheduler._reconstruct_cache_from_states restores a quantized entry
         if row.keys is not None:
-            keys, values = row.state
-            restored.keys = rapid._dequantize(list(keys), row.group_size, row.bits)
-            restored.values = rapid._dequantize(list(values), row.group_size, row.bits)
+            keys, values = ([x[..., : row.offset, :] for x in triple] for triple in (row.keys, row.values))
+            restored.keys = rapid._dequantize(keys, row.group_size, row.bits)
+            restored.values = rapid._dequantize(values, row.group_size, row.bits)
             restored.offset = restored.keys.shape[2]
         row = restored
     return rapid.normalize_caches_for_quantization([row], group_size, bits)[0]
