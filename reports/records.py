@@ -24,6 +24,7 @@ from kvparity.reports.verdicts import ScheduleVerdict, judge
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import RowResult, ScheduleResult
+from kvparity.suites.schedule import CATALOG
 
 REPORT = "report.json"
 # _json_safe writes non-finite floats as these strings: JSON has no literal for them.
@@ -97,9 +98,24 @@ def _fields(cls, doc: dict) -> dict:
     return {f.name: doc[f.name] for f in dataclasses.fields(cls) if f.name in doc}
 
 
+def local_path(path: Optional[str]) -> Optional[str]:
+    """A schedule's file as this machine has it: a catalog file written on
+    another machine (a shard's runner, with kvparity installed elsewhere) is
+    read from this installation's catalog, so the coverage model can read it."""
+    if path is None or Path(path).is_file():
+        return path
+    parts = Path(path).parts
+    ends = [i for i in range(len(parts) - 1) if parts[i:i + 2] == ("suites", "catalog")]
+    if ends:
+        here = CATALOG.joinpath(*parts[ends[-1] + 2:])
+        if here.is_file():
+            return str(here)
+    return path
+
+
 def evidence_of(doc: dict) -> ScheduleResult:
     """A schedule run's evidence from its report.json entry."""
-    result = ScheduleResult(**_fields(ScheduleResult, {**doc, "rows": []}))
+    result = ScheduleResult(**_fields(ScheduleResult, {**doc, "rows": [], "path": local_path(doc.get("path"))}))
     for row_doc in doc["rows"]:
         row = RowResult(row_doc["request"], metrics=_finite(row_doc.get("metrics") or {}),
                         series=_finite(row_doc.get("series") or {}))

@@ -52,11 +52,23 @@ def same_verdict(merged: dict, whole: dict):
     assert [fields(r) for r in merged["results"]] == [fields(r) for r in whole["results"]]
 
 
+def as_if_on_another_machine(folder: Path):
+    """A shard's report as a runner with kvparity installed elsewhere writes it:
+    its catalog paths do not exist here (the merge reads this installation's catalog)."""
+    (found,) = folder.glob("*/report.json")
+    record = json.loads(found.read_text())
+    for result in record["results"]:
+        result["path"] = "/elsewhere/site-packages/kvparity/suites/catalog/" + result["path"].split("/catalog/")[1]
+    found.write_text(json.dumps(record))
+
+
 def sharded(tmp_path, args, count=2):
-    """The run whole, in ``count`` shards, and merged: the exit statuses and the reports."""
+    """The run whole, in ``count`` shards (their reports moved to another
+    machine), and merged: the exit statuses and the reports."""
     status = {"whole": check(tmp_path, "whole", *args)}
     for k in range(1, count + 1):
         status[k] = check(tmp_path, f"shard-{k}", *args, "--shard", f"{k}/{count}")
+        as_if_on_another_machine(tmp_path / f"shard-{k}")
     status["merged"] = merge(tmp_path, "merged", *(f"shard-{k}" for k in range(1, count + 1)))
     return status
 
@@ -109,7 +121,7 @@ def test_a_bad_shard_is_refused_before_any_work(tmp_path, capsys, shard):
     assert check(tmp_path, "s", *THREE_L1, "--shard", shard) == EXIT_USAGE
     assert "--shard" in capsys.readouterr().err
     assert main(["check", *THREE_L1, "--shard", "1/2"]) == EXIT_USAGE  # no --out
-    assert "needs --out" in capsys.readouterr().err
+    assert "needs a report directory" in capsys.readouterr().err
 
 
 def test_shares_are_deterministic_and_balanced_by_measured_cost():

@@ -1,9 +1,8 @@
 """``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run);
 with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
-from kvparity.reports.commands.base import UsageError, common_options, expectations_option, writable_directory
-from kvparity.reports.commands.runs import print_summary, select_and_run, write_run_report
-from kvparity.reports.shards import ShardError, parse_shard
+from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
+from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
 
 NAME = "check"
 HELP = "exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged (for git bisect run)"
@@ -18,20 +17,13 @@ def arguments(command):
     common_options(command)
     command.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
     expectations_option(command)
-    command.add_argument("--shard", metavar="K/N",
-                         help="run only the K-th of N deterministic shares of the schedule runs (needs --out); "
-                         "its exit status speaks for its share, kvparity merge gives the run's")
+    shard_option(command)
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 
 
 def handle(args):
     """Like run, for scripts and git bisect: the summary and an exit status."""
-    try:
-        shard = parse_shard(args.shard) if args.shard else None
-    except ShardError as error:
-        raise UsageError(str(error))
-    if shard and not args.out:
-        raise UsageError(f"--shard {args.shard}: needs --out DIR (kvparity merge reads the shards' reports)")
+    shard = shard_of(args, writes_report=bool(args.out))
     if args.out:
         writable_directory(args.out, "--out")
     implementation, policy, results, verdict, declared, plan = select_and_run(args, args.schedule, shard)

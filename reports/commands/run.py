@@ -5,7 +5,7 @@ import sys
 from kvparity.reports.bench import BenchmarkFailed
 from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
 from kvparity.reports.commands.bench import benchmarks
-from kvparity.reports.commands.runs import print_summary, select_and_run, write_run_report
+from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
 from kvparity.reports.verdicts import EXIT_BROKEN
 
 NAME = "run"
@@ -25,12 +25,14 @@ def arguments(command):
     command.add_argument("--bench", action="store_true",
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
+    shard_option(command)
 
 
 def handle(args):
+    shard = shard_of(args, writes_report=not args.no_report)
     if not args.no_report:
         writable_directory(args.out, "--out")
-    implementation, policy, results, verdict, expectations, _ = select_and_run(args, args.schedule)
+    implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
     print_summary(results, verdict, policy)
     status = verdict.exit_status
     if args.no_report:
@@ -42,7 +44,7 @@ def handle(args):
             failed.append(benchmarks(directory, args.quick, args.impl))
         except BenchmarkFailed as error:
             failed.append(str(error))
-    path = write_run_report(args, implementation, policy, results, verdict, expectations,
+    path = write_run_report(args, implementation, policy, results, verdict, expectations, shard=plan,
                             extra=bench if args.bench else None)
     print(f"report: {path}")
     if any(failed):

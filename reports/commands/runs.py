@@ -103,6 +103,26 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
     return results
 
 
+def shard_option(command):
+    command.add_argument("--shard", metavar="K/N",
+                         help="run only the K-th of N deterministic shares of the schedule runs, balanced by "
+                         "measured cost, into a report that kvparity merge combines with the other shards'; its "
+                         "exit status speaks for its share, kvparity merge gives the run's")
+
+
+def shard_of(args, writes_report: bool):
+    """--shard as a ``shards.Shard`` (None without one); a shard must write its report."""
+    if not getattr(args, "shard", None):
+        return None
+    try:
+        shard = shards.parse_shard(args.shard)
+    except shards.ShardError as error:
+        raise UsageError(str(error))
+    if not writes_report:
+        raise UsageError(f"--shard {args.shard}: needs a report directory (--out DIR): kvparity merge reads it")
+    return shard
+
+
 def select_and_run(args, files, shard=None):
     """Run what the command selects (with ``shard``, a ``shards.Shard``, its
     share of the plan): (implementation, policy, results, run verdict,
