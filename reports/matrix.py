@@ -140,6 +140,9 @@ def _report_row(file: Path) -> Row:
     except records.RecordError as error:
         raise MatrixError(str(error))
     env = record["environment"]
+    if (record.get("shard") or {}).get("index"):
+        raise MatrixError(f"{file}: the report of shard {record['shard']['index']}/{record['shard']['count']}, one "
+                          "part of a run: merge the shards with kvparity merge and gather the merged report")
     if not env.get("implementation"):
         raise MatrixError(f"{file}: environment.implementation is missing: not a run of kvparity run or check")
     row = Row(env["implementation"], env.get("implementation_version") or _commit(env), env.get("mlx_lm"),

@@ -89,6 +89,22 @@ def test_rows_columns_and_cells_from_real_reports(rows, tmp_path, capsys):
     assert "cannot install: needs Python >= 3.12" in markdown and "1 pass, 2 FAIL" in markdown
 
 
+def test_a_hygiene_finding_is_reported_not_gating_and_gates_under_strict(tmp_path, capsys):
+    """A check that diverged where the policy does not gate it is not a FAIL
+    in its cell, and is one where the policy gates it."""
+    views = "kvparity.impl.negative_controls:ExtractReturnsViews"
+    one = ["--level", "L1", "--schedule", str(CATALOG / "extract-decode-reinsert.json"), "--impl", views]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs, "probes", lambda model, device: [])
+        assert main(["check", *one, "--policy", "cpu", "--out", str(tmp_path / "cpu" / "row")]) == EXIT_OK
+        assert main(["check", *one, "--policy", "strict", "--out", str(tmp_path / "strict" / "row")]) == EXIT_BROKEN
+    for policy, alias, status in (("cpu", {matrix.REPORTED: 1}, EXIT_OK), ("strict", {"FAIL": 1}, EXIT_BROKEN)):
+        gate, doc, _ = render(tmp_path / policy, tmp_path / f"m-{policy}", "--gate")
+        (row,) = doc["rows"]
+        assert {o: n for o, n in row["cells"]["alias"].items() if n} == alias and gate == status
+        assert {o: n for o, n in row["cells"]["bytes"].items() if n} == {"pass": 1}
+
+
 def test_failing_schedules_link_their_minimal_schedule_and_replay_it(rows, tmp_path, capsys):
     _, doc, out = render(rows, tmp_path)
     failing = {f["schedule"]: f for f in by_implementation(doc)[CONTROL]["failing"]}
@@ -127,6 +143,11 @@ def test_bad_rows_are_refused_naming_the_folder(rows, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert render(tmp_path / "empty", tmp_path / "c")[0] == EXIT_USAGE
     assert "holds no report.json and no cannot-install.json" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs, "probes", lambda model, device: [])
+        assert main(["check", *SCHEDULES, "--shard", "1/2", "--out", str(tmp_path / "shard" / "row")]) == EXIT_OK
+    assert render(tmp_path / "shard", tmp_path / "s")[0] == EXIT_USAGE
+    assert "merge the shards with kvparity merge" in capsys.readouterr().err
     (tmp_path / "exists" / "matrix").mkdir(parents=True)
     assert render(rows, tmp_path / "exists")[0] == EXIT_USAGE
     assert "never overwritten" in capsys.readouterr().err

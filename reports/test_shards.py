@@ -122,6 +122,8 @@ def test_a_bad_shard_is_refused_before_any_work(tmp_path, capsys, shard):
     assert "--shard" in capsys.readouterr().err
     assert main(["check", *THREE_L1, "--shard", "1/2"]) == EXIT_USAGE  # no --out
     assert "needs a report directory" in capsys.readouterr().err
+    assert main(["run", *THREE_L1, "--shard", "1/2", "--no-report"]) == EXIT_USAGE
+    assert "needs a report directory" in capsys.readouterr().err
 
 
 def test_shares_are_deterministic_and_balanced_by_measured_cost():
