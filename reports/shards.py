@@ -62,6 +62,15 @@ def measured_costs(report: dict) -> Dict[str, float]:
     return {run_label(doc): round(doc["seconds"], 4) for doc in report["results"]}
 
 
+def cost_table(report: dict) -> dict:
+    """shard-costs.json's content from a run's report.json, saying where it was measured."""
+    env = report["environment"]
+    return {"measured": f"kvparity run of {env.get('implementation')} on {env['device']} (mlx {env['mlx']}, "
+                        f"mlx-lm {env.get('mlx_lm')}, commit {(env.get('git_commit') or '?')[:7]}): seconds per "
+                        "schedule run, from the report's results[].seconds",
+            "seconds": measured_costs(report)}
+
+
 def run_label(result) -> str:
     """The label a planned run and its result share (``commands.runs.plan``)."""
     if isinstance(result, dict):
@@ -197,3 +206,9 @@ def in_plan_order(results, plan: List[dict]):
     for i, entry in enumerate(plan):
         position.setdefault(entry["run"], i)
     return sorted(results, key=lambda r: position.get(run_label(r.evidence), len(plan)))
+
+
+if __name__ == "__main__":  # python -m kvparity.reports.shards REPORT.json > reports/shard-costs.json
+    import sys
+
+    print(json.dumps(cost_table(json.loads(Path(sys.argv[1]).read_text())), indent=1))
