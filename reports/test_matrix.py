@@ -221,3 +221,21 @@ def test_the_page_in_a_headless_browser(rows, tmp_path, capsys):
                           page], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["matrix.schema.json", "cannot-install.schema.json"])
+def test_every_schema_property_is_documented(name):
+    missing = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            missing.extend(f"{where}/{key}" for key, sub in node.get("properties", {}).items()
+                           if "description" not in sub)
+            for key, sub in node.items():
+                walk(sub, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{where}/{i}")
+
+    walk(json.loads((matrix.SCHEMAS / name).read_text()), "#")
+    assert not missing
