@@ -73,10 +73,24 @@ def sharded(tmp_path, args, count=2):
     return status
 
 
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """``sharded_run(impl)``: (folder, exit statuses) of THREE_L1 whole, in two shards and merged, made once."""
+    made = {}
+
+    def get(impl):
+        if impl not in made:
+            folder = tmp_path_factory.mktemp("sharded")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(runs, "probes", lambda model, device: [])
+                made[impl] = folder, sharded(folder, THREE_L1 + (["--impl", impl] if impl else []))
+        return made[impl]
+    return get
+
+
 @pytest.mark.parametrize("impl, expected", [(None, EXIT_OK), (BROKEN, EXIT_BROKEN)])
-def test_two_shards_merged_are_the_unsharded_run(tmp_path, capsys, impl, expected):
-    args = THREE_L1 + (["--impl", impl] if impl else [])
-    status = sharded(tmp_path, args)
+def test_two_shards_merged_are_the_unsharded_run(sharded_run, capsys, impl, expected):
+    tmp_path, status = sharded_run(impl)
     assert status["whole"] == status["merged"] == expected
     merged, whole = report_in(tmp_path / "merged"), report_in(tmp_path / "whole")
     same_verdict(merged, whole)
@@ -98,10 +112,11 @@ def test_two_shards_merged_are_the_unsharded_run(tmp_path, capsys, impl, expecte
     assert "shard 2/2 is missing" in next((tmp_path / "one-missing").glob("*/report.md")).read_text()
 
 
-def test_merge_refuses_what_is_not_shards_of_one_run(tmp_path, capsys):
-    assert check(tmp_path, "shard-1", *THREE_L1, "--shard", "1/2") == EXIT_OK
+def test_merge_refuses_what_is_not_shards_of_one_run(sharded_run, tmp_path, capsys):
+    run, _ = sharded_run(None)
+    for name in ("shard-1", "whole"):
+        (tmp_path / name).symlink_to(run / name)
     assert check(tmp_path, "other-1", *THREE_L1[:6], "--shard", "1/2") == EXIT_OK  # another plan
-    assert check(tmp_path, "whole", *THREE_L1) == EXIT_OK
     capsys.readouterr()
     assert merge(tmp_path, "m", "shard-1", "shard-1") == EXIT_USAGE
     assert "given twice" in capsys.readouterr().err
