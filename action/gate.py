@@ -20,7 +20,8 @@ def gate_command(environ) -> list:
     The Python running this script is the one kvparity was installed into."""
     command = [sys.executable, "-m", "kvparity", "run", "--impl", environ["KVPARITY_IMPL"],
                "--level", environ["KVPARITY_LEVELS"], "--device", "gpu", "--policy", environ["KVPARITY_POLICY"]]
-    for option, name in (("--engine", "KVPARITY_ENGINE"), ("--expectations", "KVPARITY_EXPECTATIONS")):
+    for option, name in (("--engine", "KVPARITY_ENGINE"), ("--expectations", "KVPARITY_EXPECTATIONS"),
+                         ("--shard", "KVPARITY_SHARD")):
         if environ.get(name, "").strip():
             command += [option, environ[name].strip()]
     return command + ["--out", environ["KVPARITY_OUT"]]

@@ -2,6 +2,7 @@
 git commit of the working directory, the implementation and the model."""
 
 import subprocess
+from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
 from kvparity.oracle.machine import environment
 
@@ -22,10 +23,25 @@ def git_commit(directory="."):
     return out.stdout.strip() or None
 
 
+def implementation_version(spec):
+    """The version of the installed distribution that provides the module
+    of ``spec`` (MODULE:FACTORY), or None (a module from the working
+    directory: the git commit says which)."""
+    top = spec.split(":")[0].split(".")[0]
+    names = packages_distributions().get(top) or []
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def describe(implementation=None, model=None, device=None) -> dict:
     env = {**environment(device), "git_commit": git_commit()}
     if implementation is not None:
         env["implementation"] = implementation.spec
+        env["implementation_version"] = implementation_version(implementation.spec)
         env["capabilities"] = implementation.capabilities
     if model is not None:
         env["model"] = model.name

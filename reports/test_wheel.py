@@ -92,6 +92,7 @@ def test_the_wheel_holds_everything_read_at_run_time(installed):
         installed_files = {p.relative_to(installed.package / folder)
                            for p in (installed.package / folder).rglob("*.json")}
         assert shipped == installed_files, f"{folder}: missing from the wheel: {sorted(shipped - installed_files)}"
+    assert (installed.package / "reports" / "shard-costs.json").is_file(), "the shards' cost table"
 
 
 def test_the_plugin_runs_kvparity_suites_on_their_cache(installed):

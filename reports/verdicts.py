@@ -85,7 +85,7 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
         i: n for i, n in ((i, expectations.declared(d, result)) for i, d in enumerate(row.divergences))
         if n is not None}
     undeclared = [d for i, d in enumerate(row.divergences) if i not in declared]
-    gating = [d for d in undeclared if level.every_divergence_gates or policy.gates(d, result.level)]
+    gating = [d for d in undeclared if gates(d, level, policy)]
     if level.logit_tiers:
         tier, required = policy.logit_tier(row.metrics), policy.required()
         # A tier short of the gate is expected when every logits divergence was declared.
@@ -112,6 +112,12 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
         verdict, reason = PASS, ""
     failing = failing if verdict == FAIL else ()
     return RowVerdict(row, verdict, reason, tier, required, MappingProxyType(declared), failing)
+
+
+def gates(divergence, level: Level, policy: Policy) -> bool:
+    """Whether a divergence, when not declared, fails its row by itself; a
+    check judged by the logit tier does not (the row's tier does)."""
+    return level.every_divergence_gates or policy.gates(divergence, level.name)
 
 
 def _declared(declared: Mapping[int, int], expectations) -> str:

@@ -110,8 +110,9 @@ def member_calls(run_verdict: RunVerdict) -> dict:
 
 
 def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
-                 probes=None, capabilities=None, sections=(), expectations=None) -> dict:
-    """report.json's content, as described by schema/report.schema.json."""
+                 probes=None, capabilities=None, sections=(), expectations=None, shard=None) -> dict:
+    """report.json's content, as described by schema/report.schema.json.
+    ``shard``: a shard's plan (``reports/shards.py``), or a merge's."""
     unjudged = [str(getattr(v, "schedule", v)) for v in verdicts if not isinstance(v, ScheduleVerdict)]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
         raise ValueError(f"results not judged: {', '.join(unjudged)}")
@@ -151,6 +152,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         },
         "sections": [{"title": t, "headers": list(h), "rows": [list(r) for r in rows_]} for t, h, rows_ in sections],
         "results": schedules,
+        "shard": shard,
     }
     return _json_safe(record)
 
@@ -423,7 +425,7 @@ def render_markdown(record: dict, report_tables) -> str:
 
 def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
-                 extra: Optional[Callable[[Path], None]] = None) -> Path:
+                 shard=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
@@ -433,11 +435,12 @@ def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, po
     {name: supported} (default: the environment's), ``sections`` extra
     (title, headers, rows) tables, and ``extra(directory)`` adds files
     (benchmarks) before the directory appears. ``expectations`` is the
-    expectations file the runs were judged with, if any.
+    expectations file the runs were judged with, if any; ``shard`` the
+    shard block of a shard's or a merge's report (``reports/shards.py``).
     """
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
                    sections=sections, expectations=expectations)
-    record = build_record(verdicts, environment, **options)
+    record = build_record(verdicts, environment, shard=shard, **options)
     report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)
     with report as directory:

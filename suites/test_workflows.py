@@ -25,7 +25,8 @@ APPLE = WORKFLOWS / "apple-silicon-gate.yml"
 ACTION = ROOT / "action.yml"
 SCRIPTS = ROOT / "action"
 SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
-INPUTS = {"impl", "engine", "levels", "policy", "expectations", "python-version"}
+SHARDS = WORKFLOWS / "apple-silicon-shards.yml"
+INPUTS = {"impl", "engine", "levels", "policy", "expectations", "shard", "python-version"}
 
 
 def readme_commands(text: str) -> dict:
@@ -159,6 +160,27 @@ def test_apple_workflow_is_a_few_lines_that_use_the_action():
     assert len(lines) <= 40, f"{len(lines)} lines of YAML: the example is to be copied, keep it short"
 
 
+def test_shards_workflow_runs_each_shard_through_the_action_and_merges_them():
+    jobs = load(SHARDS)["jobs"]
+    shard, verdict = jobs["shard"], jobs["verdict"]
+    assert shard["runs-on"] == verdict["runs-on"] == "macos-14"
+    count = len(shard["strategy"]["matrix"]["shard"])
+    assert shard["strategy"]["matrix"]["shard"] == list(range(1, count + 1))
+    assert shard["strategy"]["fail-fast"] is False, "a failing shard must not cancel the others' evidence"
+    (gate,) = [s for s in shard["steps"] if "kvparity@" in s.get("uses", "")]
+    assert gate["with"]["shard"] == f"${{{{ matrix.shard }}}}/{count}" and set(gate["with"]) <= INPUTS
+    assert verdict["needs"] == "shard" and verdict["if"] == "${{ !cancelled() }}"
+    # The merge downloads what the action uploads, this attempt's shards only.
+    upload_name = load(ACTION)["runs"]["steps"][-2]["with"]["name"]
+    assert upload_name == "kvparity-report-${{ github.job }}-${{ strategy.job-index }}-${{ github.run_attempt }}"
+    (download,) = [s for s in verdict["steps"] if s.get("uses", "").startswith("actions/download-artifact@")]
+    assert download["with"]["pattern"] == "kvparity-report-shard-*-${{ github.run_attempt }}"
+    merges = [argv for _, argv in commands(verdict) if argv[:2] == ["kvparity", "merge"]]
+    assert merges == [["kvparity", "merge", download["with"]["path"], "--out", "merged"]], merges
+    pinned = re.findall(r"kvparity@([0-9a-f]{40})", SHARDS.read_text())
+    assert len(pinned) == 2 and len(set(pinned)) == 1, "the action and the merge are one kvparity commit"
+
+
 def action_steps():
     action = load(ACTION)
     assert action["runs"]["using"] == "composite"
@@ -210,7 +232,7 @@ def check_step_hardening(where: str, step: dict):
     assert "${{" not in step.get("run", ""), f"{where}: expression inside a script: pass it through env"
 
 
-@pytest.mark.parametrize("path", [CI, APPLE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [CI, APPLE, SHARDS], ids=lambda p: p.name)
 def test_workflow_hardening(path):
     """What zizmor asks for, checked without it: SHA-pinned actions, checkouts
     that keep no credentials, no permissions unless a job asks for read."""
@@ -285,8 +307,9 @@ def test_gate_command_from_inputs(monkeypatch):
     command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "", "KVPARITY_EXPECTATIONS": " "})
     assert command == [sys.executable, "-m", "kvparity", "run", "--impl", "mycache:Batch", "--level", "L1",
                        "--device", "gpu", "--policy", "gpu", "--out", "out"]
-    command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "eng:E", "KVPARITY_EXPECTATIONS": "exp.json"})
-    assert command[-6:] == ["--engine", "eng:E", "--expectations", "exp.json", "--out", "out"]
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "eng:E", "KVPARITY_EXPECTATIONS": "exp.json",
+                                 "KVPARITY_SHARD": "2/4"})
+    assert command[-8:] == ["--engine", "eng:E", "--expectations", "exp.json", "--shard", "2/4", "--out", "out"]
 
 
 @pytest.mark.slow  # three kvparity processes

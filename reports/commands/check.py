@@ -1,23 +1,34 @@
-"""``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run)."""
+"""``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run);
+with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
-from kvparity.reports.commands.base import common_options, expectations_option
-from kvparity.reports.commands.runs import print_summary, select_and_run
+from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
+from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
 
 NAME = "check"
 HELP = "exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged (for git bisect run)"
 DESCRIPTION = ("Run the catalog quietly and answer with the exit status: 0 parity holds, 1 parity broken, "
                "2 usage error (found before any work), 125 cannot judge here (git bisect run skips the commit), "
-               "128 kvparity itself failed (aborts the bisection), 130 interrupted. Made for `git bisect run kvparity check ...`.")
+               "128 kvparity itself failed (aborts the bisection), 130 interrupted. Made for `git bisect run kvparity check ...`. "
+               "With --shard K/N it runs the K-th of N shares of the planned schedule runs (balanced by measured "
+               "cost) and writes a report that kvparity merge combines with the other shards' into one verdict.")
 
 
 def arguments(command):
     common_options(command)
     command.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
     expectations_option(command)
+    shard_option(command)
+    command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 
 
 def handle(args):
     """Like run, for scripts and git bisect: the summary and an exit status."""
-    _, policy, results, verdict, _ = select_and_run(args, args.schedule)
+    shard = shard_of(args, writes_report=bool(args.out))
+    if args.out:
+        writable_directory(args.out, "--out")
+    implementation, policy, results, verdict, declared, plan = select_and_run(args, args.schedule, shard)
     print_summary(results, verdict, policy, quiet=True)
+    if args.out:
+        path = write_run_report(args, implementation, policy, results, verdict, declared, shard=plan)
+        print(f"report: {path}")
     return verdict.exit_status

@@ -6,9 +6,11 @@ command is its module plus one entry in ``COMMANDS``."""
 import argparse
 
 from kvparity.oracle.models import available_models
-from kvparity.reports.commands import bench, bisect, calibrate, check, compare, probe, record, replay, run
+from kvparity.reports.commands import (
+    bench, bisect, calibrate, check, compare, matrix, merge, probe, record, replay, run,
+)
 
-COMMANDS = (run, bench, check, replay, bisect, probe, record, calibrate, compare)
+COMMANDS = (run, bench, check, merge, matrix, replay, bisect, probe, record, calibrate, compare)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
@@ -17,6 +19,8 @@ EXAMPLES = """examples:
   kvparity replay found.json --level L1          one schedule, row by row
   git bisect run kvparity check --impl myserver.cache:BatchCache
                                                  find the commit that broke parity
+  kvparity check --shard 1/2 --out s1; kvparity check --shard 2/2 --out s2; kvparity merge s1 s2
+                                                 one verdict from two machines
 
 models: {models}
 

@@ -15,7 +15,7 @@ def arguments(command):
 
 
 def handle(args):
-    _, policy, results, verdict, _ = select_and_run(args, [args.file])
+    _, policy, results, verdict, _, _ = select_and_run(args, [args.file])
     print_summary(results, verdict, policy)
     for judged in results:
         result = judged.evidence

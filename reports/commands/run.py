@@ -3,13 +3,10 @@
 import sys
 
 from kvparity.reports.bench import BenchmarkFailed
-from kvparity.reports.commands.base import common_options, expectations_option, model_or_default, writable_directory
+from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
 from kvparity.reports.commands.bench import benchmarks
-from kvparity.reports.commands.probe import probes
-from kvparity.reports.commands.runs import print_summary, select_and_run
-from kvparity.reports.environment import describe
+from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
 from kvparity.reports.verdicts import EXIT_BROKEN
-from kvparity.reports.writer import write_report
 
 NAME = "run"
 HELP = "run the schedule catalog and write a report"
@@ -28,17 +25,18 @@ def arguments(command):
     command.add_argument("--bench", action="store_true",
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
+    shard_option(command)
 
 
 def handle(args):
+    shard = shard_of(args, writes_report=not args.no_report)
     if not args.no_report:
         writable_directory(args.out, "--out")
-    implementation, policy, results, verdict, expectations = select_and_run(args, args.schedule)
+    implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
     print_summary(results, verdict, policy)
     status = verdict.exit_status
     if args.no_report:
         return status
-    model = model_or_default(args.model)
     failed = []
 
     def bench(directory):  # a failing suite keeps the report (the parity verdict stands) but fails the run
@@ -46,12 +44,8 @@ def handle(args):
             failed.append(benchmarks(directory, args.quick, args.impl))
         except BenchmarkFailed as error:
             failed.append(str(error))
-    path = write_report(
-        results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-        probes=probes(model, args.device), capabilities=implementation.capabilities,
-        expectations=expectations,
-        extra=bench if args.bench else None,
-    )
+    path = write_run_report(args, implementation, policy, results, verdict, expectations, shard=plan,
+                            extra=bench if args.bench else None)
     print(f"report: {path}")
     if any(failed):
         print(f"kvparity: {failed[0]}; its results are in {path}", file=sys.stderr)

@@ -7,12 +7,14 @@ import sys
 from tabulate import tabulate
 
 from kvparity.oracle.models import ModelUnavailable
-from kvparity.reports import verdicts
+from kvparity.reports import shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    load_model, policy, run_options, use_device,
+    load_model, model_or_default, policy, run_options, use_device,
 )
-from kvparity.reports.writer import check_rows, declaration_rows, summary_rows
+from kvparity.reports.commands.probe import probes
+from kvparity.reports.environment import describe
+from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.evidence import PASS
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
@@ -101,14 +103,56 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
     return results
 
 
-def select_and_run(args, files):
+def shard_option(command):
+    command.add_argument("--shard", metavar="K/N",
+                         help="run only the K-th of N deterministic shares of the schedule runs, balanced by "
+                         "measured cost, into a report that kvparity merge combines with the other shards'; its "
+                         "exit status speaks for its share, kvparity merge gives the run's")
+
+
+def shard_of(args, writes_report: bool):
+    """--shard as a ``shards.Shard`` (None without one); a shard must write its report."""
+    if not getattr(args, "shard", None):
+        return None
+    try:
+        shard = shards.parse_shard(args.shard)
+    except shards.ShardError as error:
+        raise UsageError(str(error))
+    if not writes_report:
+        raise UsageError(f"--shard {args.shard}: needs a report directory (--out DIR): kvparity merge reads it")
+    return shard
+
+
+def select_and_run(args, files, shard=None):
+    """Run what the command selects (with ``shard``, a ``shards.Shard``, its
+    share of the plan): (implementation, policy, results, run verdict,
+    expectations, the shard block or None)."""
     declared = expectations(args)  # a bad file is refused before anything else
     chosen_policy, runs, chosen = prepare(args, files)
+    plan = None
+    if shard is not None:
+        try:
+            plan = shards.plan_doc([label for label, _ in runs], shard, not files, shards.load_costs())
+        except shards.ShardError as error:
+            raise UsageError(str(error))
+        runs = shards.share(runs, plan)
     progress = Progress(len(runs))
     results = run_all(runs, chosen, chosen_policy, progress, declared)
     progress.close()
-    verdict = verdicts.verdict_of_run(results, whole_catalog=not files, expectations=declared, policy=chosen_policy)
-    return chosen, chosen_policy, results, verdict, declared
+    # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge.
+    verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None, expectations=declared,
+                                      policy=chosen_policy)
+    return chosen, chosen_policy, results, verdict, declared, plan
+
+
+def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
+    """The report directory of a run (or a shard of one) under ``args.out``."""
+    model = model_or_default(args.model)
+    return write_report(
+        results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
+        probes=probes(model, args.device), capabilities=implementation.capabilities,
+        expectations=declared, shard=shard, extra=extra,
+    )
 
 
 def print_summary(results, verdict, policy, out=None, quiet=False):

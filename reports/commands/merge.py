@@ -1,0 +1,47 @@
+"""``kvparity merge``: shard report directories into one report and one exit status."""
+
+from kvparity.reports import records, shards, verdicts
+from kvparity.reports.commands.base import UsageError, writable_directory
+from kvparity.reports.commands.runs import print_summary
+from kvparity.reports.writer import write_report
+
+NAME = "merge"
+HELP = "merge the report directories of kvparity check --shard K/N into one report and one exit status"
+DESCRIPTION = ("Read the report directories that kvparity check --shard K/N wrote (each DIR a report directory or a "
+               "folder of them), judge their evidence together and write one report directory under --out, in "
+               "every format a run writes. The exit status is the whole run's: a shard missing from the plan is "
+               "a gap (its schedule runs were not run), so the merge has no evidence (125), as a run without "
+               "those schedules would.")
+
+
+def arguments(command):
+    command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
+    command.add_argument("--out", metavar="DIR", default="reports/out",
+                         help="where the merged report directory goes (default: %(default)s)")
+
+
+def handle(args):
+    writable_directory(args.out, "--out")
+    try:
+        paths = records.report_files(args.directories)
+        found = [records.read_record(path) for path in paths]
+        merged = shards.gather(found, [path.parent for path in paths])
+    except (records.RecordError, shards.ShardError) as error:
+        raise UsageError(str(error))
+    first = merged.records[0]
+    policy, declared = records.policy_of(first), records.expectations_of(first)
+    results = shards.in_plan_order([v for r in merged.records for v in records.judged(r)], merged.plan)
+    verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog, expectations=declared,
+                                      policy=policy)
+    verdict.gaps[:0] = merged.gaps()
+    print_summary(results, verdict, policy, quiet=True)
+    environment = {**first["environment"], **(first["probe_model"] or {})}
+    shown = [[d["index"], d["directory"], d["device"], d["exit_status"]] for d in shards.merged_doc(merged)["merged"]]
+    shown += [[k, "(missing)", "", ""] for k in merged.missing]
+    path = write_report(
+        results, environment, args.out, policy=policy, run_verdict=verdict, probes=first["probes"],
+        capabilities=first["capabilities"], expectations=declared, shard=shards.merged_doc(merged),
+        sections=[(f"Shards merged ({len(merged.records)} of {merged.count})",
+                   ["shard", "report directory", "device", "its own exit status"], sorted(shown))])
+    print(f"report: {path}")
+    return verdict.exit_status

@@ -1,0 +1,397 @@
+"""The conformance matrix: report directories of many rows, one page.
+
+A row is an implementation at a version on an mlx-lm version, each read
+from its report's environment (``reports/environment.py``). Rows come from
+folders that per-row sessions write (one environment each), in this layout
+(documented in the README, "The conformance matrix"):
+
+    ROOT/<row>/<stamp>/report.json ...   kvparity check --out ROOT/<row>  (one report directory)
+    ROOT/<row>/bisect/NAME-min.json       optional: what kvparity bisect shrank a FAIL to
+    ROOT/<row>/cannot-install.json        instead, for a row that could not be installed
+
+Columns are the levels (``suites/levels.py``) and the checks
+(``suites/checks.py``). A level's cell counts its schedule runs by outcome;
+a check's cell counts, per schedule run where the check applies, what
+became of it. The runs are judged again from their evidence by the
+verdicts' own code (``reports/records.py``), never read from a summary.
+"""
+
+import html
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import jsonschema
+from tabulate import tabulate
+
+from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.reports import records
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, ScheduleVerdict, gates
+from kvparity.suites.checks import BY_TIER, CHECKS
+from kvparity.suites.evidence import (
+    EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+    OUTCOMES, PASS,
+)
+from kvparity.suites.levels import LEVELS
+
+SCHEMA = "kvparity.matrix/1"
+CANNOT_INSTALL = "cannot-install.json"
+CANNOT_INSTALL_FORMAT = "kvparity.cannot-install/1"
+BISECTED = "bisect"  # a row folder's minimal failing schedules, NAME-min.json as kvparity bisect names them
+SCHEMAS = Path(files(__package__) / "schema")  # package data
+# A check that diverged where the policy does not gate it (hygiene under "report", logits within the tier).
+REPORTED = "reported, not gating"
+# What a cell counts, in the order it shows them; the first five always, the others where not zero.
+SHOWN = (PASS, FAIL, EXPECTED_DIVERGENCE, NOT_SUPPORTED, NO_EVIDENCE)
+CELL_OUTCOMES = SHOWN + tuple(o for o in OUTCOMES if o not in SHOWN) + (REPORTED,)
+STOPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC)
+
+
+class MatrixError(ValueError):
+    """Exit 2: a folder or file that is not what a row's session writes; the message names it."""
+
+
+@dataclass
+class Row:
+    implementation: str  # MODULE:FACTORY
+    version: Optional[str]  # of the implementation's distribution
+    mlx_lm: Optional[str]
+    folder: Path  # the row's folder
+    record: Optional[dict] = None  # report.json; None for a row that cannot be installed
+    report: Optional[Path] = None  # the report directory
+    cannot_install: Optional[dict] = None  # cannot-install.json
+    cells: Dict[str, Optional[Counter]] = field(default_factory=dict)  # column -> outcome -> schedule runs
+    failing: List[dict] = field(default_factory=list)
+
+    @property
+    def key(self):
+        return (self.implementation, self.version or "", self.mlx_lm or "")
+
+    @property
+    def label(self) -> str:
+        return f"{self.implementation} @ {self.version or 'unknown version'}"
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_CANNOT_JUDGE if self.record is None else self.record["exit_status"]
+
+
+def columns() -> List[str]:
+    return list(LEVELS) + list(CHECKS)
+
+
+# -- reading the rows -----------------------------------------------------------------
+
+
+def read_cannot_install(path: Path) -> dict:
+    """cannot-install.json, checked against its schema."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as error:
+        raise MatrixError(f"{path}: cannot read it ({error.strerror or error})")
+    except json.JSONDecodeError as error:
+        raise MatrixError(f"{path}: not JSON: {error}")
+    schema = json.loads((SCHEMAS / "cannot-install.schema.json").read_text())
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "the file"
+        raise MatrixError(f"{path}: {where}: {error.message}")
+    return doc
+
+
+def gather(paths) -> List[Row]:
+    """Every row under ``paths`` (row folders, or folders of them), in a
+    stable order; a row given twice, a folder with a report and a
+    cannot-install.json, or nothing at all is an error naming the folders."""
+    rows = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise MatrixError(f"{path}: not a directory")
+        found = sorted(path.rglob(CANNOT_INSTALL)) + sorted(path.rglob(records.REPORT))
+        found = [f for f in found if not any(part.startswith(".") for part in f.relative_to(path).parts)]
+        if not found:
+            raise MatrixError(f"{path}: holds no {records.REPORT} and no {CANNOT_INSTALL}")
+        for file in found:
+            rows.append(_cannot_install_row(file) if file.name == CANNOT_INSTALL else _report_row(file))
+    seen = {}
+    for row in rows:
+        if row.folder in seen or row.key in seen:
+            other = seen.get(row.folder) or seen[row.key]
+            raise MatrixError(f"{row.folder}: the row {row.label} x mlx-lm {row.mlx_lm} is also in {other.folder}; "
+                              "one report per row (merge the shards of one row with kvparity merge first)")
+        seen[row.folder] = seen[row.key] = row
+    return sorted(rows, key=lambda r: r.key)
+
+
+def _cannot_install_row(file: Path) -> Row:
+    doc = read_cannot_install(file)
+    return Row(doc["implementation"], doc["version"], doc["mlx_lm"], file.parent, cannot_install=doc,
+               cells={c: None for c in columns()})
+
+
+def _report_row(file: Path) -> Row:
+    try:
+        record = records.read_record(file)
+    except records.RecordError as error:
+        raise MatrixError(str(error))
+    env = record["environment"]
+    if (record.get("shard") or {}).get("index"):
+        raise MatrixError(f"{file}: the report of shard {record['shard']['index']}/{record['shard']['count']}, one "
+                          "part of a run: merge the shards with kvparity merge and gather the merged report")
+    if not env.get("implementation"):
+        raise MatrixError(f"{file}: environment.implementation is missing: not a run of kvparity run or check")
+    row = Row(env["implementation"], env.get("implementation_version") or _commit(env), env.get("mlx_lm"),
+              file.parent.parent, record=record, report=file.parent)
+    verdicts = records.judged(record)
+    policy = records.policy_of(record)
+    row.cells = {c: _level_cell(verdicts, c) for c in LEVELS}
+    row.cells.update({c: _check_cell(verdicts, c, policy) for c in CHECKS})
+    row.failing = [_failing(row, v) for v in verdicts if v.verdict in FAILURES]
+    return row
+
+
+def _commit(env) -> Optional[str]:
+    return env.get("git_commit") and f"git {env['git_commit'][:12]}"
+
+
+def _level_cell(verdicts: List[ScheduleVerdict], level: str) -> Optional[Counter]:
+    """Schedule runs of the level by outcome; None when the row ran none."""
+    ran = [v.verdict for v in verdicts if v.evidence.level == level]
+    return Counter(ran) if ran else None
+
+
+def check_outcome(verdict: ScheduleVerdict, check: str, policy) -> Optional[str]:
+    """What became of ``check`` in a schedule run, its rows' worst: FAIL
+    (a divergence not declared that fails its row, as the verdict judged
+    it), reported (one the policy does not gate), expected divergence (all
+    declared), pass (compared, held), the run's own outcome where it stopped
+    before comparing it, no evidence (nothing compared where the level
+    requires it); None where the check does not apply."""
+    level = LEVELS[verdict.evidence.level]
+    states = set()
+    for row in verdict.rows:
+        found = [i for i, d in enumerate(row.evidence.divergences) if d.check == check]
+        undeclared = [row.evidence.divergences[i] for i in found if i not in row.declared]
+        if CHECKS[check].gates == BY_TIER and not level.every_divergence_gates:
+            failing = bool(undeclared) and not policy.accepts(row.tier)
+        else:
+            failing = any(gates(d, level, policy) for d in undeclared)
+        if failing:
+            states.add(FAIL)
+        elif undeclared:
+            states.add(REPORTED)
+        elif found:
+            states.add(EXPECTED_DIVERGENCE)
+        elif row.evidence.compared(check):
+            states.add(PASS)
+    for state in (FAIL, REPORTED, EXPECTED_DIVERGENCE):
+        if state in states:
+            return state
+    stopped = verdict.evidence.stopped
+    if stopped in STOPPED:
+        return stopped if check in level.requires or states else None
+    if PASS in states:
+        return PASS
+    return NO_EVIDENCE if check in level.requires else None
+
+
+def _check_cell(verdicts, check, policy) -> Optional[Counter]:
+    found = [o for o in (check_outcome(v, check, policy) for v in verdicts) if o is not None]
+    return Counter(found) if found else None
+
+
+def _failing(row: Row, verdict: ScheduleVerdict) -> dict:
+    """A failing schedule run: the minimal schedule kvparity bisect wrote for
+    it in the row's folder, else the schedule itself, and its replay command."""
+    result = verdict.evidence
+    name = result.schedule.split(" (")[0]  # an L3 run is "NAME (prefill mode)"
+    minimal = row.folder / BISECTED / f"{name}-min.json"
+    schedule = minimal if minimal.is_file() else (result.path and Path(result.path))
+    replay = None
+    if schedule:
+        replay = f"kvparity replay {schedule} --level {result.level} --impl {row.implementation}"
+        policy = row.record["policy"]
+        replay += f" --policy {policy['path'] or policy['name']}"
+        if row.record["expectations"]:
+            replay += f" --expectations {row.record['expectations']['path']}"
+    first = result.first
+    return {"level": result.level, "schedule": result.schedule, "outcome": verdict.verdict,
+            "file": str(schedule) if schedule else None, "minimal": minimal.is_file(), "replay": replay,
+            "first": first.message() if first else result.reason}
+
+
+# -- the verdict of the matrix ---------------------------------------------------------
+
+
+def gate_status(rows: List[Row]) -> int:
+    """As a CI gate over every row: 1 when a row's parity broke, else 125
+    when a row could not be installed or judged, else 0."""
+    statuses = [r.exit_status for r in rows]
+    if EXIT_BROKEN in statuses:
+        return EXIT_BROKEN
+    if any(s != EXIT_OK for s in statuses) or not rows:
+        return EXIT_CANNOT_JUDGE
+    return EXIT_OK
+
+
+def render_status(rows: List[Row]) -> int:
+    """Rendering: 0 when some row holds evidence (FAILs included: the page
+    shows them), 125 when no row compared anything (every row could not be
+    installed or has no evidence: an empty page is not a result)."""
+    judged = [r for r in rows if r.record is not None and any(
+        (r.cells[level] or Counter())[o] for level in LEVELS for o in (PASS, FAIL, EXPECTED_DIVERGENCE))]
+    return EXIT_OK if judged else EXIT_CANNOT_JUDGE
+
+
+# -- the documents ---------------------------------------------------------------------
+
+
+def _link(path: Optional[Path], out: Path) -> Optional[str]:
+    return None if path is None else os.path.relpath(Path(path).resolve(), out.resolve())
+
+
+def build(rows: List[Row], out: Path, gate: bool) -> dict:
+    """matrix.json's content, as described by schema/matrix.schema.json; links relative to ``out``."""
+    status = gate_status(rows) if gate else render_status(rows)
+    docs = []
+    for r in rows:
+        env = r.record["environment"] if r.record else {}
+        docs.append({
+            "implementation": r.implementation, "version": r.version, "mlx_lm": r.mlx_lm, "mlx": env.get("mlx"),
+            "device": env.get("device"), "folder": str(r.folder),
+            "report": _link(r.report / "report.html", out) if r.report else None,
+            "created": r.record["created"] if r.record else None,
+            "exit_status": r.record["exit_status"] if r.record else None,
+            "headline": r.record["headline"] if r.record else None,
+            "cannot_install": r.cannot_install and {"reason": r.cannot_install["reason"],
+                                                    "command": r.cannot_install.get("command")},
+            "cells": {c: None if n is None else {o: n[o] for o in CELL_OUTCOMES} for c, n in r.cells.items()},
+            "failing": [{**f, "link": _link(f["file"], out) if f["file"] else None} for f in r.failing],
+        })
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "columns": [{"name": c, "kind": "level" if c in LEVELS else "check"} for c in columns()],
+            "outcomes": list(CELL_OUTCOMES), "gate": gate, "exit_status": status, "rows": docs}
+
+
+def cell_text(cell: Optional[dict], cannot_install: Optional[dict] = None) -> str:
+    if cannot_install is not None:
+        return "cannot install"
+    if cell is None:
+        return "—"
+    parts = [f"{cell[o]} {o}" for o in CELL_OUTCOMES if cell[o] or o in SHOWN[:2]]
+    return ", ".join(parts)
+
+
+def render_markdown(doc: dict) -> str:
+    lines = ["# kvparity conformance matrix", "",
+             f"Written {doc['created']} ({SCHEMA}). Each cell counts schedule runs: a level's by outcome, a "
+             "check's by what became of it where it applies (— : not run, or does not apply).", ""]
+    for title, kind in (("Levels", "level"), ("Checks", "check")):
+        shown = [c["name"] for c in doc["columns"] if c["kind"] == kind]
+        table = []
+        for row in doc["rows"]:
+            report = (f"[report]({row['report']})" if row["report"] else
+                      f"cannot install: {row['cannot_install']['reason']}")
+            table.append([f"{row['implementation']} @ {row['version'] or 'unknown version'}", row["mlx_lm"] or "",
+                          report] + [cell_text(row["cells"][c], row["cannot_install"]) for c in shown])
+        lines += [f"## {title}", "", tabulate(table, ["implementation", "mlx-lm", "report", *shown],
+                                               tablefmt="github"), ""]
+    failing = [(row, f) for row in doc["rows"] for f in row["failing"]]
+    lines += ["## Failing schedules", ""]
+    if not failing:
+        lines += ["(none)"]
+    for row, f in failing:
+        what = "minimal schedule" if f["minimal"] else "schedule (not shrunk)"
+        link = f"[{what}]({f['link']})" if f["link"] else "no schedule file"
+        lines += [f"- {row['implementation']} @ {row['version']} x mlx-lm {row['mlx_lm']}: {f['level']} "
+                  f"{f['schedule']} {f['outcome']}: {f['first']} — {link}"
+                  + (f"; replay: `{f['replay']}`" if f["replay"] else "")]
+    lines += ["", f"Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'})."]
+    return "\n".join(lines) + "\n"
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; }
+th { background: #f3f3f3; }
+td.cell { min-width: 6em; }
+.pass { background: #e3f4e1; } .FAIL { background: #f8d7d5; } .expected { background: #fdf1d0; }
+.nothing { background: #eeeeee; } .cannot { background: #e5e5f5; }
+code { font-size: 12px; }
+"""
+
+
+def _cell_class(cell: Optional[dict], cannot_install) -> str:
+    if cannot_install is not None:
+        return "cannot"
+    if cell is None:
+        return "nothing"
+    for outcome, css in ((FAIL, "FAIL"), ("refused", "FAIL"), (EXPECTED_DIVERGENCE, "expected"), (PASS, "pass")):
+        if cell.get(outcome):
+            return css
+    return "nothing"
+
+
+def render_html(doc: dict) -> str:
+    """One self-contained page: no script, no style sheet or font from elsewhere."""
+    e = html.escape
+    names = [c["name"] for c in doc["columns"]]
+    head = "".join(f'<th class="{c["kind"]}">{e(c["name"])}</th>' for c in doc["columns"])
+    body = []
+    for i, row in enumerate(doc["rows"]):
+        label = f"{row['implementation']} @ {row['version'] or 'unknown version'}"
+        report = (f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else
+                  f'<span class="cannot-install">cannot install: {e(row["cannot_install"]["reason"])}</span>')
+        cells = "".join(
+            f'<td class="cell {_cell_class(row["cells"][c], row["cannot_install"])}" data-row="{i}" '
+            f'data-column="{e(c)}"' + "".join(f' data-{o.replace(" ", "-").replace(",", "")}="{row["cells"][c][o]}"'
+                                              for o in CELL_OUTCOMES if row["cells"][c] is not None)
+            + f'>{e(cell_text(row["cells"][c], row["cannot_install"]))}</td>' for c in names)
+        body.append(f'<tr data-row="{i}"><th scope="row">{e(label)}</th><td>{e(row["mlx_lm"] or "")}</td>'
+                    f"<td>{report}</td>{cells}</tr>")
+    failing = []
+    for row in doc["rows"]:
+        for f in row["failing"]:
+            what = "minimal schedule" if f["minimal"] else "schedule (not shrunk)"
+            link = f'<a class="schedule" href="{e(f["link"])}">{what}</a>' if f["link"] else "no schedule file"
+            replay = f' replay: <code class="replay">{e(f["replay"])}</code>' if f["replay"] else ""
+            failing.append(f"<li>{e(row['implementation'])} @ {e(str(row['version']))} x mlx-lm "
+                           f"{e(str(row['mlx_lm']))}: {e(f['level'])} {e(f['schedule'])} {e(f['outcome'])}: "
+                           f"{e(f['first'] or '')} — {link}{replay}</li>")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>kvparity conformance matrix</title>'
+            f"<style>{STYLE}</style></head><body><h1>kvparity conformance matrix</h1>"
+            f"<p>Written {e(doc['created'])}. Each cell counts schedule runs: a level's by outcome, a check's by "
+            "what became of it where it applies (— : not run, or does not apply).</p>"
+            f'<table id="matrix"><thead><tr><th>implementation</th><th>mlx-lm</th><th>report</th>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<h2>Failing schedules</h2><ul id=\"failing\">{''.join(failing) or '<li>none</li>'}</ul>"
+            f"<p>Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'}).</p>"
+            "</body></html>\n")
+
+
+class MatrixDirectory(AtomicDirectory):
+    """The matrix directory, appearing whole; never overwritten."""
+
+
+def check_document(doc: dict):
+    schema = json.loads((SCHEMAS / "matrix.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(doc)
+
+
+def write_matrix(rows: List[Row], out, gate: bool = False) -> (Path, dict):
+    """matrix.md, matrix.json and matrix.html in the new directory ``out``."""
+    out = Path(out)
+    doc = build(rows, out, gate)
+    check_document(doc)  # a wiring bug here is kvparity's own: it raises
+    directory = MatrixDirectory(out.parent, out.name)
+    with directory as staging:
+        (staging / "matrix.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (staging / "matrix.md").write_text(render_markdown(doc))
+        (staging / "matrix.html").write_text(render_html(doc))
+    return directory.path, doc

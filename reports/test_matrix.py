@@ -1,0 +1,241 @@
+"""kvparity matrix: rows gathered from real report directories (the
+reference, the second implementation and a negative control, three L1
+schedules each, plus a row that cannot be installed), rendered as
+matrix.md, matrix.json (schema-checked) and matrix.html, the page checked
+in a real headless browser; the exit status as a render and as a gate."""
+
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import jsonschema
+import pytest
+
+from kvparity.reports import matrix
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
+from kvparity.reports.commands import runs
+from kvparity.suites.schedule import CATALOG
+
+SCHEDULES = ["--level", "L1", *(a for name in ("bits-4", "join-empty", "leave-longest")
+                                  for a in ("--schedule", str(CATALOG / f"{name}.json")))]
+REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
+SECOND = "kvparity.impl.mlx_style:MlxStyleBatchQuantizedKVCache"
+CONTROL = "kvparity.impl.negative_controls:LeftPaddingOffByOne"
+CANNOT = {"format": "kvparity.cannot-install/1", "implementation": "mlx_vlm.models.cache:BatchQuantizedKVCache",
+          "package": "mlx-vlm", "version": "0.7.10", "mlx_lm": "0.31.3",
+          "reason": "needs Python >= 3.12 (this is 3.11)", "command": "uv pip install mlx-vlm==0.7.10"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """Row folders as the sessions write them: kvparity check --out ROW, a
+    bisected minimal schedule for the control, and a cannot-install.json."""
+    root = tmp_path_factory.mktemp("rows")
+    with pytest.MonkeyPatch.context() as patch:  # the L0 probes are no part of the matrix
+        patch.setattr(runs, "probes", lambda model, device: [])
+        statuses = {name: main(["check", *SCHEDULES, "--impl", impl, "--out", str(root / name)])
+                    for name, impl in (("reference", REFERENCE), ("second", SECOND), ("control", CONTROL))}
+    assert statuses == {"reference": EXIT_OK, "second": EXIT_OK, "control": EXIT_BROKEN}
+    minimal = root / "control" / matrix.BISECTED / "bits-4-min.json"
+    main(["bisect", str(CATALOG / "bits-4.json"), "--level", "L1", "--impl", CONTROL, "--out", str(minimal)])
+    assert minimal.is_file()
+    (root / "vlm").mkdir()
+    (root / "vlm" / matrix.CANNOT_INSTALL).write_text(json.dumps(CANNOT))
+    return root
+
+
+def render(rows, tmp_path, *args, folders=None) -> (int, dict, Path):
+    out = tmp_path / "matrix"
+    given = [str(rows / f) for f in folders] if folders else [str(rows)]
+    status = main(["matrix", *given, "--out", str(out), *args])
+    doc = json.loads((out / "matrix.json").read_text()) if (out / "matrix.json").exists() else None
+    return status, doc, out
+
+
+def by_implementation(doc):
+    return {row["implementation"]: row for row in doc["rows"]}
+
+
+def test_rows_columns_and_cells_from_real_reports(rows, tmp_path, capsys):
+    status, doc, out = render(rows, tmp_path)
+    assert status == EXIT_OK  # rendered, FAILs included
+    jsonschema.validate(doc, json.loads((matrix.SCHEMAS / "matrix.schema.json").read_text()))
+    assert [c["name"] for c in doc["columns"]][:3] == ["L1", "L2", "L3"]
+    found = by_implementation(doc)
+    assert set(found) == {REFERENCE, SECOND, CONTROL, CANNOT["implementation"]}
+    for impl in (REFERENCE, SECOND, CONTROL):
+        row = found[impl]
+        record = json.loads((out / row["report"]).with_name("report.json").read_text())
+        assert (row["version"], row["mlx_lm"]) == (record["environment"]["implementation_version"],
+                                                   record["environment"]["mlx_lm"])
+        # The level's cell is the row's run, outcome by outcome; L2 and L3 did not run.
+        assert {o: n for o, n in row["cells"]["L1"].items() if n} == {
+            o: n for o, n in record["summary"]["schedules"].items() if n}
+        assert row["cells"]["L2"] is None and row["cells"]["L3"] is None and row["cells"]["logits"] is None
+    assert found[REFERENCE]["cells"]["left_padding"]["pass"] == 3 and not found[REFERENCE]["failing"]
+    control = found[CONTROL]
+    assert control["cells"]["L1"]["FAIL"] == 2 and control["cells"]["left_padding"]["FAIL"] == 2
+    assert control["cells"]["bytes"] == found[REFERENCE]["cells"]["bytes"]  # one broken check hides no other
+    vlm = found[CANNOT["implementation"]]
+    assert vlm["cannot_install"]["reason"] == CANNOT["reason"] and set(vlm["cells"].values()) == {None}
+    markdown = (out / "matrix.md").read_text()
+    assert "cannot install: needs Python >= 3.12" in markdown and "1 pass, 2 FAIL" in markdown
+
+
+def test_a_hygiene_finding_is_reported_not_gating_and_gates_under_strict(tmp_path, capsys):
+    """A check that diverged where the policy does not gate it is not a FAIL
+    in its cell, and is one where the policy gates it."""
+    views = "kvparity.impl.negative_controls:ExtractReturnsViews"
+    one = ["--level", "L1", "--schedule", str(CATALOG / "extract-decode-reinsert.json"), "--impl", views]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs, "probes", lambda model, device: [])
+        assert main(["check", *one, "--policy", "cpu", "--out", str(tmp_path / "cpu" / "row")]) == EXIT_OK
+        assert main(["check", *one, "--policy", "strict", "--out", str(tmp_path / "strict" / "row")]) == EXIT_BROKEN
+    for policy, alias, status in (("cpu", {matrix.REPORTED: 1}, EXIT_OK), ("strict", {"FAIL": 1}, EXIT_BROKEN)):
+        gate, doc, _ = render(tmp_path / policy, tmp_path / f"m-{policy}", "--gate")
+        (row,) = doc["rows"]
+        assert {o: n for o, n in row["cells"]["alias"].items() if n} == alias and gate == status
+        assert {o: n for o, n in row["cells"]["bytes"].items() if n} == {"pass": 1}
+
+
+def test_failing_schedules_link_their_minimal_schedule_and_replay_it(rows, tmp_path, capsys):
+    _, doc, out = render(rows, tmp_path)
+    failing = {f["schedule"]: f for f in by_implementation(doc)[CONTROL]["failing"]}
+    assert set(failing) == {"bits-4", "leave-longest"}
+    shrunk, plain = failing["bits-4"], failing["leave-longest"]
+    assert shrunk["minimal"] and (out / shrunk["link"]).resolve() == (rows / "control/bisect/bits-4-min.json")
+    assert not plain["minimal"] and (out / plain["link"]).resolve() == (CATALOG / "leave-longest.json").resolve()
+    for entry in (shrunk, plain):
+        argv = shlex.split(entry["replay"])
+        assert argv[:2] == ["kvparity", "replay"] and CONTROL in argv
+        assert main(argv[1:]) == EXIT_BROKEN  # the command fails as the matrix says
+    assert "bits-4-min.json" in (out / "matrix.md").read_text()
+
+
+def test_exit_status_as_a_render_and_as_a_gate(rows, tmp_path, capsys):
+    assert render(rows, tmp_path / "a", "--gate")[0] == EXIT_BROKEN
+    assert render(rows, tmp_path / "b", "--gate", folders=["reference", "second"])[0] == EXIT_OK
+    assert render(rows, tmp_path / "c", "--gate", folders=["reference", "vlm"])[0] == EXIT_CANNOT_JUDGE
+    assert render(rows, tmp_path / "d", folders=["reference", "vlm"])[0] == EXIT_OK
+    status, doc, _ = render(rows, tmp_path / "e", folders=["vlm"])  # nothing compared is never 0
+    assert status == EXIT_CANNOT_JUDGE and doc["exit_status"] == EXIT_CANNOT_JUDGE
+
+
+def test_bad_rows_are_refused_naming_the_folder(rows, tmp_path, capsys):
+    twice = tmp_path / "twice"
+    shutil.copytree(rows / "reference", twice / "reference")
+    shutil.copytree(rows / "reference", twice / "again")
+    assert render(twice, tmp_path / "a")[0] == EXIT_USAGE
+    assert "is also in" in capsys.readouterr().err
+    bad = tmp_path / "bad" / "row"
+    bad.mkdir(parents=True)
+    (bad / matrix.CANNOT_INSTALL).write_text(json.dumps({k: v for k, v in CANNOT.items() if k != "reason"}))
+    assert render(bad.parent, tmp_path / "b")[0] == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert str(bad / matrix.CANNOT_INSTALL) in err and "'reason' is a required property" in err
+    (tmp_path / "empty").mkdir()
+    assert render(tmp_path / "empty", tmp_path / "c")[0] == EXIT_USAGE
+    assert "holds no report.json and no cannot-install.json" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs, "probes", lambda model, device: [])
+        assert main(["check", *SCHEDULES, "--shard", "1/2", "--out", str(tmp_path / "shard" / "row")]) == EXIT_OK
+    assert render(tmp_path / "shard", tmp_path / "s")[0] == EXIT_USAGE
+    assert "merge the shards with kvparity merge" in capsys.readouterr().err
+    (tmp_path / "exists" / "matrix").mkdir(parents=True)
+    assert render(rows, tmp_path / "exists")[0] == EXIT_USAGE
+    assert "never overwritten" in capsys.readouterr().err
+
+
+def test_sessions_mode_runs_nox_then_gathers(rows, tmp_path, monkeypatch, capsys):
+    """A stand-in nox on PATH records its arguments and writes a row, as a session would."""
+    bin_dir, written = tmp_path / "bin", tmp_path / "written"
+    bin_dir.mkdir()
+    fake = bin_dir / "nox"
+    fake.write_text(f"#!{sys.executable}\nimport json, pathlib, sys\n"
+                    f"row = pathlib.Path({str(written)!r}) / 'vlm'\nrow.mkdir(parents=True)\n"
+                    f"(row / 'cannot-install.json').write_text(json.dumps({CANNOT!r}))\n"
+                    f"(row.parent / 'argv.json').write_text(json.dumps(sys.argv[1:]))\nsys.exit(1)\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    written.mkdir()
+    status = main(["matrix", str(written), "--session", "row-a", "--session", "row-b", "--noxfile", "nf.py",
+                   "--out", str(tmp_path / "m")])
+    assert json.loads((written / "argv.json").read_text()) == ["-f", "nf.py", "-s", "row-a", "row-b"]
+    assert status == EXIT_CANNOT_JUDGE  # the one row it wrote cannot be installed
+    assert "nox exited 1" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert main(["matrix", str(written), "--session", "x", "--out", str(tmp_path / "n")]) == EXIT_CANNOT_JUDGE
+    assert "needs nox" in capsys.readouterr().err
+
+
+# -- the page in a real browser ------------------------------------------------------
+
+
+class Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.cells, self.links, self.sources = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "td" and "data-column" in attrs:
+            self.cells.append(attrs)
+        if tag == "a":
+            self.links.append(attrs["href"])
+        self.sources += [attrs[k] for k in ("src", "href") if k in attrs and tag != "a"]
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+@pytest.mark.slow  # a browser start, seconds
+def test_the_page_in_a_headless_browser(rows, tmp_path, capsys):
+    binary = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if binary is None:
+        pytest.skip("no chromium binary found (CI installs Debian's chromium)")
+    _, doc, out = render(rows, tmp_path)
+    page = (out / "matrix.html").as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([binary, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    parsed = Page()
+    parsed.feed(dom.stdout)
+    assert len(parsed.cells) == len(doc["rows"]) * len(doc["columns"])
+    control = next(i for i, r in enumerate(doc["rows"]) if r["implementation"] == CONTROL)
+    cell = next(c for c in parsed.cells if c["data-row"] == str(control) and c["data-column"] == "L1")
+    assert (cell["data-fail"], cell["data-pass"]) == ("2", "1") and "FAIL" in cell["class"]
+    assert not [s for s in parsed.sources + parsed.links if "://" in s and not s.startswith("file://")]
+    resolved = [Path(unquote(urlparse(link).path)) if link.startswith("file://") else (out / link)
+                for link in parsed.links]
+    assert len(resolved) == 3 + 2 and all(p.is_file() for p in resolved), resolved  # reports, schedules
+    shot = tmp_path / "matrix.png"
+    run = subprocess.run([binary, *flags, "--hide-scrollbars", "--window-size=1400,900", f"--screenshot={shot}",
+                          page], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["matrix.schema.json", "cannot-install.schema.json"])
+def test_every_schema_property_is_documented(name):
+    missing = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            missing.extend(f"{where}/{key}" for key, sub in node.get("properties", {}).items()
+                           if "description" not in sub)
+            for key, sub in node.items():
+                walk(sub, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, sub in enumerate(node):
+                walk(sub, f"{where}/{i}")
+
+    walk(json.loads((matrix.SCHEMAS / name).read_text()), "#")
+    assert not missing
