@@ -6,15 +6,16 @@ command is its module plus one entry in ``COMMANDS``."""
 import argparse
 
 from kvparity.oracle.models import available_models
-from kvparity.reports.commands import bench, bisect, calibrate, check, compare, probe, record, replay, run
+from kvparity.reports.commands import bench, bisect, calibrate, check, compare, fuzz, probe, record, replay, run
 
-COMMANDS = (run, bench, check, replay, bisect, probe, record, calibrate, compare)
+COMMANDS = (run, bench, check, replay, bisect, fuzz, probe, record, calibrate, compare)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
   kvparity run --impl myserver.cache:BatchCache  ... against your implementation
   kvparity run --model smollm2                   L2 on the real SmolLM2-135M
   kvparity replay found.json --level L1          one schedule, row by row
+  kvparity fuzz --workers 2 --minutes 10         generated schedules, shrunk failures
   git bisect run kvparity check --impl myserver.cache:BatchCache
                                                  find the commit that broke parity
 
