@@ -76,9 +76,11 @@ def check_database(spec: Optional[str]):
     database = open_database(spec)
     if database is not None and hasattr(database, "redis"):
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        try:
-            database.redis.ping()
+        try:  # one try: the workers' own client retries, the check need not
+            redis.Redis.from_url(spec, retry=Retry(NoBackoff(), 0)).ping()
         except redis.RedisError as error:
             raise DatabaseUnavailable(f"--database {spec}: cannot reach the server: {error}")
     return database
