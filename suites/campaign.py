@@ -106,6 +106,7 @@ class Campaign:
     found_dir: str = "reports/out/found"  # where the machines write failing schedules, a folder per worker
     shrink: bool = True  # False: stop at the first failing example (time to first failure)
     device: Optional[str] = None  # "cpu", "gpu" or MLX's default
+    warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts
 
     def share(self, worker: int) -> Optional[int]:
         """Worker ``worker``'s examples, when the campaign counts them."""
@@ -224,6 +225,8 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop):
     """One worker process: load, wait for the start, then rounds of the machine."""
     try:
         machine, round_settings = prepare(campaign, worker)
+        if campaign.warm_up:
+            warm_up(campaign, machine, round_settings)
     except BaseException:
         ready.put(("error", worker, traceback.format_exc()))
         return
@@ -245,11 +248,13 @@ def prepare(campaign: Campaign, worker: int):
 
     from kvparity.suites.adapter import load_implementation
     from kvparity.suites.fuzz import make_machine
-    from kvparity.suites.l2 import run_l2
 
     if campaign.device is not None:
         mx.set_default_device({"cpu": mx.cpu, "gpu": mx.gpu}[campaign.device])
     implementation = load_implementation(campaign.implementation)
+    run_l2 = None
+    if campaign.level == "L2":  # the models' imports, only where they are used
+        from kvparity.suites.l2 import run_l2
     machine = make_machine(
         implementation, FirstFailure(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
         level=campaign.level, run_l2=run_l2, database_key=database_key(campaign.level, implementation.spec),
@@ -258,11 +263,23 @@ def prepare(campaign: Campaign, worker: int):
     # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
     phases = [p for p in Phase if p != Phase.explain and (campaign.shrink or p != Phase.shrink)]
 
-    def round_settings(examples):
+    def round_settings(examples, shared=True):
         return settings(max_examples=examples, stateful_step_count=STEP_COUNT[campaign.level], deadline=None,
-                        database=database, phases=phases, print_blob=False,
+                        database=database if shared else None, phases=phases, print_blob=False,
                         suppress_health_check=list(HealthCheck))
     return machine, round_settings
+
+
+def warm_up(campaign: Campaign, machine, round_settings):
+    """Examples on the reference, without a database: MLX's kernels and the
+    synthetic blocks' cache are ready before the campaign's clock starts (a
+    benchmark's rate is then the campaign's, not the first seconds')."""
+    from kvparity.suites.adapter import load_implementation
+    from kvparity.suites.fuzz import generate, make_machine
+
+    reference = make_machine(load_implementation(), campaign.judge, Path(campaign.found_dir) / "warm-up",
+                             level=campaign.level, run_l2=machine.run_l2)
+    generate(reference, round_settings(campaign.warm_up, shared=False))
 
 
 class FirstFailure:
