@@ -119,7 +119,7 @@ class Campaign:
 class Tally:
     """One worker's counts so far."""
 
-    schedules: int = 0  # judged generated schedules (Hypothesis's abandoned overruns are not)
+    schedules: int = 0  # judged generated schedules (not Hypothesis's abandoned overruns, nor shrinking's)
     outcomes: Counter = field(default_factory=Counter)  # schedule verdicts
     rows: Counter = field(default_factory=Counter)  # row verdicts
     seconds: float = 0.0  # generating, since the campaign started
@@ -259,6 +259,7 @@ def prepare(campaign: Campaign, worker: int):
         implementation, FirstFailure(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
         level=campaign.level, run_l2=run_l2, database_key=database_key(campaign.level, implementation.spec),
     )
+    machine.judge.machine = machine
     database = open_database(campaign.database)
     # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
     phases = [p for p in Phase if p != Phase.explain and (campaign.shrink or p != Phase.shrink)]
@@ -283,15 +284,18 @@ def warm_up(campaign: Campaign, machine, round_settings):
 
 
 class FirstFailure:
-    """The campaign's judge, noting when a schedule first failed."""
+    """The campaign's judge, noting when a schedule first failed and the
+    machine's counts then: what shrinking runs after it is not generation."""
 
     def __init__(self, judge):
-        self.judge, self.start, self.first = judge, None, None
+        self.judge, self.start, self.first, self.counts = judge, None, None, None
+        self.machine = None  # set once the machine exists
 
     def __call__(self, result):
         judged = self.judge(result)
         if judged.verdict in FAILURES and self.first is None:
             self.first = time.perf_counter() - self.start
+            self.counts = tally(self.machine, self.start)
         return judged
 
 
@@ -351,6 +355,9 @@ def leaves(error: BaseException) -> int:
 
 
 def tally(machine, start) -> Tally:
+    """The worker's counts: up to its first failure once it has one."""
+    if machine.judge.counts is not None:
+        return machine.judge.counts
     return Tally(
         schedules=sum(machine.outcomes.values()), outcomes=Counter(machine.outcomes),
         rows=Counter(machine.row_outcomes), seconds=time.perf_counter() - start,
