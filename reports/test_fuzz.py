@@ -28,9 +28,12 @@ def no_campaign(monkeypatch):
     (["--minutes", "0"], "--minutes 0: more than 0"),
     (["--examples", "5", "--database", "ftp://host/db"], "ftp://host/db: a directory or redis://"),
     (["--examples", "5", "--policy", "no-such-policy"], "no-such-policy"),
+    (["--examples", "5", "--database", "FILE/db"], "is not a directory"),
     (["--examples", "5", "--impl", "no_colon"], "expected 'package.module:factory'"),
 ])
 def test_usage_errors_exit_2_before_any_worker_starts(argv, message, tmp_path, no_campaign, capsys):
+    (tmp_path / "FILE").write_text("")
+    argv = [arg.replace("FILE", str(tmp_path / "FILE")) for arg in argv]
     assert main(["fuzz", "--out", str(tmp_path), *argv]) == EXIT_USAGE
     assert message in capsys.readouterr().err
 

@@ -29,6 +29,8 @@ STEP_COUNT = {"L1": 10, "L2": 6}
 FIRST_ROUND, ROUND_S, MAX_ROUND = 5, 3.0, 500
 # How long a worker may take to import and load before the campaign starts.
 START_TIMEOUT_S = 300
+# How often a worker sends its counts.
+TALLY_S = 2.0
 REDIS_PREFIX = b"kvparity-example:"
 
 
@@ -256,7 +258,7 @@ def prepare(campaign: Campaign, worker: int):
     if campaign.level == "L2":  # the models' imports, only where they are used
         from kvparity.suites.l2 import run_l2
     machine = make_machine(
-        implementation, FirstFailure(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
+        implementation, WorkerJudge(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
         level=campaign.level, run_l2=run_l2, database_key=database_key(campaign.level, implementation.spec),
     )
     machine.judge.machine = machine
@@ -283,19 +285,26 @@ def warm_up(campaign: Campaign, machine, round_settings):
     generate(reference, round_settings(campaign.warm_up, shared=False))
 
 
-class FirstFailure:
-    """The campaign's judge, noting when a schedule first failed and the
-    machine's counts then: what shrinking runs after it is not generation."""
+class WorkerJudge:
+    """The campaign's judge in a worker: it notes when a schedule first
+    failed and the machine's counts then (what shrinking runs after it is
+    not generation), and sends the counts every ``TALLY_S`` seconds, also
+    in the middle of a round."""
 
     def __init__(self, judge):
-        self.judge, self.start, self.first, self.counts = judge, None, None, None
-        self.machine = None  # set once the machine exists
+        self.judge, self.first, self.counts = judge, None, None
+        self.machine = self.start = self.send = None  # set once the machine exists and the campaign starts
+        self.sent = 0.0
 
     def __call__(self, result):
         judged = self.judge(result)
+        now = time.perf_counter()
         if judged.verdict in FAILURES and self.first is None:
-            self.first = time.perf_counter() - self.start
+            self.first = now - self.start
             self.counts = tally(self.machine, self.start)
+        if self.send is not None and now - self.sent >= TALLY_S:
+            self.send(tally(self.machine, self.start))
+            self.sent = now
         return judged
 
 
@@ -306,6 +315,7 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
 
     start = time.perf_counter()
     machine.judge.start = start
+    machine.judge.send = lambda counts: messages.put(("tally", worker, counts))
     left = campaign.share(worker)
     size, number = FIRST_ROUND, 0
     while not stop.is_set() and (left is None or left > 0):

@@ -70,6 +70,8 @@ def database_spec(args):
         raise UsageError(str(error))
     except DatabaseUnavailable as error:
         raise CannotRun(str(error))
+    if spec is not None and "://" not in spec:  # a directory the workers will write
+        writable_directory(spec, "--database")
     return spec
 
 
