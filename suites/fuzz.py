@@ -31,6 +31,16 @@ from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse,
 
 L2_MODELS = tuple(m.name for m in axis_variants())
 
+
+class ScheduleFailed(AssertionError):
+    """A generated schedule failed: its report, and the schedule itself
+    (``doc``), so that a caller holding several failures (Hypothesis raises
+    each distinct one) has each one's schedule, not only the last file written."""
+
+    def __init__(self, message: str, doc: dict):
+        super().__init__(message)
+        self.doc = doc
+
 # Mostly short prompts, some long enough to cross the 256-token buffer step.
 prompt_lengths = st.one_of(st.integers(1, 24), st.integers(240, 300))
 prefill_steps = st.sampled_from((2048, 64, 7))
@@ -119,7 +129,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         if self.run.result.stopped or self.run.result.divergences:
             result = self.judge(self.run.finish())
             if result.verdict in FAILURES:
-                raise AssertionError(self.report(result))
+                raise ScheduleFailed(self.report(result), self.schedule.to_json())
 
     def teardown(self):
         if self.level == "L2" and self.schedule.events:
@@ -129,7 +139,7 @@ class ScheduleMachine(RuleBasedStateMachine):
             result = self.judge(self.run_l2(schedule, self.implementation))
             self.count(result)
             if result.verdict in FAILURES:
-                raise AssertionError(self.report(result))
+                raise ScheduleFailed(self.report(result), schedule.to_json())
         elif self.run is not None:
             self.count(self.judge(self.run.finish()))
 
@@ -213,12 +223,17 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.add(Reinsert, data.draw(st.sampled_from(sorted(self.replay.preempted))))
 
 
-def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None):
-    """A state machine class bound to one implementation, verdict and output folder."""
+def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None, database_key=None):
+    """A state machine class bound to one implementation, verdict and output
+    folder. ``database_key`` (bytes) keeps its failures apart from other
+    machines' in a shared example database: Hypothesis keys a state machine
+    by its class's source, the same for every level and implementation."""
     found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
                  "outcomes": {}, "row_outcomes": {}}
+    if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
+        namespace["_hypothesis_internal_add_digest"] = database_key
     if level == "L2":
         namespace["batched_join"] = None  # padded batched prefill is an L1 event: not a rule here
     return type("ScheduleMachine", (ScheduleMachine,), namespace)

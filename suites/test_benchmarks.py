@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +33,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 from kvparity.oracle.models import ModelUnavailable, load_model, random_model_for
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
+from kvparity.suites.campaign import Campaign, run_campaign
 from kvparity.suites.fuzz import generate, make_machine
 
 # pytest-benchmark turns itself off in a pytest-xdist worker (it reads the
@@ -617,3 +618,80 @@ def test_harness_wall_time(benchmark, oracle_caches, command, variant):
     benchmark.pedantic(lambda: seconds.append(time_command(argv, env=env, cwd=root)), rounds=1)
     _record(benchmark, "harness", command, variant, [HARNESS] if variant == "cold" else [],
             seconds=seconds[0])
+
+
+# -- gate power: fuzz campaigns ------------------------------------------------------
+
+# The controls the L1 state machine catches; the others are reached only by
+# the catalog (ExtractReturnsViews and FinalizeLeavesJunk went uncaught in
+# about 870 generated schedules, a minute of one worker).
+GENERATED_CATCHES = (
+    ("TrimForgetsOffset",) if QUICK else (
+        "LeftPaddingOffByOne", "FilterKeepsSharedPadding", "RollbackByLargest", "MergeRequantizes",
+        "MergeWritesItsSources", "ExtractWritesTheBatch", "MaskIgnoresLeftPadding", "ExtendForgetsExistingPadding",
+        "RopeOffsetIgnoresLeftPadding", "TrimForgetsOffset", "GrowthDropsTail", "EmptyBatchPacksWholeElementsPerWord",
+    )
+)
+FUZZ_SECONDS = 4 if QUICK else 30  # of generating, for the rate; the workers' start is not counted
+WARM_UP = 5  # examples each worker runs on the reference before the clock starts
+KILL_REPEATS = 1 if QUICK else 3  # campaigns per control and worker count, each from an empty database
+KILL_LIMIT_S = 60  # a campaign that has not caught the control by then counts as not caught
+WORKERS = {1: "1 worker", 2: "2 workers"}
+FUZZ_CASE = f"L1, {FUZZ_SECONDS} s"
+FUZZ_RATES = {
+    1: Ratio("fuzz: schedules per second, 1 worker", WORKERS[1], None, quantity="schedules_per_second"),
+    2: Ratio("fuzz: schedules per second, 2 workers", WORKERS[2], None, quantity="schedules_per_second"),
+}
+FUZZ_SCALING = Ratio(
+    "fuzz: 2 / 1 workers schedules per second", WORKERS[2], WORKERS[1], quantity="schedules_per_second",
+    targets=((FUZZ_CASE, ">=", 1.7),),
+)
+TIME_TO_KILL = {
+    1: Ratio("fuzz: median seconds to the first failure, 1 worker", WORKERS[1], None,
+             quantity="seconds_to_first_failure", targets=tuple((c, "<=", KILL_LIMIT_S) for c in GENERATED_CATCHES)),
+    2: Ratio("fuzz: median seconds to the first failure, 2 workers", WORKERS[2], None,
+             quantity="seconds_to_first_failure"),
+}
+
+
+def _campaign(implementation, tmp_path, **options):
+    judge_cpu = partial(judge, policy=load_policy("cpu"))
+    return run_campaign(Campaign(implementation, judge_cpu, found_dir=str(tmp_path), warm_up=WARM_UP, **options))
+
+
+@pytest.mark.parametrize("workers", sorted(WORKERS))
+def test_fuzz_schedules_per_second(benchmark, implementation, workers, tmp_path):
+    """A time-boxed campaign of the L1 machine on the cache under test,
+    without a database: its workers' schedules per second, added up."""
+    results = []
+    benchmark.pedantic(lambda: results.append(_campaign(
+        implementation.spec, tmp_path, workers=workers, seconds=FUZZ_SECONDS, seed=workers)), rounds=1)
+    (result,) = results
+    if result.found:  # it measures a broken cache
+        pytest.fail(f"the campaign found a failure: {result.found[0].message}")
+    ratios = [FUZZ_RATES[workers]] + ([FUZZ_SCALING] if workers == 2 else [])
+    _record(benchmark, "fuzz", FUZZ_CASE, WORKERS[workers], ratios, workers=workers,
+            schedules=result.schedules, schedules_per_second=result.schedules_per_second)
+
+
+@pytest.mark.parametrize("workers", sorted(WORKERS))
+@pytest.mark.parametrize("control", GENERATED_CATCHES)
+def test_fuzz_time_to_first_failure(benchmark, control, workers, tmp_path):
+    """Campaigns on a negative control, each from an empty database and
+    stopped at its first failing example (no shrinking): the median of the
+    seconds to it, counted from the workers' start; one not caught within
+    ``KILL_LIMIT_S`` counts as never, and a median of never is None ("n/a")."""
+    times = []
+
+    def run_once():
+        for repeat in range(KILL_REPEATS):
+            result = _campaign(f"kvparity.impl.negative_controls:{control}", tmp_path / str(repeat),
+                               workers=workers, seconds=KILL_LIMIT_S, seed=100 + repeat,
+                               database=str(tmp_path / str(repeat) / "db"), shrink=False)
+            times.append(result.first_failure_s if result.found else float("inf"))
+
+    benchmark.pedantic(run_once, rounds=1)
+    median = sorted(times)[len(times) // 2]
+    _record(benchmark, "fuzz-kill", control, WORKERS[workers], [TIME_TO_KILL[workers]], workers=workers,
+            repeats=KILL_REPEATS, caught=sum(t != float("inf") for t in times),
+            seconds_to_first_failure=None if median == float("inf") else median)

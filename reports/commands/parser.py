@@ -7,16 +7,17 @@ import argparse
 
 from kvparity.oracle.models import available_models
 from kvparity.reports.commands import (
-    bench, bisect, calibrate, check, compare, matrix, merge, probe, record, replay, run,
+    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, probe, record, replay, run,
 )
 
-COMMANDS = (run, bench, check, merge, matrix, replay, bisect, probe, record, calibrate, compare)
+COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, probe, record, calibrate, compare)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
   kvparity run --impl myserver.cache:BatchCache  ... against your implementation
   kvparity run --model smollm2                   L2 on the real SmolLM2-135M
   kvparity replay found.json --level L1          one schedule, row by row
+  kvparity fuzz --workers 2 --minutes 10         generated schedules, shrunk failures
   git bisect run kvparity check --impl myserver.cache:BatchCache
                                                  find the commit that broke parity
   kvparity check --shard 1/2 --out s1; kvparity check --shard 2/2 --out s2; kvparity merge s1 s2

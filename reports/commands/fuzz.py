@@ -1,0 +1,163 @@
+"""``kvparity fuzz``: a campaign of generated schedules on several worker
+processes sharing an example database; each failure found is shrunk,
+written as a schedule file and replayed into a report directory."""
+
+import functools
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from kvparity.reports import verdicts
+from kvparity.reports.commands.base import (
+    DEVICE_HELP, IMPL_HELP, CannotRun, UsageError, check_impl_spec, implementation, model_or_default, policy,
+    use_device, writable_directory,
+)
+from kvparity.reports.environment import describe
+from kvparity.reports.verdicts import EXIT_OK
+from kvparity.reports.writer import write_report
+from kvparity.suites.campaign import (
+    LEVELS, Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign,
+)
+from kvparity.suites.evidence import FAILURES
+from kvparity.suites.runners import RUNNERS, RunOptions
+from kvparity.suites.schedule import atomic_write_json, parse
+from kvparity.suites.shrink import Shrinker
+
+NAME = "fuzz"
+HELP = "run generated schedules for minutes on several processes; shrink and report what fails"
+DESCRIPTION = ("A fuzz campaign: the generated-schedule state machine of a level on N worker processes with "
+               "distinct seeds, sharing a Hypothesis example database (a directory, or redis://host:port for "
+               "workers on several machines), so a failure one worker found is replayed first by every later "
+               "run. Each failure is shrunk, written as a schedule file and replayed into a report directory.")
+DEFAULT_DATABASE = ".hypothesis/examples"
+
+
+def arguments(command):
+    command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
+    command.add_argument("--level", choices=LEVELS, default="L1",
+                         help="L1 cache bytes or L2 model per row (default: %(default)s)")
+    budget = command.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--minutes", type=float, metavar="M", help="run for M minutes")
+    budget.add_argument("--examples", type=int, metavar="N", help="run N generated schedules over all workers")
+    command.add_argument("--workers", type=int, default=1, metavar="N",
+                         help="worker processes, each with its own seeds (default: %(default)s)")
+    command.add_argument("--database", metavar="DIR|URL", default=DEFAULT_DATABASE,
+                         help="Hypothesis example database: a directory, redis://host:port[/db], or 'none' "
+                         "(default: %(default)s)")
+    command.add_argument("--seed", type=int, metavar="N", help="the campaign's seed (default: a random one)")
+    command.add_argument("--device", choices=("cpu", "gpu"), help=DEVICE_HELP)
+    command.add_argument("--policy", metavar="NAME|FILE",
+                         help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
+    command.add_argument("--out", metavar="DIR", default="reports/out",
+                         help="where the report directory of what failed goes (default: %(default)s)")
+
+
+def check_budget(args):
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: at least 1")
+    if args.minutes is not None and not args.minutes > 0:
+        raise UsageError(f"--minutes {args.minutes:g}: more than 0")
+    if args.examples is not None and args.examples < 1:
+        raise UsageError(f"--examples {args.examples}: at least 1")
+
+
+def database_spec(args):
+    spec = None if args.database.lower() == "none" else args.database
+    try:
+        check_database(spec)
+    except DatabaseError as error:
+        raise UsageError(str(error))
+    except DatabaseUnavailable as error:
+        raise CannotRun(str(error))
+    if spec is not None and "://" not in spec:  # a directory the workers will write
+        writable_directory(spec, "--database")
+    return spec
+
+
+def show_progress(result):
+    failures = len(result.found)
+    print(f"fuzz {result.campaign.level}: {result.seconds:.0f} s, {len(result.tallies)} worker(s): "
+          f"{result.schedules} schedules ({result.schedules_per_second:.1f}/s), {result.rows_passed} rows "
+          f"passed, {failures} failure{'s' * (failures != 1)}", file=sys.stderr, flush=True)
+
+
+def handle(args):
+    check_budget(args)
+    chosen_policy = policy(args)
+    check_impl_spec(args.impl)
+    writable_directory(args.out, "--out")
+    database = database_spec(args)
+    use_device(args.device)
+    chosen = implementation(args.impl)  # refused here, before any worker starts
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    print(f"fuzz {args.level} on {chosen.spec}: {args.workers} worker(s), seed {seed}, "
+          f"database {database or 'none'}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="kvparity-fuzz-") as found_dir:
+        campaign = Campaign(
+            implementation=chosen.spec, judge=functools.partial(verdicts.judge, policy=chosen_policy),
+            level=args.level, workers=args.workers, examples=args.examples,
+            seconds=None if args.minutes is None else args.minutes * 60, database=database, seed=seed,
+            found_dir=found_dir, device=args.device,
+        )
+        result = run_campaign(campaign, on_progress=show_progress)
+    if not result.found:
+        return nothing_found(result)
+    return report_failures(args, result, chosen, chosen_policy)
+
+
+def nothing_found(result) -> int:
+    if result.rows_passed == 0:
+        raise CannotRun(f"{result.schedules} generated schedules and no row compared: no evidence")
+    print(f"no failure in {result.schedules} generated {result.campaign.level} schedules "
+          f"({result.rows_passed} rows passed); parity holds on what was generated")
+    return EXIT_OK
+
+
+def campaign_section(result):
+    campaign = result.campaign
+    rows = [["level", campaign.level], ["workers", len(result.tallies)], ["seed", campaign.seed],
+            ["database", campaign.database or "none"], ["seconds", round(result.seconds, 1)],
+            ["generated schedules", result.schedules],
+            ["schedules per second", round(result.schedules_per_second, 1)],
+            ["rows passed", result.rows_passed], ["failures found", len(result.found)]]
+    return "Fuzz campaign", ["", "value"], rows
+
+
+def report_failures(args, result, chosen, chosen_policy) -> int:
+    """Shrink each distinct failure to an event-level fixed point (as
+    ``kvparity bisect``), replay it, and write the schedules into a report."""
+    level, runner = args.level, RUNNERS[args.level]
+    options = RunOptions(use_cache=False)
+
+    def run(schedule):
+        return verdicts.judge(runner.run(schedule, chosen, options), chosen_policy)
+
+    docs = []
+    for found in result.found:
+        print(found.message.splitlines()[0], file=sys.stderr)
+        schedule = parse(found.doc, source=f"<worker {found.worker}>")
+        shrunk = Shrinker(run, schedule).shrink(schedule)  # None: no divergence to shrink towards
+        doc = shrunk or found.doc
+        if doc not in docs:
+            docs.append(doc)
+    schedules = [parse(doc, source=doc["name"]) for doc in docs]
+    results = [run(s) for s in schedules]
+    run_verdict = verdicts.verdict_of_run(results, policy=chosen_policy)
+    names = [f"{s.name}-{i + 1}" if len(schedules) > 1 else s.name for i, s in enumerate(schedules)]
+
+    def found_files(directory):
+        (directory / "found").mkdir()
+        for doc, name in zip(docs, names):
+            atomic_write_json({**doc, "name": name}, directory / "found" / f"{name}.json")
+
+    path = write_report(results, describe(chosen, model_or_default(None)), args.out, policy=chosen_policy,
+                        run_verdict=run_verdict, capabilities=chosen.capabilities, extra=found_files,
+                        sections=[campaign_section(result)])
+    for name, judged in zip(names, results):
+        replay = f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
+        print(f"{name}: {judged.verdict}; replay with: {replay}")
+    print(f"report: {path}")
+    if not any(judged.verdict in FAILURES for judged in results):
+        raise CannotRun("the failures found did not fail when replayed: the implementation is not deterministic")
+    return run_verdict.exit_status

@@ -1,0 +1,375 @@
+"""Fuzz campaigns: the generated-schedule state machines (``suites/fuzz.py``)
+on several worker processes, each with its own seeds, sharing one Hypothesis
+example database.
+
+A worker runs its machine in short rounds (a few seconds of examples each,
+a fresh seed each) until the campaign's time or examples are spent or a
+failure is found; between rounds it reports its counts. Hypothesis replays
+what the database holds for the machine before it generates anything, so a
+failure one worker saved is the first thing every later round (on any
+worker, on any machine sharing the database) runs. The database is a
+directory on one machine, or a Redis server for workers on several.
+"""
+
+import multiprocessing
+import queue as queues
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from kvparity.suites.evidence import FAILURES, PASS
+
+LEVELS = ("L1", "L2")
+# Events per generated schedule, as the generated tests use them.
+STEP_COUNT = {"L1": 10, "L2": 6}
+# A worker's rounds: the first is small, later ones last about ROUND_S.
+FIRST_ROUND, ROUND_S, MAX_ROUND = 5, 3.0, 500
+# How long a worker may take to import and load before the campaign starts.
+START_TIMEOUT_S = 300
+# How often a worker sends its counts.
+TALLY_S = 2.0
+REDIS_PREFIX = b"kvparity-example:"
+
+
+class DatabaseError(Exception):
+    """The --database given cannot be used as written (a usage error)."""
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached or opened here (cannot judge)."""
+
+
+class CampaignError(RuntimeError):
+    """A worker failed in the harness itself (its traceback is the message)."""
+
+
+def open_database(spec: Optional[str]):
+    """The example database ``spec`` names: None for none, ``redis://...``
+    for a Redis server, anything else a directory."""
+    if spec is None:
+        return None
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            import redis
+            from hypothesis.extra.redis import RedisExampleDatabase
+        except ImportError as error:
+            raise DatabaseUnavailable(f"--database {spec}: needs the redis package "
+                                      f"(pip install 'kvparity[redis]'): {error}")
+        try:
+            client = redis.Redis.from_url(spec)
+        except ValueError as error:
+            raise DatabaseError(f"--database {spec}: not a Redis URL: {error}")
+        return RedisExampleDatabase(client, key_prefix=REDIS_PREFIX)
+    if "://" in spec:
+        raise DatabaseError(f"--database {spec}: a directory or redis://host:port[/db]")
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    path = Path(spec)
+    if path.exists() and not path.is_dir():
+        raise DatabaseError(f"--database {spec}: not a directory")
+    return DirectoryBasedExampleDatabase(path)
+
+
+def check_database(spec: Optional[str]):
+    """Open ``spec`` and, for Redis, reach the server: refused before any worker starts."""
+    database = open_database(spec)
+    if database is not None and hasattr(database, "redis"):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        try:  # one try: the workers' own client retries, the check need not
+            redis.Redis.from_url(spec, retry=Retry(NoBackoff(), 0)).ping()
+        except redis.RedisError as error:
+            raise DatabaseUnavailable(f"--database {spec}: cannot reach the server: {error}")
+    return database
+
+
+def database_key(level: str, implementation: str) -> bytes:
+    """The key of one machine's examples: a failure replays on the same
+    level and implementation (a control's failures never reach the
+    reference's campaign, where a pass would delete them)."""
+    return f"kvparity fuzz {level} {implementation}".encode()
+
+
+@dataclass(frozen=True)
+class Campaign:
+    implementation: str  # package.module:factory
+    judge: Callable  # ScheduleResult -> its verdict; picklable (it travels to the workers)
+    level: str = "L1"
+    workers: int = 1
+    seconds: Optional[float] = None  # a time box, or
+    examples: Optional[int] = None  # a number of examples, over all workers
+    database: Optional[str] = None  # a directory, a redis:// URL, or None
+    seed: int = 0
+    found_dir: str = "reports/out/found"  # where the machines write failing schedules, a folder per worker
+    shrink: bool = True  # False: stop at the first failing example (time to first failure)
+    device: Optional[str] = None  # "cpu", "gpu" or MLX's default
+    warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts
+
+    def share(self, worker: int) -> Optional[int]:
+        """Worker ``worker``'s examples, when the campaign counts them."""
+        if self.examples is None:
+            return None
+        return self.examples // self.workers + (worker < self.examples % self.workers)
+
+
+@dataclass
+class Tally:
+    """One worker's counts so far."""
+
+    schedules: int = 0  # judged generated schedules (not Hypothesis's abandoned overruns, nor shrinking's)
+    outcomes: Counter = field(default_factory=Counter)  # schedule verdicts
+    rows: Counter = field(default_factory=Counter)  # row verdicts
+    seconds: float = 0.0  # generating, since the campaign started
+    first_failure_s: Optional[float] = None  # when a schedule first failed, since the start
+
+    @property
+    def rows_passed(self) -> int:
+        return self.rows.get(PASS, 0)
+
+
+@dataclass
+class Found:
+    worker: int
+    doc: dict  # the failing schedule, shrunk by Hypothesis unless the campaign does not shrink
+    message: str
+
+
+@dataclass
+class CampaignResult:
+    campaign: Campaign
+    tallies: Dict[int, Tally]
+    found: List[Found]
+    seconds: float  # wall time since the workers started generating
+
+    @property
+    def schedules(self) -> int:
+        return sum(t.schedules for t in self.tallies.values())
+
+    @property
+    def rows_passed(self) -> int:
+        return sum(t.rows_passed for t in self.tallies.values())
+
+    @property
+    def schedules_per_second(self) -> float:
+        """The workers' rates added up: each worker's schedules over its own generating time."""
+        return sum(t.schedules / t.seconds for t in self.tallies.values() if t.seconds > 0)
+
+    @property
+    def first_failure_s(self) -> Optional[float]:
+        times = [t.first_failure_s for t in self.tallies.values() if t.first_failure_s is not None]
+        return min(times, default=None)
+
+
+def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
+                 progress_s: float = 5.0) -> CampaignResult:
+    """Run the campaign's workers to the end; ``on_progress(result)`` every
+    ``progress_s`` seconds and once at the end. The first failure found
+    stops the other workers after their current round."""
+    if campaign.level not in LEVELS:
+        raise ValueError(f"level {campaign.level!r}: one of {', '.join(LEVELS)}")
+    context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
+    messages, ready, go, stop = context.Queue(), context.Queue(), context.Event(), context.Event()
+    workers = min(campaign.workers, campaign.examples or campaign.workers)
+    processes = [context.Process(target=work, args=(campaign, w, messages, ready, go, stop), daemon=True)
+                 for w in range(workers)]
+    for process in processes:
+        process.start()
+    result = CampaignResult(campaign, {w: Tally() for w in range(workers)}, [], 0.0)
+    try:
+        for _ in processes:  # every worker imported and loaded: start them together
+            kind, worker, payload = ready.get(timeout=START_TIMEOUT_S)
+            if kind == "error":
+                raise CampaignError(f"worker {worker} could not start:\n{payload}")
+        start = time.perf_counter()
+        go.set()
+        running, last = set(range(workers)), start
+        while running:
+            try:
+                kind, worker, payload = messages.get(timeout=1.0)
+            except queues.Empty:
+                dead = [w for w in running if not processes[w].is_alive()]
+                if dead and messages.empty():
+                    raise CampaignError(f"worker {dead[0]} ended without a word "
+                                        f"(exit {processes[dead[0]].exitcode})")
+                kind = None
+            if kind == "tally":
+                result.tallies[worker] = payload
+            elif kind == "found":
+                result.found.append(payload)
+                stop.set()
+            elif kind == "done":
+                running.discard(worker)
+            elif kind == "error":
+                raise CampaignError(f"worker {worker} failed:\n{payload}")
+            result.seconds = time.perf_counter() - start
+            if on_progress and time.perf_counter() - last >= progress_s:
+                on_progress(result)
+                last = time.perf_counter()
+        if on_progress:
+            on_progress(result)
+    finally:
+        stop.set()
+        go.set()
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    return result
+
+
+def work(campaign: Campaign, worker: int, messages, ready, go, stop):
+    """One worker process: load, wait for the start, then rounds of the machine."""
+    try:
+        machine, round_settings = prepare(campaign, worker)
+        if campaign.warm_up:
+            warm_up(campaign, machine, round_settings)
+    except BaseException:
+        ready.put(("error", worker, traceback.format_exc()))
+        return
+    ready.put(("ready", worker, None))
+    go.wait()
+    try:
+        generate_rounds(campaign, worker, machine, round_settings, messages, stop)
+    except BaseException:
+        messages.put(("error", worker, traceback.format_exc()))
+    else:
+        messages.put(("done", worker, None))
+
+
+def prepare(campaign: Campaign, worker: int):
+    """The worker's machine class and a function from a round's examples and
+    seed to its settings; everything a worker imports is imported here."""
+    import mlx.core as mx
+    from hypothesis import HealthCheck, Phase, settings
+
+    from kvparity.suites.adapter import load_implementation
+    from kvparity.suites.fuzz import make_machine
+
+    if campaign.device is not None:
+        mx.set_default_device({"cpu": mx.cpu, "gpu": mx.gpu}[campaign.device])
+    implementation = load_implementation(campaign.implementation)
+    run_l2 = None
+    if campaign.level == "L2":  # the models' imports, only where they are used
+        from kvparity.suites.l2 import run_l2
+    machine = make_machine(
+        implementation, WorkerJudge(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
+        level=campaign.level, run_l2=run_l2, database_key=database_key(campaign.level, implementation.spec),
+    )
+    machine.judge.machine = machine
+    database = open_database(campaign.database)
+    # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
+    phases = [p for p in Phase if p != Phase.explain and (campaign.shrink or p != Phase.shrink)]
+
+    def round_settings(examples, shared=True):
+        return settings(max_examples=examples, stateful_step_count=STEP_COUNT[campaign.level], deadline=None,
+                        database=database if shared else None, phases=phases, print_blob=False,
+                        suppress_health_check=list(HealthCheck))
+    return machine, round_settings
+
+
+def warm_up(campaign: Campaign, machine, round_settings):
+    """Examples on the reference, without a database: MLX's kernels and the
+    synthetic blocks' cache are ready before the campaign's clock starts (a
+    benchmark's rate is then the campaign's, not the first seconds')."""
+    from kvparity.suites.adapter import load_implementation
+    from kvparity.suites.fuzz import generate, make_machine
+
+    reference = make_machine(load_implementation(), campaign.judge, Path(campaign.found_dir) / "warm-up",
+                             level=campaign.level, run_l2=machine.run_l2)
+    generate(reference, round_settings(campaign.warm_up, shared=False))
+
+
+class WorkerJudge:
+    """The campaign's judge in a worker: it notes when a schedule first
+    failed and the machine's counts then (what shrinking runs after it is
+    not generation), and sends the counts every ``TALLY_S`` seconds, also
+    in the middle of a round."""
+
+    def __init__(self, judge):
+        self.judge, self.first, self.counts = judge, None, None
+        self.machine = self.start = self.send = None  # set once the machine exists and the campaign starts
+        self.sent = 0.0
+
+    def __call__(self, result):
+        judged = self.judge(result)
+        now = time.perf_counter()
+        if judged.verdict in FAILURES and self.first is None:
+            self.first = now - self.start
+            self.counts = tally(self.machine, self.start)
+        if self.send is not None and now - self.sent >= TALLY_S:
+            self.send(tally(self.machine, self.start))
+            self.sent = now
+        return judged
+
+
+def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, stop):
+    from hypothesis import seed
+
+    from kvparity.suites.fuzz import ScheduleFailed, generate
+
+    start = time.perf_counter()
+    machine.judge.start = start
+    machine.judge.send = lambda counts: messages.put(("tally", worker, counts))
+    left = campaign.share(worker)
+    size, number = FIRST_ROUND, 0
+    while not stop.is_set() and (left is None or left > 0):
+        elapsed = time.perf_counter() - start
+        if campaign.seconds is not None and elapsed >= campaign.seconds:
+            break
+        examples = size if left is None else min(size, left)
+        before = sum(machine.outcomes.values())
+        # Distinct seeds: across workers, rounds and campaigns (the campaign's own seed).
+        seed(f"{campaign.seed}/{worker}/{number}")(machine)
+        round_start = time.perf_counter()
+        try:
+            generate(machine, round_settings(examples))
+        except (ScheduleFailed, BaseExceptionGroup) as error:
+            failures = found_in(error, ScheduleFailed)
+            if not failures or len(failures) < leaves(error):  # anything else is the harness's own error
+                raise
+            for failure in failures:
+                messages.put(("found", worker, Found(worker, failure.doc, str(failure))))
+            break
+        finally:
+            messages.put(("tally", worker, tally(machine, start)))
+        number += 1
+        if left is not None:
+            left -= examples
+        judged = sum(machine.outcomes.values()) - before
+        rate = judged / max(time.perf_counter() - round_start, 1e-3)
+        size = max(1, min(MAX_ROUND, int(rate * ROUND_S)))
+        if campaign.seconds is not None:  # the last round ends near the time box
+            size = max(1, min(size, int(rate * (campaign.seconds - (time.perf_counter() - start))) + 1))
+
+
+def found_in(error: BaseException, kind) -> list:
+    """The ``kind`` exceptions in ``error``, which may be a group of them
+    (Hypothesis raises every distinct failure it found)."""
+    if isinstance(error, kind):
+        return [error]
+    if isinstance(error, BaseExceptionGroup):
+        return [e for inner in error.exceptions for e in found_in(inner, kind)]
+    return []
+
+
+def leaves(error: BaseException) -> int:
+    if isinstance(error, BaseExceptionGroup):
+        return sum(leaves(inner) for inner in error.exceptions)
+    return 1
+
+
+def tally(machine, start) -> Tally:
+    """The worker's counts: up to its first failure once it has one."""
+    if machine.judge.counts is not None:
+        return machine.judge.counts
+    return Tally(
+        schedules=sum(machine.outcomes.values()), outcomes=Counter(machine.outcomes),
+        rows=Counter(machine.row_outcomes), seconds=time.perf_counter() - start,
+        first_failure_s=machine.judge.first,
+    )
