@@ -23,15 +23,20 @@ FOLDERS = ("impl", "oracle", "suites", "reports")
 MAY_IMPORT = {"reports": {"suites", "oracle"}, "suites": {"oracle"}, "oracle": set(), "impl": set()}
 ADAPTER = "kvparity.suites.adapter"  # the one module that may reach impl, by name
 IMPL_MAY_IMPORT = {"mlx", "mlx_lm", "numpy"} | set(sys.stdlib_module_names)
+ECOSYSTEM = "kvparity.impl.ecosystem"  # adapters, each importing its published package
 
 
 def modules(root: Path) -> Dict[str, Path]:
     """Module name -> file, for every Python file of the harness and its tests."""
     found = {}
     for folder in FOLDERS:
-        for path in sorted((root / folder).glob("*.py")):
-            name = f"kvparity.{folder}" if path.stem == "__init__" else f"kvparity.{folder}.{path.stem}"
-            found[name] = path
+        for path in sorted((root / folder).rglob("*.py")):
+            packages = path.relative_to(root / folder).parent.parts
+            if not all((root / folder / Path(*packages[: i + 1]) / "__init__.py").exists()
+                       for i in range(len(packages))):
+                continue  # not a module of the package (an example script)
+            dotted = ".".join(("kvparity", folder) + packages)
+            found[dotted if path.stem == "__init__" else f"{dotted}.{path.stem}"] = path
     for path in sorted((root / "kvparity").glob("*.py")):
         found["kvparity" if path.stem == "__init__" else f"kvparity.{path.stem}"] = path
     if (root / "conftest.py").exists():
@@ -152,14 +157,18 @@ def wrong_way(edges: Dict[str, Set[str]]) -> List[str]:
 
 def impl_imports_beyond_its_own(root: Path) -> List[str]:
     """Imports in impl/ of anything but mlx, mlx-lm, numpy, the standard
-    library and impl's own modules."""
+    library and impl's own modules; an adapter in impl/ecosystem/ imports its
+    own published package too, and never the harness."""
     found = []
     for name, path in modules(root).items():
         if folder_of(name) != "impl":
             continue
+        adapter = name.startswith(ECOSYSTEM + ".")
         for module in sorted({module for module, _ in import_statements(path, name)}):
             own = module == "kvparity.impl" or module.startswith("kvparity.impl.")
-            if not own and module.split(".")[0] not in IMPL_MAY_IMPORT:
+            top = module.split(".")[0]
+            allowed = top in IMPL_MAY_IMPORT or (adapter and top != "kvparity")
+            if not own and not allowed:
                 found.append(f"{path.relative_to(root)} imports {module}")
     return found
 
@@ -240,3 +249,15 @@ def test_impl_importing_the_harness_or_another_package_is_found(tmp_path):
     })
     assert impl_imports_beyond_its_own(root) == ["impl/bad.py imports kvparity.suites.evidence",
                                                  "impl/bad.py imports requests"]
+
+
+def test_an_ecosystem_adapter_imports_its_package_but_never_the_harness(tmp_path):
+    root = _tree(tmp_path, {
+        "impl/__init__.py": "",
+        "impl/ecosystem/__init__.py": "",
+        "impl/ecosystem/good.py": "from mlx_vlm.models.cache import BatchQuantizedKVCache\n",
+        "impl/ecosystem/bad.py": "from mlx_vlm.models.cache import X\nfrom kvparity.suites.adapter import Y\n",
+        "impl/ecosystem/scripts/loose.py": "from kvparity.reports.cli import main\n",  # no package: not a module
+    })
+    assert "kvparity.impl.ecosystem.good" in modules(root)
+    assert impl_imports_beyond_its_own(root) == ["impl/ecosystem/bad.py imports kvparity.suites.adapter"]
