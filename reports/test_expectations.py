@@ -120,6 +120,25 @@ def test_replay_takes_expectations(capsys):
     assert f"L1 join-longer-joiner: {EXPECTED_DIVERGENCE}" in out
 
 
+
+def test_bisect_takes_expectations_and_follows_the_bug_not_the_declared_difference(tmp_path, capsys):
+    source = tmp_path / "extract-then-trim.json"
+    source.write_text(json.dumps({
+        "name": "extract-then-trim", "levels": ["L1"],
+        "requests": {"a": {"prompt_len": 12}, "b": {"prompt_len": 5}},
+        "events": [{"join": ["a", "b"]}, {"step": 2}, {"extract": "b"}, {"step": 1}, {"trim": 2}, {"step": 1}],
+    }))
+    out = tmp_path / "min.json"
+    code, printed, err = run(capsys, "bisect", str(source), "--impl", BF16_AND_OFFSET,
+                             "--expectations", EXAMPLE, "--out", str(out))
+    assert code == EXIT_BROKEN, printed + err
+    assert "  offset:" in printed and f"--expectations {EXAMPLE}" in printed, printed
+    minimal = json.loads(out.read_text())
+    assert [e for e in minimal["events"] if "trim" in e], minimal
+    code, printed, err = run(capsys, "replay", str(out), "--level", "L1", "--impl", BF16_AND_OFFSET,
+                             "--expectations", EXAMPLE)
+    assert code == EXIT_BROKEN, printed + err
+
 # -- the file: refused whole, before anything runs -------------------------------------
 
 GOOD = {"check": "extract", "reason": "by design"}

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from kvparity.reports import verdicts
 from kvparity.reports.commands.base import (
-    UsageError, check_engine, check_impl_spec, check_model_name, common_options, implementation, policy,
-    run_options, use_device, writable_directory,
+    UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
+    expectations_option, implementation, policy, run_options, use_device, writable_directory,
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
@@ -22,6 +22,7 @@ DESCRIPTION = ("For a failing schedule: find the first event after which parity 
 def arguments(command):
     command.add_argument("schedule", metavar="SCHEDULE", help="the failing schedule file")
     common_options(command, levels=("L1", "L2", "L3"), default_level="L1")
+    expectations_option(command)  # declared divergences are not what a shrink follows
     command.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
                          "(default: reports/out/bisect/NAME-min.json)")
 
@@ -55,7 +56,7 @@ def nothing_to_bisect(schedule, level, original) -> int:
 
 
 def handle(args):
-    chosen_policy = policy(args)
+    chosen_policy, declared = policy(args), expectations(args)
     check_impl_spec(args.impl)
     check_model_name(args.model)
     schedule = load_schedule(args.schedule)
@@ -69,7 +70,7 @@ def handle(args):
     # The variants the shrinker tries run fresh at L2: none is stored as a golden.
     runner, options = RUNNERS[level], run_options(args, use_cache=False)
     shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(
-        lambda s: verdicts.judge(runner.run(s, chosen, options), chosen_policy), schedule)
+        lambda s: verdicts.judge(runner.run(s, chosen, options), chosen_policy, declared), schedule)
     if shrinker.first is None:
         return nothing_to_bisect(schedule, level, shrinker.original)
     first = shrinker.first
@@ -82,6 +83,7 @@ def handle(args):
     print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
           + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
-    replay = f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
+    replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
+              + (f" --expectations {args.expectations}" if args.expectations else ""))
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN
