@@ -7,10 +7,10 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, owned_arrays, shared_memory_later,
-                                    start_evaluating)
+from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, digest, owned_arrays,
+                                    shared_memory_later, start_evaluating)
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
-                                    SHARED_PADDING, SOURCE)
+                                    SHARED_PADDING, SOURCE, STORED, STORED_NBYTES)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      state_triples, triple_job)
 from kvparity.suites.evidence import ScheduleResult
@@ -94,6 +94,7 @@ def check_event(replay: Replay, backend, solo: SoloCaches, result: ScheduleResul
 def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
     """``backend``: the run's SyntheticBackend (its sources and what update_and_fetch returned)."""
     batch_known = {}  # the batch's arrays as taken before any extract
+    check_stored(replay, backend, solo, checks, event)
     check_sources(replay, backend, checks, event, batch_known)
     check_preempted(replay, solo, checks, event)
     batch = replay.layers[0] if replay.layers else None
@@ -114,6 +115,48 @@ def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
     check_unchanged(before, owned_arrays(batch), checks, replay.rows, event.label)
     check_nbytes(batch, triples, checks, replay.rows, event.label)
     check_mask(batch, replay.rows, size, pads, checks, event)
+
+
+def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
+    """Stored prompt caches: a new entry holds the row's bytes and counts
+    them in ``nbytes``; every entry keeps its bytes from then on; a request
+    resumed from a store starts from the prefix, and the bytes, mlx-lm's
+    store holding mlx-lm's rows gives."""
+    label, at = event.label, event.index
+    jobs = []  # (request, (expected, actual, prefix, where))
+    for k, entry in enumerate(replay.entries):
+        arrays = [x for c in entry.caches for x in owned_arrays(c)]
+        where = dict(event=label, request=entry.request, tensor=entry.name)
+        if k not in backend.stored_digests:  # stored at this event
+            backend.stored_digests[k] = digest(arrays)
+            held = sum(c.nbytes for c in entry.caches)
+            counted = sum(x.nbytes for x in arrays)
+            checks.note(at, STORED_NBYTES, [entry.request], 1, [] if held == counted else [Divergence(
+                STORED_NBYTES, expected=counted, actual=held, detail="nbytes against the bytes of its arrays",
+                **where)])
+            jobs.append((entry.request, (solo.expected(entry.request, checks.reading),
+                                         layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
+                                         dict(event=label, request=entry.request))))
+            continue
+        changed = digest(arrays) != backend.stored_digests[k]
+        checks.note(at, STORED, [entry.request], 1, [Divergence(
+            STORED, detail="its bytes changed after it was stored (a write into the batch, or a copy "
+                           "sharing its buffers)", **where)] if changed else [])
+    for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
+        name = entry.name if entry is not None else "no stored entry"
+        where = dict(event=label, request=rid)
+        if reused != solo.reused[rid]:
+            checks.note(at, STORED, [rid], 1, [Divergence(
+                STORED, tensor=name, expected=solo.reused[rid], actual=reused,
+                detail="prompt tokens taken from the store; mlx-lm's store holding the same entries "
+                       "is the expected", **where)])
+            continue
+        checks.note(at, STORED, [rid], 1)
+        jobs.append((rid, (solo.expected(rid, checks.reading), layer_parts(checks.reading, backend.resumed[rid].cache),
+                           f"resumed from {name}: ", where)))
+    compared = compare_later(checks.reading, [job for _, job in jobs])
+    checks.later(lambda: checks.note_per_row(STORED, ((rid, 1, found) for (rid, _), found
+                                                      in zip(jobs, compared()))))
 
 
 def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event):
