@@ -2,6 +2,7 @@
 row and every source against the same requests alone in mlx-lm's caches.
 What each check compares is declared in ``suites/checks.py``."""
 
+from dataclasses import replace
 from typing import List
 
 import mlx.core as mx
@@ -155,8 +156,9 @@ def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
         jobs.append((rid, (solo.expected(rid, checks.reading), layer_parts(checks.reading, backend.resumed[rid].cache),
                            f"resumed from {name}: ", where)))
     compared = compare_later(checks.reading, [job for _, job in jobs])
-    checks.later(lambda: checks.note_per_row(STORED, ((rid, 1, found) for (rid, _), found
-                                                      in zip(jobs, compared()))))
+    # The comparator names what differs as bytes; here they are the stored entry's.
+    checks.later(lambda: checks.note_per_row(STORED, ((rid, 1, [replace(d, check=STORED) for d in found])
+                                                      for (rid, _), found in zip(jobs, compared()))))
 
 
 def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event):

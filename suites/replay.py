@@ -426,7 +426,7 @@ class _Counted:
         self.offset -= n
 
 
-class _NoRow:
+class NoRow:
     """Stands in for an extracted row in a store: it holds no bytes."""
 
     nbytes = 0
@@ -446,7 +446,7 @@ class _NoBatch:
         return cls()
 
     def extract(self, i):
-        return _NoRow()
+        return NoRow()
 
     def __getattr__(self, member):
         return lambda *args, **kwargs: None
