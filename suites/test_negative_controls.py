@@ -43,6 +43,37 @@ def test_broken_variant_is_caught(variant, catalog, judged):
         assert FAIL not in default and PASS in default
 
 
+@pytest.fixture(scope="module")
+def stored_catalog(catalog):
+    return [s for s in catalog if any(e.kind == "store" for e in s.events)]
+
+
+@pytest.mark.parametrize("variant", negative_controls.STORE_VARIANTS, ids=lambda v: v.__name__)
+def test_store_variant_is_caught_naming_the_entry(variant, stored_catalog, judged):
+    """Each breaks only what a store does with a row: the catalog's schedules
+    that store rows catch it, by its check, in a message that names the
+    stored entry, the request and the event."""
+    impl = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
+    caught = []
+    for schedule in stored_catalog:
+        result = run_l1(schedule, impl)
+        if judged(result, "cpu").verdict == FAIL:
+            caught += [d for d in result.divergences if d.check == variant.caught_by]
+            if caught:
+                break
+    assert caught, f"{variant.__name__} survived every schedule that stores a row"
+    message = caught[0].message()
+    assert "stored entry '" in message and "row '" in message and "after event #" in message, message
+
+
+def test_store_variants_pass_without_a_store(catalog, judged):
+    """Nothing else is broken in them: a schedule without a store passes."""
+    plain = next(s for s in catalog if s.name == "extract-decode-reinsert")
+    for variant in negative_controls.STORE_VARIANTS:
+        impl = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
+        assert judged(run_l1(plain, impl)).verdict == PASS, variant.__name__
+
+
 def test_every_variant_is_listed():
     # A class broken only when run as itself is listed with the subclass-sensitive ones.
     classes = {
@@ -50,5 +81,5 @@ def test_every_variant_is_listed():
         if isinstance(obj, type) and hasattr(obj, "caught_by")
     }
     sensitive = {c for c in negative_controls.SUBCLASS_SENSITIVE if hasattr(c, "caught_by")}
-    assert classes == set(negative_controls.VARIANTS) | sensitive
+    assert classes == set(negative_controls.VARIANTS) | sensitive | set(negative_controls.STORE_VARIANTS)
     assert len(negative_controls.VARIANTS) >= 6
