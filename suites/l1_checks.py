@@ -8,15 +8,16 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, digest, owned_arrays,
-                                    shared_memory_later, start_evaluating)
+from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, owned_arrays, shared_memory_later,
+                                    start_evaluating)
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
-                                    SHARED_PADDING, SOURCE, STORED, STORED_NBYTES)
+                                    SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      state_triples, triple_job)
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
 from kvparity.suites.replay import Replay
+from kvparity.suites.stored import check_entries, check_fetch, entry_name
 
 MASK_WIDTHS = (1, 3)
 
@@ -119,42 +120,21 @@ def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
 
 
 def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
-    """Stored prompt caches: a new entry holds the row's bytes and counts
-    them in ``nbytes``; every entry keeps its bytes from then on; a request
-    resumed from a store starts from the prefix, and the bytes, mlx-lm's
-    store holding mlx-lm's rows gives."""
-    label, at = event.label, event.index
+    """Stored prompt caches (``suites/stored.py``), and here their bytes: a
+    new entry holds the row's bytes, and a request resumed from a store
+    holds, before it merges, the bytes of the same request resumed from
+    mlx-lm's store holding mlx-lm's rows."""
+    label = event.label
     jobs = []  # (request, (expected, actual, prefix, where))
-    for k, entry in enumerate(replay.entries):
-        arrays = [x for c in entry.caches for x in owned_arrays(c)]
-        where = dict(event=label, request=entry.request, tensor=entry.name)
-        if k not in backend.stored_digests:  # stored at this event
-            backend.stored_digests[k] = digest(arrays)
-            held = sum(c.nbytes for c in entry.caches)
-            counted = sum(x.nbytes for x in arrays)
-            checks.note(at, STORED_NBYTES, [entry.request], 1, [] if held == counted else [Divergence(
-                STORED_NBYTES, expected=counted, actual=held, detail="nbytes against the bytes of its arrays",
-                **where)])
-            jobs.append((entry.request, (solo.expected(entry.request, checks.reading),
-                                         layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
-                                         dict(event=label, request=entry.request))))
-            continue
-        changed = digest(arrays) != backend.stored_digests[k]
-        checks.note(at, STORED, [entry.request], 1, [Divergence(
-            STORED, detail="its bytes changed after it was stored (a write into the batch, or a copy "
-                           "sharing its buffers)", **where)] if changed else [])
+    for entry in check_entries(replay, backend.stored_digests, checks.note, event):
+        jobs.append((entry.request, (solo.expected(entry.request, checks.reading),
+                                     layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
+                                     dict(event=label, request=entry.request))))
     for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
-        name = entry.name if entry is not None else "no stored entry"
-        where = dict(event=label, request=rid)
-        if reused != solo.reused[rid]:
-            checks.note(at, STORED, [rid], 1, [Divergence(
-                STORED, tensor=name, expected=solo.reused[rid], actual=reused,
-                detail="prompt tokens taken from the store; mlx-lm's store holding the same entries "
-                       "is the expected", **where)])
-            continue
-        checks.note(at, STORED, [rid], 1)
-        jobs.append((rid, (solo.expected(rid, checks.reading), layer_parts(checks.reading, backend.resumed[rid].cache),
-                           f"resumed from {name}: ", where)))
+        if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event):
+            jobs.append((rid, (solo.expected(rid, checks.reading),
+                               layer_parts(checks.reading, backend.resumed[rid].cache),
+                               f"resumed from {entry_name(entry)}: ", dict(event=label, request=rid))))
     compared = compare_later(checks.reading, [job for _, job in jobs])
     # The comparator names what differs as bytes; here they are the stored entry's.
     checks.later(lambda: checks.note_per_row(STORED, ((rid, 1, [replace(d, check=STORED) for d in found])

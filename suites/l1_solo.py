@@ -6,14 +6,13 @@ import itertools
 from collections import OrderedDict
 from typing import Dict, List
 
-import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache
+from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.arrays import Reading, owned_arrays, start_evaluating
+from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest, stored_copy
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.compare import TRIPLE
-from kvparity.suites.replay import MODEL_KEY, fetch_nearest
 
 
 class SoloState:
@@ -115,13 +114,6 @@ def prefilled_from(kv: SyntheticKV, schedule, request, cache, rest) -> SoloCache
         done += n
     return solo
 
-
-def stored_copy(cache: QuantizedKVCache) -> QuantizedKVCache:
-    """mlx-lm's cache as a store holds a row: its tokens, in arrays of their own."""
-    copy = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
-    copy.offset = cache.offset
-    copy.keys, copy.values = (tuple(mx.array(x[..., : cache.offset, :]) for x in t) for t in (cache.keys, cache.values))
-    return copy
 
 
 class SoloCaches:

@@ -21,7 +21,9 @@ after which mlx-lm converts it.
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache
+
+from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
 
 from kvparity.suites.adapter import MemberRaised
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
@@ -53,12 +55,6 @@ class ScheduledCall:
     store: str = ""
     tokens: Tuple[tuple, ...] = ()
 
-
-# A token is named by its stream and place in it: (request, index). A request
-# draws its prompt and what it generates from its own stream; a chat turn's
-# prompt starts with the tokens of the turn it continues. Stores are keyed by
-# these names (one model, so one key for it).
-MODEL_KEY = "model"
 
 
 @dataclass
@@ -96,6 +92,7 @@ class Replay:
         self.stored_tokens: Dict[str, tuple] = {}  # what a request held when it was last stored
         self.stores: Dict[str, LRUPromptCache] = {}  # mlx-lm's own stores, by name
         self.entries: List[StoredEntry] = []  # every entry stored, in order
+        self.order: List[Tuple[str, int]] = []  # (request, call index) of every call, in order
         self.resumed: Dict[str, tuple] = {}  # joiner -> (entry or None, tokens reused), this event
 
     # -- driving -------------------------------------------------------------------
@@ -176,6 +173,7 @@ class Replay:
     def call(self, rid, op, n, store="", tokens=()) -> int:
         """Record a call of ``rid``; returns its index among the request's calls."""
         self.calls[rid].append(ScheduledCall(self.event.index, op, n, store, tuple(tokens)))
+        self.order.append((rid, len(self.calls[rid]) - 1))
         if op == "prefill":
             self.held[rid], self.drawn[rid] = [(rid, k) for k in range(n)], n
         elif op == "resume":
@@ -393,18 +391,6 @@ class Replay:
         return max(reversed(found), key=shared, default=None)
 
 
-def fetch_nearest(store: LRUPromptCache, prompt) -> tuple:
-    """mlx-lm's ``fetch_nearest_cache``: (a copy of the nearest stored prefix
-    or None, the prompt's tokens it lacks). An exact hit lacks none; a
-    request needs the logits of its last prompt token, so the copy gives
-    one back and that token is prefilled, as mlx-lm's fetch keeps one when
-    it trims a longer stored prompt (``min(len(tokens) - 1, common_prefix)``)."""
-    cache, rest = store.fetch_nearest_cache(MODEL_KEY, list(prompt))
-    if cache is not None and not rest:
-        trim_prompt_cache(cache, 1)
-        rest = list(prompt[-1:])
-    return cache, list(rest)
-
 
 # -- the dry run: no cache, only the bookkeeping ----------------------------------------
 
@@ -494,11 +480,12 @@ def dry_backend(schedule):
 
 
 def dry_run(schedule):
-    """Walk the schedule without a cache: (capabilities needed, calls per request).
-    Raises ScheduleError for anything that cannot happen."""
+    """Walk the schedule without a cache: (capabilities needed, calls per
+    request, every call in order as (request, index)). Raises ScheduleError
+    for anything that cannot happen."""
     replay = Replay(schedule, dry_backend(schedule))
     replay.run()
-    return tuple(sorted(replay.needs)), replay.calls
+    return tuple(sorted(replay.needs)), replay.calls, replay.order
 
 
 # --- the event loop every level's run shares ---------------------------------

@@ -102,6 +102,7 @@ class Schedule:
     stores: Dict[str, StoreLimits] = field(default_factory=dict)
     needs: Tuple[str, ...] = ()  # optional capabilities, from the dry run
     calls: Dict[str, List[ScheduledCall]] = field(default_factory=dict)  # per request, in order
+    order: List[Tuple[str, int]] = field(default_factory=list)  # (request, call index), as the calls come
 
     def to_json(self) -> dict:
         requests = {}
@@ -240,7 +241,7 @@ def parse(doc, source="<schedule>") -> Schedule:
         bits=bits, group_size=group_size, requests=requests, events=events, kv_heads=kv_heads,
         head_dim=head_dim, dtype=dtype, model=model, path=source, stores=stores,
     )
-    schedule.needs, schedule.calls = dry_run(schedule)
+    schedule.needs, schedule.calls, schedule.order = dry_run(schedule)
     silent = [rid for rid, calls in schedule.calls.items() if not calls]
     if silent:
         reject(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
