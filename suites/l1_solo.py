@@ -127,8 +127,7 @@ class SoloCaches:
         self.written: Dict[str, int] = {}
         self.taken: List[SoloState] = []  # states first read at this event
         # mlx-lm's stores holding mlx-lm's own rows under the same tokens and limits
-        self.stores = {name: LRUPromptCache(limits.max_size, limits.max_bytes)
-                       for name, limits in schedule.stores.items()}
+        self.stores: Dict[str, LRUPromptCache] = {}
         self.reused: Dict[str, int] = {}  # prompt tokens each resumed request took from a store
 
     def cache(self, rid):
@@ -148,6 +147,14 @@ class SoloCaches:
         for state in taken:
             state.keep()
 
+    def store(self, name) -> LRUPromptCache:
+        """mlx-lm's store of that name, made at its first use (a generated
+        schedule declares its stores as it goes)."""
+        if name not in self.stores:
+            limits = self.schedule.stores[name]
+            self.stores[name] = LRUPromptCache(limits.max_size, limits.max_bytes)
+        return self.stores[name]
+
     def apply(self, calls_at: Dict[str, list]):
         bits, group_size = self.schedule.bits, self.schedule.group_size
         for rid, calls in calls_at.items():
@@ -156,11 +163,11 @@ class SoloCaches:
                 if call.op == "prefill":
                     state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
                 elif call.op == "store":
-                    self.stores[call.store].insert_cache(MODEL_KEY, list(call.tokens),
+                    self.store(call.store).insert_cache(MODEL_KEY, list(call.tokens),
                                                          [stored_copy(self.cache(rid))])
                     continue
                 elif call.op == "resume":
-                    cache, rest = fetch_nearest(self.stores[call.store], call.tokens)
+                    cache, rest = fetch_nearest(self.store(call.store), call.tokens)
                     self.reused[rid] = len(call.tokens) - len(rest)
                     self.written[rid] = sum(1 for stream, _ in call.tokens if stream == rid)
                     state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request,
