@@ -12,6 +12,11 @@ comes from a backend:
 * synthetic keys and values (L1, ``suites/l1.py``);
 * a model (L2, ``suites/l2.py``).
 
+Stores are mlx-lm's own ``LRUPromptCache``: ``store`` puts rows taken out
+through ``extract`` in one, keyed by the tokens they hold, and
+``join_stored`` starts requests from the nearest stored prefix of their
+prompt, as mlx-lm's server does (``oracle/prompt_store.py``).
+
 A request that joins before its ``quantized_kv_start`` waits: a forward runs
 every row of the batch through one attention path, so the row decodes alone
 through mlx-lm and enters the batch through ``merge``/``extend`` at the call
