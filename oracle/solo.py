@@ -44,7 +44,8 @@ def prompt_tokens(request, vocab_size: int, tokenizer=None) -> List[int]:
             raise ValueError(f"request {request.id!r} has a text prompt but the model has no tokenizer")
         return list(tokenizer.encode(request.text))
     rng = np.random.default_rng([request.seed, zlib.crc32(request.id.encode())])
-    n = request.prompt_len if request.continues is None else request.new_tokens
+    turn = getattr(request, "continues", None) is not None  # L3's arrivals have no chat turns
+    n = request.new_tokens if turn else request.prompt_len
     return rng.integers(0, vocab_size, size=n).tolist()
 
 
