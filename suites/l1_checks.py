@@ -121,24 +121,34 @@ def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
 
 def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
     """Stored prompt caches (``suites/stored.py``), and here their bytes: a
-    new entry holds the row's bytes, and a request resumed from a store
-    holds, before it merges, the bytes of the same request resumed from
-    mlx-lm's store holding mlx-lm's rows."""
+    new entry is what ``extract`` returned, so it holds the row's bytes
+    (``extract``); a request resumed from a store holds, before it merges,
+    the bytes of the same request resumed from mlx-lm's store holding
+    mlx-lm's rows (``stored``)."""
     label = event.label
-    jobs = []  # (request, (expected, actual, prefix, where))
+    jobs = []  # (check, request, (expected, actual, prefix, where))
     for entry in check_entries(replay, backend.stored_digests, checks.note, event):
-        jobs.append((entry.request, (solo.expected(entry.request, checks.reading),
-                                     layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
-                                     dict(event=label, request=entry.request))))
+        rid, expected = entry.request, solo.expected(entry.request, checks.reading)
+        unquantized = _not_triples(entry.caches[0], "extract", triples_of(expected))
+        if unquantized:  # said once, as for an extracted row
+            checks.note(checks.at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor=entry.name,
+                                                                  detail=unquantized)])
+            continue
+        jobs.append((EXTRACT, rid, (expected, layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
+                                    dict(event=label, request=rid))))
     for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
         if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event):
-            jobs.append((rid, (solo.expected(rid, checks.reading),
-                               layer_parts(checks.reading, backend.resumed[rid].cache),
-                               f"resumed from {entry_name(entry)}: ", dict(event=label, request=rid))))
-    compared = compare_later(checks.reading, [job for _, job in jobs])
-    # The comparator names what differs as bytes; here they are the stored entry's.
-    checks.later(lambda: checks.note_per_row(STORED, ((rid, 1, [replace(d, check=STORED) for d in found])
-                                                      for (rid, _), found in zip(jobs, compared()))))
+            jobs.append((STORED, rid, (solo.expected(rid, checks.reading),
+                                       layer_parts(checks.reading, backend.resumed[rid].cache),
+                                       f"resumed from {entry_name(entry)}: ", dict(event=label, request=rid))))
+    compared = compare_later(checks.reading, [job for _, _, job in jobs])
+
+    def note():
+        # The comparator names what differs as bytes; here each job says whose they are.
+        for (check, rid, _), found in zip(jobs, compared()):
+            checks.result.note(checks.at, check, [rid], 1, [replace(d, check=check) for d in found])
+
+    checks.later(note)
 
 
 def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event):
