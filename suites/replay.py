@@ -29,7 +29,6 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
-
 from kvparity.suites.adapter import MemberRaised
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
@@ -59,7 +58,6 @@ class ScheduledCall:
     n: int
     store: str = ""
     tokens: Tuple[tuple, ...] = ()
-
 
 
 @dataclass
@@ -166,8 +164,7 @@ class Replay:
         keep = len(before) if request.keep is None else request.keep
         if keep > len(before):
             self.fail(f"request {rid!r} keeps {keep} tokens of {source!r}, which was stored with {len(before)}")
-        prompt = before[:keep] + tuple((rid, k) for k in range(request.new_tokens))
-        return prompt
+        return before[:keep] + tuple((rid, k) for k in range(request.new_tokens))
 
     def require_some_running(self):
         if not self.running():
