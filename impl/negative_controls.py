@@ -10,6 +10,8 @@ classes that behave differently when subclassed (``SUBCLASS_SENSITIVE``),
 which hold the harness to running the class a user ships as itself.
 """
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -243,6 +245,110 @@ VARIANTS = [
     GrowthDropsTail,
     EmptyBatchPacksWholeElementsPerWord,
 ]
+
+
+# -- stored prompt caches: caught only when a row is stored and joined from -----------
+# Each breaks what mlx-lm's server does with a row it stores (LRUPromptCache):
+# ``extract`` it, count its ``nbytes``, deep-copy it, trim the copy.
+
+
+class ExtractLendsItsColumns(BatchQuantizedKVCache):
+    """extract hands out copies but keeps them as the row's own: a trim or
+    rollback of the batch reclaims the dropped columns, zeroing them in
+    place in every row it handed out too, so a stored row changes when its
+    source row is trimmed later."""
+
+    caught_by = "stored"
+
+    def extract(self, idx):
+        cache = super().extract(idx)
+        self.__dict__.setdefault("lent", []).append(cache)
+        return cache
+
+    def trim(self, n):
+        n = super().trim(n)
+        self._reclaim(n)
+        return n
+
+    def rollback(self, amounts):
+        super().rollback(amounts)
+        self._reclaim(max(int(a) for a in amounts))
+
+    def _reclaim(self, n):
+        for cache in self.__dict__.get("lent", ()):
+            if n and cache.keys is not None:
+                for x in cache.keys + cache.values:
+                    x[..., max(x.shape[2] - n, 0) :, :] = 0
+
+
+class _RowCompactedOnTrim(QuantizedKVCache):
+    """A row that gives memory back when trimmed: fresh buffers sized to its
+    tokens, the packed words copied, the scales and biases forgotten (zero)."""
+
+    def trim(self, n):
+        n = super().trim(n)
+        if self.keys is not None:
+            self.keys, self.values = (
+                (mx.array(packed[..., : self.offset, :]), mx.zeros_like(scales[..., : self.offset, :]),
+                 mx.zeros_like(biases[..., : self.offset, :]))
+                for packed, scales, biases in (self.keys, self.values)
+            )
+        return n
+
+
+class _RowCountsPackedBytes(QuantizedKVCache):
+    """A row whose nbytes counts only the packed words."""
+
+    @property
+    def nbytes(self):
+        return sum(x[0].nbytes for x in (self.keys, self.values) if x is not None)
+
+
+class _RowCopiedShallowly(QuantizedKVCache):
+    """A row whose deep copy shares its arrays: what a join prefills into
+    the copy it fetched is written into the stored row."""
+
+    def __deepcopy__(self, memo):
+        return copy.copy(self)
+
+
+def _extract_as(row_class):
+    """An extract that returns the reference's row as ``row_class``."""
+
+    def extract(self, idx):
+        cache = BatchQuantizedKVCache.extract(self, idx)
+        cache.__class__ = row_class
+        return cache
+
+    return extract
+
+
+class StoredRowTrimForgetsScales(BatchQuantizedKVCache):
+    """extract returns a row whose trim (a store's longer prompt trimmed to
+    the common prefix) compacts it and forgets its scales and biases."""
+
+    caught_by = "stored"
+    extract = _extract_as(_RowCompactedOnTrim)
+
+
+class StoredNbytesCountsPacked(BatchQuantizedKVCache):
+    """extract returns a row whose nbytes counts only the packed arrays: the
+    store's byte budget undercounts it."""
+
+    caught_by = "stored_nbytes"
+    extract = _extract_as(_RowCountsPackedBytes)
+
+
+class StoredCopySharesBuffers(BatchQuantizedKVCache):
+    """extract returns a row whose deep copy shares its buffers: a join from
+    a stored prompt writes the rest of its own prompt into the stored row."""
+
+    caught_by = "stored"
+    extract = _extract_as(_RowCopiedShallowly)
+
+
+STORE_VARIANTS = [ExtractLendsItsColumns, StoredRowTrimForgetsScales, StoredNbytesCountsPacked,
+                  StoredCopySharesBuffers]
 
 
 # -- vacuity: caches that try to pass without evidence ------------------------------

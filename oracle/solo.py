@@ -21,7 +21,9 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
+
+from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest, stored_copy
 
 
 def log_probs(logits: mx.array) -> mx.array:
@@ -34,6 +36,7 @@ def greedy(logits: mx.array) -> int:
 
 
 def prompt_tokens(request, vocab_size: int, tokenizer=None) -> List[int]:
+    """The request's own prompt tokens (a chat turn's: its new ones)."""
     if request.prompt is not None:
         return list(request.prompt)
     if request.text is not None:
@@ -41,7 +44,9 @@ def prompt_tokens(request, vocab_size: int, tokenizer=None) -> List[int]:
             raise ValueError(f"request {request.id!r} has a text prompt but the model has no tokenizer")
         return list(tokenizer.encode(request.text))
     rng = np.random.default_rng([request.seed, zlib.crc32(request.id.encode())])
-    return rng.integers(0, vocab_size, size=request.prompt_len).tolist()
+    turn = getattr(request, "continues", None) is not None  # L3's arrivals have no chat turns
+    n = request.new_tokens if turn else request.prompt_len
+    return rng.integers(0, vocab_size, size=n).tolist()
 
 
 def draft_tokens(request, position: int, n: int, vocab_size: int) -> List[int]:
@@ -80,6 +85,7 @@ class SoloTrace:
     # event index -> per layer {tensor name: array on [0, offset)}, after the event
     snapshots: Dict[int, List[Dict[str, mx.array]]] = field(default_factory=dict)
     offsets: Dict[int, int] = field(default_factory=dict)
+    own: List[int] = field(default_factory=list)  # the tokens of its stream: prompt's own, then every input fed
 
     def calls_at(self, event: int) -> List[SoloCall]:
         return [c for c in self.calls if c.event == event]
@@ -125,18 +131,19 @@ class SoloRequest:
         for i in range(logits.shape[0]):
             self.logits_at[first_position + i] = logits[i]
 
-    def prefill(self) -> mx.array:
-        """The prompt: chunks without logits, then the last token's logits."""
-        tokens = mx.array(self.prompt)
+    def prefill(self, tokens: Optional[List[int]] = None) -> mx.array:
+        """The prompt (or what a stored prefix lacks of it): chunks without
+        logits, then the last token's logits."""
+        tokens = mx.array(self.prompt if tokens is None else tokens)
         start = 0
-        for n in self.request.prefill_chunks(len(self.prompt))[:-1]:
+        for n in self.request.prefill_chunks(tokens.shape[0])[:-1]:
             self.model(tokens[start : start + n][None], cache=self.cache)
             self.convert()
             mx.eval([c.state for c in self.cache])
             start += n
         logits = self.model(tokens[start:][None], cache=self.cache)[0, -1:, :]
         self.convert()
-        self.remember(logits, len(self.prompt) - 1)
+        self.remember(logits, self.offset - 1)
         return logits
 
     def next_token(self) -> int:
@@ -160,20 +167,48 @@ class SoloRequest:
 
 def run_solo(model, schedule, rid: str, vocab_size: int, tokenizer=None) -> SoloTrace:
     """Replay every call request ``rid`` sees in the schedule, alone."""
-    request = schedule.requests[rid]
-    solo = SoloRequest(model, request, schedule.bits, schedule.group_size, vocab_size, tokenizer)
-    trace = SoloTrace(rid)
-    for call in schedule.calls[rid]:
-        if call.op == "prefill":
-            logits = solo.prefill()
-            trace.calls.append(SoloCall(call.event, "prefill", list(solo.prompt), logits))
+    return run_solos(model, schedule, [rid], vocab_size, tokenizer)[rid]
+
+
+def run_solos(model, schedule, rids, vocab_size: int, tokenizer=None) -> Dict[str, SoloTrace]:
+    """Replay the calls of ``rids``, each request alone, in the schedule's
+    order. Rows are stored in, and requests resumed from, mlx-lm's own
+    prompt-cache stores (``oracle/prompt_store.py``) holding mlx-lm's rows:
+    a chat turn's prompt holds tokens of the requests before it, so a
+    schedule with stores runs all its requests together."""
+    stores = {name: LRUPromptCache(limits.max_size, limits.max_bytes) for name, limits in schedule.stores.items()}
+    traces = {rid: SoloTrace(rid) for rid in rids}
+    solos: Dict[str, SoloRequest] = {}
+
+    def token(name) -> int:
+        stream, k = name
+        return traces[stream].own[k]
+
+    for rid, j in schedule.order:
+        if rid not in traces:
+            continue
+        call, trace, request = schedule.calls[rid][j], traces[rid], schedule.requests[rid]
+        if call.op in ("prefill", "resume"):
+            cache, rest = fetch_nearest(stores[call.store], call.tokens) if call.op == "resume" else (None, None)
+            solo = solos[rid] = SoloRequest(model, request, schedule.bits, schedule.group_size, vocab_size,
+                                            tokenizer, cache)
+            trace.own = list(solo.prompt)
+            inputs = list(solo.prompt) if rest is None else [token(t) for t in rest]
+            trace.calls.append(SoloCall(call.event, call.op, inputs, solo.prefill(inputs)))
         elif call.op == "append":
+            solo = solos[rid]
             inputs = solo.window(call.n)
+            trace.own += inputs
             trace.calls.append(SoloCall(call.event, "append", inputs, solo.append(inputs)))
+        elif call.op == "store":
+            solo = solos[rid]
+            stores[call.store].insert_cache(MODEL_KEY, list(call.tokens), [stored_copy(c) for c in solo.cache])
+            trace.calls.append(SoloCall(call.event, "store", []))
         else:
+            solo = solos[rid]
             solo.trim(call.n)
             trace.calls.append(SoloCall(call.event, "trim", []))
         trace.snapshots[call.event] = [layer_bytes(c) for c in solo.cache]
         trace.offsets[call.event] = solo.offset
         mx.eval([c.logits for c in trace.calls[-1:] if c.logits is not None], trace.snapshots[call.event])
-    return trace
+    return traces

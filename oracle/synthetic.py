@@ -62,6 +62,21 @@ class SyntheticKV:
         # Fresh MLX memory per draw (mx.array copies), as converting each draw did.
         return mx.array(x[0]).view(self.dtype), mx.array(x[1]).view(self.dtype)
 
+    def named(self, tokens, seeds: dict):
+        """Keys and values of tokens named (stream, index), [1, H, n, D]: a
+        chat turn's prompt holds tokens of the streams before it. ``seeds``:
+        each stream's seed."""
+        runs = []  # [stream, start, n]: consecutive tokens of one stream, drawn together
+        for stream, index in tokens:
+            if runs and runs[-1][0] == stream and runs[-1][1] + runs[-1][2] == index:
+                runs[-1][2] += 1
+            else:
+                runs.append([stream, index, 1])
+        parts = [self.tokens(stream, start, n, seed=seeds[stream]) for stream, start, n in runs]
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(mx.concatenate(list(xs), axis=2) for xs in zip(*parts))
+
     def draw(self, written: dict, request, n: int):
         """The next n tokens of a request's stream; ``written`` counts what each
         reader (the engine, the oracle) has drawn so far, per request."""

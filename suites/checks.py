@@ -46,6 +46,8 @@ LOGPROBS = "logprobs"
 LENGTH = "length"
 PAD = "pad"
 ALIAS = "alias"
+STORED = "stored"
+STORED_NBYTES = "stored_nbytes"
 
 # Every check, in the order the reports list them.
 CHECKS: Dict[str, Check] = {
@@ -65,6 +67,11 @@ CHECKS: Dict[str, Check] = {
     TOKENS: Check(PARITY, "greedy (L2) or generated (L3) tokens equal the request run alone", BY_TIER),
     LOGPROBS: Check(PARITY, "L3: the log-probabilities of each generated token"),
     LENGTH: Check(PARITY, "L3: how many tokens each request generated"),
+    STORED: Check(PARITY, "a stored prompt cache keeps its bytes from its store on, and a join from the store "
+                          "starts from the prefix, and the bytes, mlx-lm's store holding the same entries gives"),
+    # Parity: the store's byte budget sums it (LRUPromptCache.insert_cache), so
+    # a wrong count changes which stored prefixes later requests find.
+    STORED_NBYTES: Check(PARITY, "nbytes of a stored prompt cache equals the bytes of its arrays"),
     PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Tuple
 from kvparity.oracle.models import RANDOM_MODELS, SMOLLM2, random_model
 from kvparity.suites.events import Reinsert
 from kvparity.suites.l2 import model_for
-from kvparity.suites.replay import Replay, dry_backend
+from kvparity.suites.replay import NoRow, Replay, dry_backend
 from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES
 
 HEAD_DIMS = (64, 96, 128)
@@ -105,6 +105,9 @@ class _WatchedBatch:
     def rollback(self, amounts):
         self.paths.trimmed = True
 
+    def extract(self, i):
+        return NoRow()
+
     def __getattr__(self, member):
         return lambda *args, **kwargs: None
 
@@ -159,7 +162,7 @@ class Paths:
     def forward(self, layers, rows, n, calls):
         # The batch holds as many tokens as its longest row (the replay
         # counted this call already).
-        after = max(self.schedule.requests[rid].prompt_len + self.replay.generated[rid] for rid in rows)
+        after = max(len(self.replay.held[rid]) for rid in rows)
         before = after - n
         for path, boundary in GROWTH_BOUNDARIES.items():
             if before <= boundary < after:
@@ -174,6 +177,9 @@ class Paths:
 
     def resume(self, rid, caches):
         return self.dry.resume(rid, caches)
+
+    def prefill_from(self, rid, cache, rest, j):
+        return self.dry.prefill_from(rid, cache, rest, j)
 
     def append_alone(self, rid, solo, n, j):
         self.dry.append_alone(rid, solo, n, j)

@@ -293,8 +293,58 @@ class Reinsert(NamesOneRequest):
     kind: ClassVar[str] = "reinsert"
 
 
+@dataclass(frozen=True)
+class NamesStoreAndRequests(Event):
+    """A kind whose argument names a prompt-cache store and a list of request ids."""
+
+    store: str = ""
+    requests: Tuple[str, ...] = ()
+    field_name: ClassVar[str] = ""  # the store's key: "into" or "from"
+
+    @classmethod
+    def parse(cls, index, where, args):
+        key = cls.field_name
+        if not isinstance(args, dict) or set(args) != {key, "requests"}:
+            raise ScheduleError(f'{where}: expected {{"{key}": store, "requests": [request ids]}}')
+        if not isinstance(args[key], str) or not args[key]:
+            raise ScheduleError(f"{where}: {key}: expected a store name, got {args[key]!r}")
+        return cls(index, args[key], ids_of(f"{where}: requests", args["requests"]))
+
+    @property
+    def args(self):
+        return {self.field_name: self.store, "requests": list(self.requests)}
+
+    @property
+    def named(self):
+        return self.requests
+
+    def without(self, rid):
+        rest = without_id(self.requests, rid)
+        return replace(self, requests=rest) if rest else None
+
+
+@dataclass(frozen=True)
+class Store(NamesStoreAndRequests):
+    """Each row's cache leaves the batch through ``extract`` into a prompt-cache
+    store (mlx-lm's LRUPromptCache), keyed by the tokens it holds, as
+    mlx-lm's server stores a finished prompt or request; the rows stay."""
+
+    kind: ClassVar[str] = "store"
+    field_name: ClassVar[str] = "into"
+
+
+@dataclass(frozen=True)
+class JoinStored(NamesStoreAndRequests):
+    """Each request starts from the store's nearest prefix of its prompt
+    (``fetch_nearest_cache``), prefills the rest alone through mlx-lm, then
+    merge + extend."""
+
+    kind: ClassVar[str] = "join_stored"
+    field_name: ClassVar[str] = "from"
+
+
 KINDS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,
-                                   Extract, SoloStep, Reinsert)}
+                                   Extract, SoloStep, Reinsert, Store, JoinStored)}
 EVENT_KINDS = tuple(KINDS)
 
 

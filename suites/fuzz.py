@@ -25,9 +25,11 @@ from kvparity.suites.l1 import L1Run
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.coverage import HEAD_DIMS
 from kvparity.suites.events import (
-    BatchedJoin, Extract, Join, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Trim, make_event,
+    BatchedJoin, Extract, Join, JoinStored, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Store, Trim,
+    make_event,
 )
-from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES, Schedule, parse, parse_request, save
+from kvparity.suites.schedule import (BITS, DTYPES, GROUP_SIZES, Schedule, StoreLimits, parse, parse_request,
+                                      save)
 
 L2_MODELS = tuple(m.name for m in axis_variants())
 
@@ -223,20 +225,79 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.add(Reinsert, data.draw(st.sampled_from(sorted(self.replay.preempted))))
 
 
-def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None, database_key=None):
+STORE = "chat"
+# A store's byte limit: none (mlx-lm's default) or a few short rows' worth, so entries are evicted.
+store_bytes = st.one_of(st.just(1 << 63), st.integers(1000, 20000))
+
+
+class ConversationMachine(ScheduleMachine):
+    """Conversations: rows stored in a prompt-cache store with drawn limits,
+    and chat turns (several at once, sharing a stored prefix, keeping all or
+    part of it) joining from it, among joins, steps, leaves, verify windows,
+    rollbacks and trims of the schedule machine (its other rules are off, so
+    most examples store and resume)."""
+
+    batched_join = extract = solo_step = reinsert = None
+    resumed = 0  # requests that joined from a stored prefix, across examples (for the tests)
+
+    @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
+    def start(self, data, bits, kv_heads):
+        """The schedule machine's start, then a conversation's first turn:
+        a request joins, decodes a little (a batched call: evidence at L2)
+        and is stored."""
+        ScheduleMachine.start(self, data, bits, kv_heads)
+        self.schedule.stores[STORE] = StoreLimits(data.draw(st.integers(1, 4), label="store max_size"),
+                                                  data.draw(store_bytes, label="store max_bytes"))
+        first = self.new_requests(data, 1, join_unquantized=False)
+        self.add(Join, first)
+        self.add(Step, data.draw(st.integers(1, 3), label="first turn's steps"))  # evidence at L2
+        self.add(Store, {"into": STORE, "requests": first})
+
+    def stored(self):
+        return bool(self.replay.stored_tokens)
+
+    @precondition(lambda self: bool(self.replay.rows))
+    @rule(data=st.data())
+    def store(self, data):
+        rows = self.replay.rows
+        stored = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=len(rows), unique=True))
+        self.add(Store, {"into": STORE, "requests": stored})
+
+    @precondition(stored)
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def chat_turn(self, data, count):
+        ids = []
+        for _ in range(count):
+            rid = f"r{len(self.schedule.requests)}"
+            source = data.draw(st.sampled_from(sorted(self.replay.stored_tokens)), label=f"{rid} continues")
+            spec = {"continues": source, "new_tokens": data.draw(st.integers(0, 6), label=f"{rid} new_tokens"),
+                    "prefill_step_size": data.draw(prefill_steps, label=f"{rid} prefill_step_size")}
+            held = len(self.replay.stored_tokens[source])
+            keep = data.draw(st.one_of(st.none(), st.integers(1, held)), label=f"{rid} keep")
+            if keep is not None:
+                spec["keep"] = keep
+            self.schedule.requests[rid] = parse_request(self.schedule.path, rid, spec, self.schedule.levels)
+            ids.append(rid)
+        self.add(JoinStored, {"from": STORE, "requests": ids})
+        type(self).resumed += sum(1 for _, reused in self.replay.resumed.values() if reused)
+
+
+def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None, database_key=None,
+                 base=ScheduleMachine):
     """A state machine class bound to one implementation, verdict and output
-    folder. ``database_key`` (bytes) keeps its failures apart from other
+    folder; ``base``: ScheduleMachine, or ConversationMachine for stores and
+    chat turns. ``database_key`` (bytes) keeps its failures apart from other
     machines' in a shared example database: Hypothesis keys a state machine
     by its class's source, the same for every level and implementation."""
     found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
-                 "outcomes": {}, "row_outcomes": {}}
+                 "outcomes": {}, "row_outcomes": {}, "resumed": 0}
     if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
         namespace["_hypothesis_internal_add_digest"] = database_key
     if level == "L2":
         namespace["batched_join"] = None  # padded batched prefill is an L1 event: not a rule here
-    return type("ScheduleMachine", (ScheduleMachine,), namespace)
+    return type(base.__name__, (base,), namespace)
 
 
 def generate(machine, settings):

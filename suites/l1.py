@@ -36,7 +36,7 @@ from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1_checks import check_event
-from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches
+from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
 from kvparity.suites.replay import Replay, drive
 
 
@@ -51,12 +51,14 @@ class SyntheticBackend:
         self.fetched = None  # (replay version, triples) of the last update_and_fetch
         self.sources = []  # (member, caches, their arrays before) of this event's merges/extends
         self.replay = None
+        self.stored_digests: Dict[int, str] = {}  # entry's place in replay.entries -> its bytes when stored
+        self.resumed: Dict[str, SoloCache] = {}  # this event's joiners from a store, before merge
 
     def draw(self, rid: str, n: int):
         return self.kv.draw(self.written, self.schedule.requests[rid], n)
 
     def begin(self, event):
-        self.fetched, self.sources = None, []
+        self.fetched, self.sources, self.resumed = None, [], {}
 
     def watch(self, member, caches):
         # Handles, not the arrays: a member may write a source's arrays in place.
@@ -66,6 +68,13 @@ class SyntheticBackend:
         request = self.schedule.requests[rid]
         return SOLO_STATES.prefilled(self.kv, self.written, request, self.schedule.bits, self.schedule.group_size,
                                      request.prompt_len).solo.fork()
+
+    def prefill_from(self, rid, cache, rest, j):
+        self.written[rid] = self.replay.drawn[rid]
+        solo = prefilled_from(self.kv, self.schedule, self.schedule.requests[rid],
+                              None if cache is None else cache[0], rest)
+        self.resumed[rid] = solo
+        return solo
 
     def resume(self, rid, caches):
         start = self.schedule.requests[rid].quantized_kv_start

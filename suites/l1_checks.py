@@ -2,6 +2,7 @@
 row and every source against the same requests alone in mlx-lm's caches.
 What each check compares is declared in ``suites/checks.py``."""
 
+from dataclasses import replace
 from typing import List
 
 import mlx.core as mx
@@ -10,12 +11,13 @@ import numpy as np
 from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, owned_arrays, shared_memory_later,
                                     start_evaluating)
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
-                                    SHARED_PADDING, SOURCE)
+                                    SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      state_triples, triple_job)
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
 from kvparity.suites.replay import Replay
+from kvparity.suites.stored import check_entries, check_fetch, entry_name
 
 MASK_WIDTHS = (1, 3)
 
@@ -94,6 +96,7 @@ def check_event(replay: Replay, backend, solo: SoloCaches, result: ScheduleResul
 def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
     """``backend``: the run's SyntheticBackend (its sources and what update_and_fetch returned)."""
     batch_known = {}  # the batch's arrays as taken before any extract
+    check_stored(replay, backend, solo, checks, event)
     check_sources(replay, backend, checks, event, batch_known)
     check_preempted(replay, solo, checks, event)
     batch = replay.layers[0] if replay.layers else None
@@ -114,6 +117,38 @@ def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
     check_unchanged(before, owned_arrays(batch), checks, replay.rows, event.label)
     check_nbytes(batch, triples, checks, replay.rows, event.label)
     check_mask(batch, replay.rows, size, pads, checks, event)
+
+
+def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
+    """Stored prompt caches (``suites/stored.py``), and here their bytes: a
+    new entry is what ``extract`` returned, so it holds the row's bytes
+    (``extract``); a request resumed from a store holds, before it merges,
+    the bytes of the same request resumed from mlx-lm's store holding
+    mlx-lm's rows (``stored``)."""
+    label = event.label
+    jobs = []  # (check, request, (expected, actual, prefix, where))
+    for entry in check_entries(replay, backend.stored_digests, checks.note, event):
+        rid, expected = entry.request, solo.expected(entry.request, checks.reading)
+        unquantized = _not_triples(entry.caches[0], "extract", triples_of(expected))
+        if unquantized:  # said once, as for an extracted row
+            checks.note(checks.at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor=entry.name,
+                                                                  detail=unquantized)])
+            continue
+        jobs.append((EXTRACT, rid, (expected, layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
+                                    dict(event=label, request=rid))))
+    for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
+        if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event):
+            jobs.append((STORED, rid, (solo.expected(rid, checks.reading),
+                                       layer_parts(checks.reading, backend.resumed[rid].cache),
+                                       f"resumed from {entry_name(entry)}: ", dict(event=label, request=rid))))
+    compared = compare_later(checks.reading, [job for _, _, job in jobs])
+
+    def note():
+        # The comparator names what differs as bytes; here each job says whose they are.
+        for (check, rid, _), found in zip(jobs, compared()):
+            checks.result.note(checks.at, check, [rid], 1, [replace(d, check=check) for d in found])
+
+    checks.later(note)
 
 
 def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event):

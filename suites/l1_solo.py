@@ -2,10 +2,14 @@
 synthetic keys and values and the same calls the replay recorded, each state
 computed once; and how a cache's bytes are read for a comparison."""
 
+import itertools
 from collections import OrderedDict
 from typing import Dict, List
 
+from mlx_lm.models.cache import LRUPromptCache
+
 from kvparity.oracle.arrays import Reading, owned_arrays, start_evaluating
+from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest, stored_copy
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.compare import TRIPLE
@@ -80,6 +84,10 @@ class SoloStates:
 
         return self._state(state.key + ((op, start, n),), compute)
 
+    def resumed(self, solo: SoloCache) -> SoloState:
+        """A request started from a stored prefix: its own state, never shared."""
+        return self._state(("resumed", next(_RESUMED)), lambda: solo)
+
     def _state(self, key: tuple, compute) -> SoloState:
         state = self.kept.pop(key, None)
         if state is None:
@@ -92,6 +100,20 @@ class SoloStates:
 
 
 SOLO_STATES = SoloStates()
+_RESUMED = itertools.count()
+
+
+def prefilled_from(kv: SyntheticKV, schedule, request, cache, rest) -> SoloCache:
+    """``request`` alone from ``cache`` (a stored prefix, or None): the rest
+    of its prompt, tokens named (stream, index), in generate_step's chunks."""
+    solo = SoloCache(schedule.bits, schedule.group_size, request.quantized_kv_start, cache)
+    seeds = {rid: r.seed for rid, r in schedule.requests.items()}
+    done = 0
+    for n in request.prefill_chunks(len(rest)):
+        solo.append(*kv.named(rest[done : done + n], seeds))
+        done += n
+    return solo
+
 
 
 class SoloCaches:
@@ -104,6 +126,9 @@ class SoloCaches:
         self.states: Dict[str, SoloState] = {}
         self.written: Dict[str, int] = {}
         self.taken: List[SoloState] = []  # states first read at this event
+        # mlx-lm's stores holding mlx-lm's own rows under the same tokens and limits
+        self.stores: Dict[str, LRUPromptCache] = {}
+        self.reused: Dict[str, int] = {}  # prompt tokens each resumed request took from a store
 
     def cache(self, rid):
         return self.states[rid].solo.cache
@@ -122,6 +147,14 @@ class SoloCaches:
         for state in taken:
             state.keep()
 
+    def store(self, name) -> LRUPromptCache:
+        """mlx-lm's store of that name, made at its first use (a generated
+        schedule declares its stores as it goes)."""
+        if name not in self.stores:
+            limits = self.schedule.stores[name]
+            self.stores[name] = LRUPromptCache(limits.max_size, limits.max_bytes)
+        return self.stores[name]
+
     def apply(self, calls_at: Dict[str, list]):
         bits, group_size = self.schedule.bits, self.schedule.group_size
         for rid, calls in calls_at.items():
@@ -129,6 +162,16 @@ class SoloCaches:
             for call in calls:
                 if call.op == "prefill":
                     state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
+                elif call.op == "store":
+                    self.store(call.store).insert_cache(MODEL_KEY, list(call.tokens),
+                                                         [stored_copy(self.cache(rid))])
+                    continue
+                elif call.op == "resume":
+                    cache, rest = fetch_nearest(self.store(call.store), call.tokens)
+                    self.reused[rid] = len(call.tokens) - len(rest)
+                    self.written[rid] = sum(1 for stream, _ in call.tokens if stream == rid)
+                    state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request,
+                                                               None if cache is None else cache[0], rest))
                 else:
                     state = SOLO_STATES.after(self.states[rid], self.kv, self.written, request, call.op, call.n)
                 self.states[rid] = state

@@ -26,25 +26,26 @@ implementation, never a pass, and the stored trace is dropped from the cache.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from kvparity.oracle.models import load_model, random_model_for
-from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo
+from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo, run_solos
 from kvparity.oracle.trace import cached_solo, drop_entry, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import (
     TRIPLE, Divergence, compare_named, first_difference, in_words, left_padding_divergence, state_triples,
 )
-from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING, LOGITS, OFFSET, TOKENS
+from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING, LOGITS, OFFSET, STORED, TOKENS
 from kvparity.suites.evidence import (
     NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
 )
 from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay, drive
 from kvparity.suites.schedule import parse
+from kvparity.suites.stored import check_entries, check_fetch, entry_name
 
 
 def model_for(schedule, forced=None) -> str:
@@ -95,6 +96,7 @@ class ModelBackend:
         self.traces = traces
         self.outputs: List[Output] = []
         self.replay = None  # the replay driving this backend, set by the run
+        self.resumed: Dict[str, SoloRequest] = {}  # this event's joiners from a store, before merge
 
     def alone(self, rid, cache=None) -> SoloRequest:
         m = self.model
@@ -105,7 +107,7 @@ class ModelBackend:
         return self.traces[rid].calls[j].inputs
 
     def begin(self, event):
-        self.outputs = []
+        self.outputs, self.resumed = [], {}
 
     def watch(self, member, caches):
         pass  # sources are L1's business: L2 reads the same protocol
@@ -117,6 +119,21 @@ class ModelBackend:
 
     def resume(self, rid, caches):
         return self.alone(rid, caches)
+
+    def prefill_from(self, rid, cache, rest, j):
+        """The rest of the prompt alone through mlx-lm, on the copy of the
+        implementation's stored row (evidence), or on a new cache (a miss)."""
+        solo = self.alone(rid, cache)
+        inputs = [self.traces[stream].own[k] for stream, k in rest]
+        if cache is None:
+            self.outputs.append(Output(rid, j, solo.prefill(inputs), False))
+            return solo
+        with forward_of(self.model.model, "the model's forward on the stored row's copy"):
+            logits = solo.prefill(inputs)
+            mx.eval(logits)
+        self.outputs.append(Output(rid, j, logits, True))
+        self.resumed[rid] = solo
+        return solo
 
     def forward(self, layers, rows, n, calls):
         inputs = mx.array([self.inputs(rid, calls[rid]) for rid in rows])
@@ -192,6 +209,8 @@ def solo_traces(schedule, model, use_cache=True, repeat=False) -> Dict[str, Solo
     """Each request alone through mlx-lm. With ``repeat``, a second run,
     always fresh, must equal the first (stored or not) byte for byte, else
     ``OracleNondeterministic`` (and the stored trace is dropped)."""
+    if schedule.stores:
+        return solo_traces_together(schedule, model, repeat)
     traces = {}
     for rid in schedule.requests:
         run = lambda rid=rid: run_solo(model.model, schedule, rid, model.vocab_size, model.tokenizer)
@@ -206,6 +225,23 @@ def solo_traces(schedule, model, use_cache=True, repeat=False) -> Dict[str, Solo
                 if use_cache:  # a trace that differs from itself is no golden
                     drop_entry(oracle_cache() / request_key(schedule, rid, model))
                 raise differs
+    return traces
+
+
+def solo_traces_together(schedule, model, repeat=False) -> Dict[str, SoloTrace]:
+    """A schedule with stores: every request alone, together (chat turns
+    read the tokens of the turns before them); never from the oracle cache,
+    whose entries are one request's."""
+    run = lambda: run_solos(model.model, schedule, list(schedule.requests), model.vocab_size, model.tokenizer)
+    try:
+        traces = run()
+        again = run() if repeat else None
+    except Exception as error:  # mlx-lm's own path, not ours: say so, never blame the cache
+        raise OracleFailed(f"mlx-lm's solo path raised {type(error).__name__}: {error}") from error
+    for rid in traces if again is not None else ():
+        differs = trace_difference(rid, traces[rid], again[rid])
+        if differs is not None:
+            raise differs
     return traces
 
 
@@ -247,9 +283,21 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     replay = Replay(schedule, backend)
     backend.replay = replay
     stats: Dict[str, LogitStats] = {rid: LogitStats() for rid in schedule.requests}
+    digests: Dict[int, str] = {}  # stored entries' bytes when stored
 
     def check(event):
         label, at = event.label, event.index
+        check_entries(replay, digests, result.note, event)
+        for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
+            j = len(replay.calls[rid]) - 1  # its resume call: the prompt, and what mlx-lm's store lacked of it
+            expected = len(replay.calls[rid][j].tokens) - len(traces[rid].calls[j].inputs)
+            if check_fetch(rid, entry, reused, expected, result.note, event) and rid in backend.resumed:
+                # Before merge, per layer: the copy of the stored row with the rest of the prompt.
+                where = dict(event=label, request=rid)
+                for layer, (e, cache) in enumerate(zip(traces[rid].snapshots[at], backend.resumed[rid].cache)):
+                    found = compare_named(e, layer_bytes(cache), f"resumed from {entry_name(entry)}: ",
+                                          layer=layer, **where)
+                    result.note(at, STORED, [rid], 1, [replace(d, check=STORED) for d in found])
         for out in backend.outputs:
             expected = traces[out.request].calls[out.step].logits
             if out.from_implementation:

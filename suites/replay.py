@@ -12,6 +12,11 @@ comes from a backend:
 * synthetic keys and values (L1, ``suites/l1.py``);
 * a model (L2, ``suites/l2.py``).
 
+Stores are mlx-lm's own ``LRUPromptCache``: ``store`` puts rows taken out
+through ``extract`` in one, keyed by the tokens they hold, and
+``join_stored`` starts requests from the nearest stored prefix of their
+prompt, as mlx-lm's server does (``oracle/prompt_store.py``).
+
 A request that joins before its ``quantized_kv_start`` waits: a forward runs
 every row of the batch through one attention path, so the row decodes alone
 through mlx-lm and enters the batch through ``merge``/``extend`` at the call
@@ -19,8 +24,11 @@ after which mlx-lm converts it.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+from mlx_lm.models.cache import LRUPromptCache
+
+from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
 from kvparity.suites.adapter import MemberRaised
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
@@ -43,8 +51,28 @@ class ScheduledCall:
     """One thing a request sees, alone or in the batch: the oracle replays these."""
 
     event: int  # index of the event that makes the call
-    op: str  # "prefill" (n prompt tokens, in chunks), "append" (n tokens in one call), "trim"
+    # "prefill" (n prompt tokens, in chunks), "append" (n tokens in one call), "trim",
+    # "store" (the row's n tokens go into ``store``), "resume" (the nearest stored
+    # prefix of ``tokens``, the prompt, from ``store``, then its last n tokens in chunks)
+    op: str
     n: int
+    store: str = ""
+    tokens: Tuple[tuple, ...] = ()
+
+
+@dataclass
+class StoredEntry:
+    """A row's cache as a store holds it: what ``extract`` returned, per layer."""
+
+    store: str
+    request: str
+    tokens: Tuple[tuple, ...]
+    event: str  # the label of the store event
+    caches: list
+
+    @property
+    def name(self) -> str:
+        return f"stored entry {self.request!r} of store {self.store!r} ({len(self.tokens)} tokens, {self.event})"
 
 
 class Replay:
@@ -62,6 +90,13 @@ class Replay:
         self.needs: set = set()
         self.version = 0  # bumped by every protocol call that changes the batch
         self.event = None
+        self.held: Dict[str, List[tuple]] = {}  # the tokens each request's cache holds
+        self.drawn: Dict[str, int] = {}  # tokens each request drew from its own stream
+        self.stored_tokens: Dict[str, tuple] = {}  # what a request held when it was last stored
+        self.stores: Dict[str, LRUPromptCache] = {}  # mlx-lm's own stores, by name
+        self.entries: List[StoredEntry] = []  # every entry stored, in order
+        self.order: List[Tuple[str, int]] = []  # (request, call index) of every call, in order
+        self.resumed: Dict[str, tuple] = {}  # joiner -> (entry or None, tokens reused), this event
 
     # -- driving -------------------------------------------------------------------
 
@@ -102,19 +137,57 @@ class Replay:
         if rid not in self.preempted:
             self.fail(f"request {rid!r} is not extracted")
 
+    def require_in_batch(self, rid):
+        self.require_running(rid)
+        if rid in self.waiting:
+            self.fail(f"request {rid!r} is not in the batch yet: it decodes alone until mlx-lm "
+                      f"converts it (quantized_kv_start)")
+
+    def store_named(self, name) -> LRUPromptCache:
+        if name not in self.stores:
+            limits = self.schedule.stores.get(name)
+            if limits is None:
+                declared = ", ".join(self.schedule.stores) or "none"
+                self.fail(f"unknown store {name!r} (declared in stores: {declared})")
+            self.stores[name] = LRUPromptCache(limits.max_size, limits.max_bytes)
+        return self.stores[name]
+
+    def prompt_of(self, rid) -> Tuple[tuple, ...]:
+        """The request's prompt as tokens: its own, or a chat turn's."""
+        request = self.schedule.requests[rid]
+        if request.continues is None:
+            return tuple((rid, k) for k in range(request.prompt_len))
+        source = request.continues
+        if source not in self.stored_tokens:
+            self.fail(f"request {rid!r} continues {source!r}, which has not been stored yet")
+        before = self.stored_tokens[source]
+        keep = len(before) if request.keep is None else request.keep
+        if keep > len(before):
+            self.fail(f"request {rid!r} keeps {keep} tokens of {source!r}, which was stored with {len(before)}")
+        return before[:keep] + tuple((rid, k) for k in range(request.new_tokens))
+
     def require_some_running(self):
         if not self.running():
             self.fail(f"{self.event.kind} on an empty batch")
 
     # -- bookkeeping -----------------------------------------------------------------
 
-    def call(self, rid, op, n) -> int:
+    def call(self, rid, op, n, store="", tokens=()) -> int:
         """Record a call of ``rid``; returns its index among the request's calls."""
-        self.calls[rid].append(ScheduledCall(self.event.index, op, n))
-        if op == "append":
+        self.calls[rid].append(ScheduledCall(self.event.index, op, n, store, tuple(tokens)))
+        self.order.append((rid, len(self.calls[rid]) - 1))
+        if op == "prefill":
+            self.held[rid], self.drawn[rid] = [(rid, k) for k in range(n)], n
+        elif op == "resume":
+            self.held[rid] = list(tokens)
+            self.drawn[rid] = sum(1 for stream, _ in tokens if stream == rid)
+        elif op == "append":
             self.generated[rid] += n
+            self.held[rid] += [(rid, self.drawn[rid] + k) for k in range(n)]
+            self.drawn[rid] += n
         elif op == "trim":
             self.generated[rid] -= n
+            del self.held[rid][len(self.held[rid]) - n:]
         return len(self.calls[rid]) - 1
 
     def admit(self, rids):
@@ -199,6 +272,9 @@ class Replay:
         self.admit(event.requests)
         solos = {}
         for rid in event.requests:
+            if self.schedule.requests[rid].continues is not None:
+                self.fail(f"request {rid!r} continues {self.schedule.requests[rid].continues!r}: "
+                          "it joins through join_stored")
             j = self.call(rid, "prefill", self.schedule.requests[rid].prompt_len)
             solos[rid] = self.backend.prefill(rid, j)
         self.enter(solos)
@@ -209,6 +285,8 @@ class Replay:
         self.admit(event.requests)
         for rid in event.requests:
             request = self.schedule.requests[rid]
+            if request.continues is not None:
+                self.fail(f"request {rid!r} continues {request.continues!r}: it joins through join_stored")
             if request.quantized_kv_start > request.prompt_len:
                 self.fail(f"{rid!r} would join unquantized: batched_join prefills straight into "
                           "the quantized batch, so quantized_kv_start must be <= prompt_len")
@@ -267,6 +345,54 @@ class Replay:
         self.extracted.discard(event.request)
         self.enter({event.request: self.preempted.pop(event.request)})
 
+    def _store(self, event):
+        """As mlx-lm's server stores a prompt or a finished request: the row
+        through ``extract``, keyed by the tokens it holds; the rows stay."""
+        store = self.store_named(event.store)
+        for rid in event.requests:
+            self.require_in_batch(rid)
+        for rid in event.requests:
+            i = self.rows.index(rid)
+            caches = [batch.extract(i) for batch in self.layers]
+            tokens = tuple(self.held[rid])
+            self.entries.append(StoredEntry(event.store, rid, tokens, event.label, caches))
+            store.insert_cache(MODEL_KEY, list(tokens), caches)
+            self.stored_tokens[rid] = tokens
+            self.call(rid, "store", len(tokens), event.store, tokens)
+
+    def _join_stored(self, event):
+        """As mlx-lm's server admits a request: the store's nearest prefix of
+        its prompt (a deep copy, trimmed when the stored prompt is longer),
+        the rest of the prompt alone, then merge + extend."""
+        store = self.store_named(event.store)
+        self.admit(event.requests)
+        solos, self.resumed = {}, {}
+        for rid in event.requests:
+            prompt = self.prompt_of(rid)
+            if not prompt:
+                self.fail(f"request {rid!r} has an empty prompt (keep it or give it new_tokens)")
+            entry = self.nearest_entry(event.store, prompt)
+            cache, rest = fetch_nearest(store, prompt)
+            self.resumed[rid] = (entry if cache is not None else None, len(prompt) - len(rest))
+            j = self.call(rid, "resume", len(rest), event.store, prompt)
+            solos[rid] = self.backend.prefill_from(rid, cache, rest, j)
+        self.enter(solos)
+
+    def nearest_entry(self, store: str, prompt) -> Optional[StoredEntry]:
+        """The entry a fetch of ``prompt`` copies (for messages): the latest
+        stored one of that store whose tokens share the longest prefix."""
+        def shared(entry):
+            n = 0
+            for a, b in zip(entry.tokens, prompt):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        found = [e for e in self.entries if e.store == store and shared(e) > 0]
+        return max(reversed(found), key=shared, default=None)
+
+
 
 # -- the dry run: no cache, only the bookkeeping ----------------------------------------
 
@@ -288,12 +414,27 @@ class _Counted:
         self.offset -= n
 
 
+class NoRow:
+    """Stands in for an extracted row in a store: it holds no bytes."""
+
+    nbytes = 0
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        return n
+
+
 class _NoBatch:
     """Stands in for the implementation's batch: every protocol call is a no-op."""
 
     @classmethod
     def merge(cls, rows):
         return cls()
+
+    def extract(self, i):
+        return NoRow()
 
     def __getattr__(self, member):
         return lambda *args, **kwargs: None
@@ -323,6 +464,11 @@ class _DryRun:
     def resume(self, rid, caches):
         return _Counted(0, quantized=True)
 
+    def prefill_from(self, rid, cache, rest, j):
+        solo = _Counted(self.schedule.requests[rid].quantized_kv_start, quantized=cache is not None)
+        solo.append(len(rest))
+        return solo
+
     def forward(self, layers, rows, n, calls):
         pass
 
@@ -336,11 +482,12 @@ def dry_backend(schedule):
 
 
 def dry_run(schedule):
-    """Walk the schedule without a cache: (capabilities needed, calls per request).
-    Raises ScheduleError for anything that cannot happen."""
+    """Walk the schedule without a cache: (capabilities needed, calls per
+    request, every call in order as (request, index)). Raises ScheduleError
+    for anything that cannot happen."""
     replay = Replay(schedule, dry_backend(schedule))
     replay.run()
-    return tuple(sorted(replay.needs)), replay.calls
+    return tuple(sorted(replay.needs)), replay.calls, replay.order
 
 
 # --- the event loop every level's run shares ---------------------------------

@@ -52,6 +52,12 @@ class Request:
     quantized_kv_start: int = 0
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     seed: int = 0
+    # A chat turn: the tokens ``continues`` held when it was last stored (its
+    # prompt and what it generated; only the first ``keep`` when given), then
+    # ``new_tokens`` of its own. Its length is known once the replay gets there.
+    continues: Optional[str] = None
+    keep: Optional[int] = None
+    new_tokens: int = 0
 
     def prefill_chunks(self, prompt_len: Optional[int] = None) -> List[int]:
         """Chunk sizes in which mlx-lm's generate_step processes the prompt:
@@ -62,6 +68,18 @@ class Request:
             chunks.append(min(self.prefill_step_size, rest))
             rest -= chunks[-1]
         return chunks + [1]
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """A prompt-cache store's limits, as mlx-lm's LRUPromptCache takes them."""
+
+    max_size: int = 10
+    max_bytes: int = 1 << 63
+
+    def to_json(self) -> dict:
+        defaults = StoreLimits()
+        return {k: getattr(self, k) for k in ("max_size", "max_bytes") if getattr(self, k) != getattr(defaults, k)}
 
 
 # -- schedules ----------------------------------------------------------------------
@@ -81,14 +99,20 @@ class Schedule:
     dtype: str = "bfloat16"
     model: Optional[str] = None
     path: Optional[str] = None
+    stores: Dict[str, StoreLimits] = field(default_factory=dict)
     needs: Tuple[str, ...] = ()  # optional capabilities, from the dry run
     calls: Dict[str, List[ScheduledCall]] = field(default_factory=dict)  # per request, in order
+    order: List[Tuple[str, int]] = field(default_factory=list)  # (request, call index), as the calls come
 
     def to_json(self) -> dict:
         requests = {}
         defaults = Request(id="", prompt_len=1)
         for r in self.requests.values():
-            if r.text is not None:
+            if r.continues is not None:
+                entry = {"continues": r.continues, "new_tokens": r.new_tokens}
+                if r.keep is not None:
+                    entry["keep"] = r.keep
+            elif r.text is not None:
                 entry = {"text": r.text}
             elif r.prompt is not None:
                 entry = {"prompt": list(r.prompt)}
@@ -109,6 +133,8 @@ class Schedule:
         }
         if self.model:
             doc["model"] = self.model
+        if self.stores:
+            doc["stores"] = {name: limits.to_json() for name, limits in self.stores.items()}
         return doc
 
 
@@ -176,7 +202,7 @@ def check_kv(source, bits, group_size, head_dim=None):
 
 def parse(doc, source="<schedule>") -> Schedule:
     check_fields(source, "schedule", doc,
-          ("name", "description", "levels", "kv", "synthetic", "model", "requests", "events"),
+          ("name", "description", "levels", "kv", "synthetic", "model", "stores", "requests", "events"),
           ("name", "requests", "events"))
     levels = doc.get("levels", list(LEVELS))
     if not isinstance(levels, list) or not levels:
@@ -200,33 +226,63 @@ def parse(doc, source="<schedule>") -> Schedule:
     if model is not None and (not isinstance(model, str) or not model):
         reject(source, "model", f"expected a model name, got {model!r}")
 
+    stores = parse_stores(source, doc.get("stores", {}))
     if not isinstance(doc["requests"], dict) or not doc["requests"]:
         reject(source, "requests", "expected a non-empty object of request id -> request")
     requests = {rid: parse_request(source, rid, spec, levels) for rid, spec in doc["requests"].items()}
+    for rid, request in requests.items():
+        if request.continues is not None and request.continues not in requests:
+            reject(source, f"request {rid!r} continues", f"unknown request {request.continues!r}")
     if not isinstance(doc["events"], list) or not doc["events"]:
         reject(source, "events", "expected a non-empty list of events")
     events = [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
     schedule = Schedule(
         name=str(doc["name"]), description=str(doc.get("description", "")), levels=tuple(levels),
         bits=bits, group_size=group_size, requests=requests, events=events, kv_heads=kv_heads,
-        head_dim=head_dim, dtype=dtype, model=model, path=source,
+        head_dim=head_dim, dtype=dtype, model=model, path=source, stores=stores,
     )
-    schedule.needs, schedule.calls = dry_run(schedule)
+    schedule.needs, schedule.calls, schedule.order = dry_run(schedule)
     silent = [rid for rid, calls in schedule.calls.items() if not calls]
     if silent:
         reject(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
     return schedule
 
 
+def parse_stores(source, doc) -> Dict[str, StoreLimits]:
+    if not isinstance(doc, dict):
+        reject(source, "stores", f"expected an object of store name -> limits, got {type(doc).__name__}")
+    stores = {}
+    for name, spec in doc.items():
+        where = f"stores.{name}"
+        check_fields(source, where, spec, ("max_size", "max_bytes"))
+        stores[name] = StoreLimits(check_int(source, f"{where}.max_size", spec.get("max_size", 10), 1),
+                                   check_int(source, f"{where}.max_bytes", spec.get("max_bytes", 1 << 63)))
+    return stores
+
+
 def parse_request(source, rid, spec, levels) -> Request:
     where = f"request {rid!r}"
     check_fields(source, where, spec,
-          ("prompt_len", "prompt", "text", "quantized_kv_start", "prefill_step_size", "seed"))
-    given = [k for k in ("prompt_len", "prompt", "text") if k in spec]
+          ("prompt_len", "prompt", "text", "continues", "keep", "new_tokens", "quantized_kv_start",
+           "prefill_step_size", "seed"))
+    given = [k for k in ("prompt_len", "prompt", "text", "continues") if k in spec]
     if len(given) != 1:
-        reject(source, where, "give exactly one of prompt_len, prompt (token ids) or text")
-    prompt = text = None
-    if "prompt" in spec:
+        reject(source, where, "give exactly one of prompt_len, prompt (token ids), text or continues")
+    if "continues" not in spec:
+        for key in ("keep", "new_tokens"):
+            if key in spec:
+                reject(source, f"{where} {key}", "only a request that continues another takes it")
+    prompt = text = continues = keep = None
+    new_tokens = 0
+    if "continues" in spec:
+        continues = spec["continues"]
+        if not isinstance(continues, str) or continues == rid:
+            reject(source, f"{where} continues", f"expected another request's id, got {continues!r}")
+        if "keep" in spec:
+            keep = check_int(source, f"{where} keep", spec["keep"], 1)
+        new_tokens = check_int(source, f"{where} new_tokens", spec.get("new_tokens", 0))
+        prompt_len = 0  # known once the replay reaches its join
+    elif "prompt" in spec:
         tokens = spec["prompt"]
         if not isinstance(tokens, list) or not tokens:
             reject(source, where, "prompt must be a non-empty list of token ids")
@@ -250,4 +306,7 @@ def parse_request(source, rid, spec, levels) -> Request:
         prefill_step_size=check_int(source, f"{where} prefill_step_size",
                                spec.get("prefill_step_size", DEFAULT_PREFILL_STEP), 1),
         seed=check_int(source, f"{where} seed", spec.get("seed", 0)),
+        continues=continues,
+        keep=keep,
+        new_tokens=new_tokens,
     )

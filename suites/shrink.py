@@ -91,6 +91,11 @@ class Shrinker:
                 if smaller.get("quantized_kv_start", 0) > shorter:
                     smaller["quantized_kv_start"] = shorter
                 yield {**doc, "requests": {**doc["requests"], rid: smaller}}
+        for rid, request in doc["requests"].items():  # a chat turn: fewer new tokens, less of what it continues
+            for key, least in (("new_tokens", 0), ("keep", 1)):
+                n = request.get(key, least)
+                for fewer in sorted({n // 2, n - 1} - {n}) if n > least else ():
+                    yield {**doc, "requests": {**doc["requests"], rid: {**request, key: max(fewer, least)}}}
 
 
 def _events(doc, source):

@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, Phase, settings
 from kvparity.impl import negative_controls
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import YOUNG_THRESHOLD, fewer_collections, generate, make_machine
+from kvparity.suites.fuzz import YOUNG_THRESHOLD, ConversationMachine, fewer_collections, generate, make_machine
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import load
 
-def fuzz_settings(examples, **overrides):
+def fuzz_settings(examples, steps=10, **overrides):
     return settings(
         max_examples=examples,
-        stateful_step_count=10,
+        stateful_step_count=steps,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
@@ -57,6 +57,46 @@ def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judge
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
     assert len(schedule.events) <= 4, f"not shrunk: {[e.label for e in schedule.events]}"
+    replayed = run_l1(schedule, broken)
+    assert judged(replayed).verdict == FAIL
+    assert variant.caught_by in {d.check for d in replayed.divergences}
+    assert judged(run_l1(schedule, load_implementation())).verdict == PASS
+
+
+CONVERSATIONS = int(os.environ.get("KVPARITY_CONVERSATION_EXAMPLES", "20"))
+
+
+@pytest.mark.parametrize("examples", [CONVERSATIONS, pytest.param(200, marks=pytest.mark.slow)])
+def test_generated_conversations(examples, implementation, policy, judged, tmp_path):
+    """Chat turns and shared prefixes joining from a store with drawn limits."""
+    machine = make_machine(implementation, lambda r: judged(r, policy),
+                           os.environ.get("KVPARITY_FOUND_DIR", tmp_path), base=ConversationMachine)
+    generate(machine, settings=fuzz_settings(examples, steps=6))
+    assert machine.schedules_started >= examples
+    assert machine.resumed >= examples // 4, "few generated requests joined from a stored prefix"
+    assert machine.row_outcomes.get(PASS, 0) >= examples, machine.row_outcomes
+
+
+# Each store control shrinks to a conversation of a few events.
+@pytest.mark.parametrize(
+    "variant",
+    [
+        negative_controls.StoredNbytesCountsPacked,
+        pytest.param(negative_controls.ExtractLendsItsColumns, marks=pytest.mark.slow),
+        pytest.param(negative_controls.StoredRowTrimForgetsScales, marks=pytest.mark.slow),
+        pytest.param(negative_controls.StoredCopySharesBuffers, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: v.__name__,
+)
+def test_conversation_generator_finds_and_shrinks_store_bugs(variant, judged, tmp_path):
+    broken = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
+    machine = make_machine(broken, judged, tmp_path, base=ConversationMachine)
+    with pytest.raises(AssertionError, match="replay with: kvparity replay"):
+        generate(machine, settings=fuzz_settings(300, steps=6, database=None, derandomize=True,
+                                                 print_blob=False))
+    (path,) = tmp_path.glob("*.json")
+    schedule = load(path)
+    assert len(schedule.events) <= 6, f"not shrunk: {[e.label for e in schedule.events]}"
     replayed = run_l1(schedule, broken)
     assert judged(replayed).verdict == FAIL
     assert variant.caught_by in {d.check for d in replayed.divergences}

@@ -49,3 +49,15 @@ def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_che
     assert (logits[0].event_index, logits[0].step) == (1, 1), logits[0].message()
     assert "max abs diff" in logits[0].detail and "top-1 agree" in logits[0].detail
     assert all(d.event_index > 1 for d in result.row("a").divergences)
+
+
+@pytest.mark.parametrize("variant, check", [("StoredRowTrimForgetsScales", "stored"),
+                                            ("StoredNbytesCountsPacked", "stored_nbytes")])
+def test_store_controls_fail_l2_naming_the_entry(variant, check, judged):
+    """Through the model too: the trimmed copy of the stored row (an exact
+    hit gives a token back) and the entry's byte count."""
+    broken = load_implementation(f"kvparity.impl.negative_controls:{variant}")
+    result = run_l2(load(CATALOG / "prefix-exact-hit.json"), broken)
+    assert judged(result).verdict == FAIL
+    caught = [d for d in result.divergences if d.check == check]
+    assert caught and "stored entry 'a'" in caught[0].message(), [d.message() for d in result.divergences[:3]]

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import generate, make_machine
+from kvparity.suites.fuzz import ConversationMachine, generate, make_machine
 from kvparity.suites.l2 import run_l2
 from kvparity.suites.schedule import load
 
@@ -31,6 +31,19 @@ def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
     assert machine.schedules_started >= EXAMPLES
     # Rows that leave before any batched call have no evidence, and are counted so.
     assert machine.row_outcomes.get(PASS, 0) >= EXAMPLES, machine.row_outcomes
+
+
+@pytest.mark.slow
+def test_generated_conversations_at_l2(implementation, policy, judged, tmp_path):
+    """Chat turns and shared prefixes through the model: each resumed request
+    against itself alone from mlx-lm's store holding the same entries."""
+    examples = int(os.environ.get("KVPARITY_L2_CONVERSATION_EXAMPLES", "12"))
+    machine = make_machine(implementation, lambda r: judged(r, policy), os.environ.get("KVPARITY_FOUND_DIR", tmp_path),
+                           level="L2", run_l2=run_l2, base=ConversationMachine)
+    generate(machine, settings=fuzz_settings(examples))
+    assert machine.schedules_started >= examples
+    assert machine.resumed >= examples // 4, "few generated requests joined from a stored prefix"
+    assert machine.row_outcomes.get(PASS, 0) >= examples, machine.row_outcomes
 
 
 @pytest.mark.slow

@@ -43,6 +43,41 @@ def test_broken_variant_is_caught(variant, catalog, judged):
         assert FAIL not in default and PASS in default
 
 
+# Each store control and a schedule that stores rows the way it breaks.
+STORE_CATCHES = [
+    (negative_controls.ExtractLendsItsColumns, "prefix-hit-spec-rollback"),  # the source row rolls back
+    (negative_controls.StoredRowTrimForgetsScales, "prefix-trim-longer"),  # the fetched copy is trimmed
+    (negative_controls.StoredNbytesCountsPacked, "prefix-chat-turns"),  # any store
+    (negative_controls.StoredCopySharesBuffers, "prefix-trim-longer"),  # the rest lands inside the copy
+]
+
+
+def test_every_store_variant_has_its_schedule():
+    assert [variant for variant, _ in STORE_CATCHES] == negative_controls.STORE_VARIANTS
+
+
+@pytest.mark.parametrize("variant, name", STORE_CATCHES, ids=lambda v: getattr(v, "__name__", v))
+def test_store_variant_is_caught_naming_the_entry(variant, name, catalog, judged):
+    """Each breaks only what a store does with a row: a schedule that stores
+    rows catches it, by its check, in a message that names the stored entry,
+    the request and the event."""
+    impl = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
+    result = run_l1(next(s for s in catalog if s.name == name), impl)
+    assert judged(result, "cpu").verdict == FAIL
+    caught = [d for d in result.divergences if d.check == variant.caught_by]
+    assert caught, f"{variant.__name__} was caught by {sorted({d.check for d in result.divergences})}"
+    message = caught[0].message()
+    assert "stored entry '" in message and "row '" in message and "after event #" in message, message
+
+
+def test_store_variants_pass_without_a_store(catalog, judged):
+    """Nothing else is broken in them: a schedule without a store passes."""
+    plain = next(s for s in catalog if s.name == "extract-decode-reinsert")
+    for variant in negative_controls.STORE_VARIANTS:
+        impl = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
+        assert judged(run_l1(plain, impl)).verdict == PASS, variant.__name__
+
+
 def test_every_variant_is_listed():
     # A class broken only when run as itself is listed with the subclass-sensitive ones.
     classes = {
@@ -50,5 +85,5 @@ def test_every_variant_is_listed():
         if isinstance(obj, type) and hasattr(obj, "caught_by")
     }
     sensitive = {c for c in negative_controls.SUBCLASS_SENSITIVE if hasattr(c, "caught_by")}
-    assert classes == set(negative_controls.VARIANTS) | sensitive
+    assert classes == set(negative_controls.VARIANTS) | sensitive | set(negative_controls.STORE_VARIANTS)
     assert len(negative_controls.VARIANTS) >= 6
