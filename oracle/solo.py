@@ -44,8 +44,9 @@ def prompt_tokens(request, vocab_size: int, tokenizer=None) -> List[int]:
             raise ValueError(f"request {request.id!r} has a text prompt but the model has no tokenizer")
         return list(tokenizer.encode(request.text))
     rng = np.random.default_rng([request.seed, zlib.crc32(request.id.encode())])
-    turn = getattr(request, "continues", None) is not None  # L3's arrivals have no chat turns
-    n = request.new_tokens if turn else request.prompt_len
+    # A schedule's chat turn draws its new tokens; an arrivals file's turn counts them in prompt_len.
+    n = getattr(request, "new_tokens", None) if getattr(request, "continues", None) is not None else None
+    n = request.prompt_len if n is None else n
     return rng.integers(0, vocab_size, size=n).tolist()
 
 
