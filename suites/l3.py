@@ -22,6 +22,7 @@ import time
 from typing import Dict, List, Optional
 
 from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, semantics
+from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
@@ -35,7 +36,9 @@ from kvparity.suites.engines import (
     Generated,
     make_engine,
 )
-from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised
+from kvparity.suites.evidence import (
+    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
+)
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
@@ -70,6 +73,10 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     unfit = check_fits(schedule, loaded.head_dim, loaded.vocab_size, loaded.tokenizer is not None)
     if unfit:
         result.stop(NOT_SUPPORTED, unfit)
+        return result
+    defect = defect_for_model(loaded)
+    if defect is not None:
+        result.stop(MLX_LM_DEFECT, defect.attribution())
         return result
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     solos = generate_solos(result, loaded, requests, use_cache)
