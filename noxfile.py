@@ -10,19 +10,17 @@ downloads one. Reports go under $KVPARITY_MATRIX_OUT (default
 reports/out/matrix), one directory per session or row.
 """
 
+import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import nox
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 ROOT = Path(__file__).parent
 ROWS = ROOT / "impl" / "ecosystem" / "rows.toml"
@@ -41,60 +39,12 @@ MLX_LM_MINORS = {"0.30": "0.30.7", "0.31": "0.31.3", "0.32": "0.32.2"}
 # mlx-lm, also where mlx-lm's grouped-query attention has its own defect.
 MHA_MODEL = "llama-h128-bf16-mha"
 
-# --- rows.toml --------------------------------------------------------------
-
-REQUIRED = {"name": str, "implementation": str, "version": str, "impl": str, "install": list, "python": str}
-OPTIONAL = {"install_no_deps": list, "engine": str}
-NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
-SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-
-
-class RowsError(ValueError):
-    """rows.toml is wrong: names the file, the row and the field."""
-
-
-def _check_row(index: int, row: dict, seen: set) -> dict:
-    where = f"{ROWS}: row {index + 1}" + (f" ({row['name']!r})" if isinstance(row.get("name"), str) else "")
-    unknown = set(row) - set(REQUIRED) - set(OPTIONAL)
-    if unknown:
-        raise RowsError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    for field, kind in {**REQUIRED, **OPTIONAL}.items():
-        if field not in row:
-            if field in REQUIRED:
-                raise RowsError(f"{where}: missing field {field!r}")
-            continue
-        value = row[field]
-        if not isinstance(value, kind) or (kind is list and not all(isinstance(v, str) and v for v in value)):
-            raise RowsError(f"{where}: field {field!r} must be {'a list of strings' if kind is list else 'a string'}")
-    if not NAME.fullmatch(row["name"]):
-        raise RowsError(f"{where}: field 'name' must be lower-case letters, digits, '.', '_' and '-'")
-    if row["name"] in seen:
-        raise RowsError(f"{where}: field 'name' repeats an earlier row's")
-    for field in ("impl", "engine"):
-        if field in row and not SPEC.fullmatch(row[field]):
-            raise RowsError(f"{where}: field {field!r} must be package.module:Class, got {row[field]!r}")
-    if not row["install"]:
-        raise RowsError(f"{where}: field 'install' is empty: pin the package as its users install it")
-    try:
-        SpecifierSet(row["python"])
-    except InvalidSpecifier:
-        raise RowsError(f"{where}: field 'python' is not a version specifier: {row['python']!r}")
-    seen.add(row["name"])
-    return row
-
-
-def load_rows(path: Path = ROWS) -> list:
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise RowsError(f"{path}: {error}")
-    if set(doc) != {"row"} or not isinstance(doc["row"], list) or not doc["row"]:
-        raise RowsError(f"{path}: expected [[row]] tables and nothing else")
-    seen = set()
-    return [_check_row(i, row, seen) for i, row in enumerate(doc["row"])]
-
-
-ROW_LIST = load_rows()
+# rows.toml is read by kvparity's own reader (stdlib only), loaded from the
+# checkout: nox's environment has no kvparity.
+_spec = importlib.util.spec_from_file_location("ecosystem_rows", ROOT / "reports" / "ecosystem_rows.py")
+ecosystem_rows = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ecosystem_rows)
+ROW_LIST = ecosystem_rows.load_rows(ROWS)
 
 # --- what a session writes --------------------------------------------------
 
@@ -109,9 +59,9 @@ def write_json(doc: dict, path: Path):
     os.replace(tmp, path)
 
 
-def cannot_install(session, row: dict, reason: str):
+def cannot_install(session, row, reason: str):
     """The row's cell says why; the session itself has done its job."""
-    write_json({"row": row["name"], "reason": reason}, OUT / row["name"] / "cannot-install.json")
+    write_json({"row": row.name, "reason": reason}, OUT / row.name / ecosystem_rows.CANNOT_INSTALL)
     session.skip(f"cannot install: {reason}")
 
 
@@ -162,23 +112,23 @@ for _minor in MLX_LM_MINORS:
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("name", [row["name"] for row in ROW_LIST], ids=[row["name"] for row in ROW_LIST])
+@nox.parametrize("name", [row.name for row in ROW_LIST], ids=[row.name for row in ROW_LIST])
 def ecosystem(session, name):
     """One matrix row: its own environment, then `kvparity run` on its implementation."""
-    row = next(r for r in ROW_LIST if r["name"] == name)
+    row = next(r for r in ROW_LIST if r.name == name)
     out = OUT / name
-    (out / "cannot-install.json").unlink(missing_ok=True)
+    (out / ecosystem_rows.CANNOT_INSTALL).unlink(missing_ok=True)
     here = platform.python_version()
-    if here not in SpecifierSet(row["python"]):
-        cannot_install(session, row, f"needs Python {row['python']}, this interpreter is {here}")
-    installed = _uv_install(session, "-e", ".", *row["install"])
-    if installed.returncode == 0 and row.get("install_no_deps"):
-        installed = _uv_install(session, "--no-deps", *row["install_no_deps"])
+    if not row.python_supported(here):
+        cannot_install(session, row, f"needs Python {row.python}, this interpreter is {here}")
+    installed = _uv_install(session, "-e", ".", *row.install)
+    if installed.returncode == 0 and row.install_no_deps:
+        installed = _uv_install(session, "--no-deps", *row.install_no_deps)
     if installed.returncode != 0:
         cannot_install(session, row, _why(installed))
-    command = ["kvparity", "run", "--impl", row["impl"], "--out", str(out)]
-    if "engine" in row:
-        command += ["--engine", row["engine"]]
+    command = ["kvparity", "run", "--impl", row.impl, "--out", str(out)]
+    if row.engine:
+        command += ["--engine", row.engine]
     # A verdict (0 holds, 1 broken, 125 cannot judge) is the row's cell, in
     # its report; usage errors (2) and kvparity's own bugs fail the session.
     session.run(*command, *session.posargs, success_codes=[0, 1, 125])
