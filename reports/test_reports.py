@@ -218,7 +218,7 @@ def test_each_schedule_names_its_own_model_and_the_header_none(record):
     assert [(r["model"], r["model_sha256"]) for r in record["results"][7:9]] == [
         ("tiny-llama", "a" * 64), ("other-model", "b" * 64)]
     assert record["models"] == [{"model": "tiny-llama", "model_sha256": "a" * 64, "schedules": 1},
-                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 2}]
+                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 3}]
 
 
 def test_coverage_members_and_gaps_come_from_the_run(record, run_verdict):
