@@ -12,10 +12,12 @@ its version number: a patched or backported mlx-lm is judged by what it does.
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
 # The oldest mlx-lm whose oracle path kvparity uses unchanged (pyproject.toml
 # requires it); every minor from it to the newest is gated in CI (noxfile.py).
@@ -29,6 +31,23 @@ def mlx_lm_version() -> str:
         return "unknown"
 
 
+# --- compatibility shims: one per API difference -----------------------------
+
+
+def batch_generator_next(generator) -> Tuple[list, list]:
+    """One step of mlx-lm's ``BatchGenerator``: (prompt responses, generation
+    responses). mlx-lm 0.31 and 0.32 return that tuple; 0.30's ``next()``
+    returns the generation responses alone, as a list (it prefills whole
+    prompts inside the step and reports no prompt progress)."""
+    responses = generator.next()
+    if isinstance(responses, tuple):
+        return responses
+    return [], responses
+
+
+# --- mlx-lm's own defects -----------------------------------------------------
+
+
 @dataclass(frozen=True)
 class MlxLmDefect:
     """A defect of mlx-lm's own batched path: wrong whatever the cache holds."""
@@ -37,12 +56,20 @@ class MlxLmDefect:
     what: str  # what goes wrong, in one sentence
     source: str  # mlx-lm's source that does it
     fixed_in: str  # the first mlx-lm release without it
+    consequence: str  # what it leaves kvparity unable to judge
 
     def attribution(self) -> str:
         """What a report says where the defect decides an outcome."""
         return (f"mlx-lm {mlx_lm_version()} defect ({self.name}): {self.what} [{self.source}; "
-                f"fixed in mlx-lm {self.fixed_in}]: the cache's bytes are not at issue, the logits diverge "
-                "through mlx-lm's attention, so parity cannot be judged on this model here")
+                f"fixed in mlx-lm {self.fixed_in}]: {self.consequence}")
+
+
+class MlxLmDefectFound(Exception):
+    """Raised where an installed mlx-lm defect keeps a run from judging the cache."""
+
+    def __init__(self, defect: MlxLmDefect):
+        super().__init__(defect.attribution())
+        self.defect = defect
 
 
 GQA_LEFT_PADDING_MASK = MlxLmDefect(
@@ -52,6 +79,8 @@ GQA_LEFT_PADDING_MASK = MlxLmDefect(
           "head i (wrong logits when B equals kv_heads, a broadcast error otherwise)"),
     source="mlx_lm/models/base.py quantized_scaled_dot_product_attention, before 'mask = mx.expand_dims(mask, -3)'",
     fixed_in="0.32.0",
+    consequence=("the cache's bytes held, the logits diverge through mlx-lm's attention, so parity cannot be "
+                 "judged on this model here"),
 )
 
 
@@ -78,6 +107,49 @@ def has_gqa_left_padding_mask_defect(attention: Optional[Callable] = None) -> bo
     query head runs: the defect is in the grouped-query path alone."""
     attention = attention or quantized_scaled_dot_product_attention
     return _mask_broadcast_breaks(attention, 4, 2) and not _mask_broadcast_breaks(attention, 4, 4)
+
+
+BATCH_GENERATOR_OWN_CACHE = MlxLmDefect(
+    name="batch-generator-own-cache",
+    what=("BatchGenerator serves prompts whose inserted caches are all empty from a bfloat16 BatchKVCache of its "
+          "own, never merging the caches it was given, so the cache under test never serves a token"),
+    source="mlx_lm/generate.py BatchGenerator._process_prompts, 'if all(c[0].empty() for c in caches)'",
+    fixed_in="0.31.0",
+    consequence="L3 on this BatchGenerator cannot judge a cache",
+)
+
+
+class _MergeRecorder(KVCache):
+    merged = 0
+
+    @classmethod
+    def merge(cls, caches):
+        _MergeRecorder.merged += 1
+        return super().merge(caches)
+
+
+def batch_generator_serves_its_own_cache(generator_class=None) -> bool:
+    """True when mlx-lm's BatchGenerator (or the given class) serves a prompt
+    without ever merging the empty caches inserted with it."""
+    from kvparity.oracle.models import load_model  # a model only where L3 asks
+
+    generator_class = generator_class or BatchGenerator
+    model = load_model("llama-h64-bf16-mha").model
+    generator = generator_class(model)
+    _MergeRecorder.merged = 0
+    try:
+        generator.insert([[1, 2, 3]], max_tokens=[1], caches=[[_MergeRecorder() for _ in model.layers]])
+        for _ in range(4):  # a prompt step, then a token
+            batch_generator_next(generator)
+    finally:
+        generator.close()
+    return _MergeRecorder.merged == 0
+
+
+@lru_cache(maxsize=None)
+def installed_batch_generator_defect() -> Optional[MlxLmDefect]:
+    """The installed BatchGenerator's defect that keeps L3 from judging a cache, or None."""
+    return BATCH_GENERATOR_OWN_CACHE if batch_generator_serves_its_own_cache() else None
 
 
 @lru_cache(maxsize=None)

@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import QuantizedKVCache
 
+from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, batch_generator_next, installed_batch_generator_defect
 from kvparity.suites.adapter import ImplementationError, resolve
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
@@ -141,6 +142,9 @@ class BatchGeneratorEngine:
         self.name = f"mlx_lm.generate.BatchGenerator[{batch_class.__name__}]"
 
     def serve(self, requests: Sequence[EngineRequest]) -> EngineRun:
+        defect = installed_batch_generator_defect()
+        if defect is not None:
+            raise MlxLmDefectFound(defect)
         if any(r.quantized_kv_start is not None for r in requests):
             raise EngineUnsupported(
                 "BatchGenerator never converts a cache (no kv_bits; nothing in it calls "
@@ -187,7 +191,7 @@ class BatchGeneratorEngine:
                 )
                 by_uid.update(zip(uids, (r.id for r in arriving)))
                 record.arrived = [r.id for r in arriving]
-            prompt_responses, generation_responses = generator.next()
+            prompt_responses, generation_responses = batch_generator_next(generator)
             for response in prompt_responses:
                 (record.joined if response.end_of_prompt else record.prompt_rows).append(by_uid[response.uid])
             for response in generation_responses:

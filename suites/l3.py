@@ -22,7 +22,7 @@ import time
 from typing import Dict, List, Optional
 
 from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, semantics
-from kvparity.oracle.mlx_lm_versions import defect_for_model
+from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
@@ -117,6 +117,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             run = engine.serve(requests)
         except EngineUnsupported as error:
             result.stop(NOT_SUPPORTED, str(error))
+            return None
+        except MlxLmDefectFound as found:
+            result.stop(MLX_LM_DEFECT, str(found))
             return None
         except MemberRaised as raised:  # the cache under test declined or broke
             raised.layer = layer_of(raised, loaded.model.layers)

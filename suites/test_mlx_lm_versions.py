@@ -1,6 +1,6 @@
 """mlx-lm's own defects: found by running mlx-lm's code, named in the L0
-probe, and turning L2 and L3 runs on the models they reach into 'mlx-lm
-defect' instead of a FAIL of the cache (or a pass)."""
+probe, and turning L2 and L3 runs they reach into 'mlx-lm defect' instead
+of a FAIL of the cache (or a pass)."""
 
 import inspect
 from typing import Optional
@@ -8,16 +8,24 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from kvparity.oracle import mlx_lm_versions, probes
-from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK, defects_for, has_gqa_left_padding_mask_defect
+from kvparity.oracle.mlx_lm_versions import (
+    BATCH_GENERATOR_OWN_CACHE, GQA_LEFT_PADDING_MASK, batch_generator_serves_its_own_cache, defects_for,
+    has_gqa_left_padding_mask_defect, installed_batch_generator_defect,
+)
 from kvparity.oracle.probes import MLX_LM_OPS, ProbeShapes, probe_notes, probe_table, run_probes
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, judge, verdict_of_run
+from kvparity.suites import engines
 from kvparity.suites.adapter import load_implementation
+from kvparity.suites.arrivals import catalog_paths as arrivals_paths
+from kvparity.suites.arrivals import load as load_arrivals
 from kvparity.suites.evidence import MLX_LM_DEFECT, PASS, ScheduleResult
 from kvparity.suites.l2 import run_l2
+from kvparity.suites.l3 import run_l3
 from kvparity.suites.schedule import CATALOG, load
 
 
@@ -141,3 +149,30 @@ def test_run_verdict_does_not_count_an_mlx_lm_defect_as_a_pass_or_a_failure():
     run = verdict_of_run([judge(defect, load_policy("cpu"))], policy=load_policy("cpu"))
     assert run.counts[MLX_LM_DEFECT] == 1 and run.counts[PASS] == 0
     assert run.exit_status == EXIT_CANNOT_JUDGE and "1 mlx-lm defect" in run.headline
+
+
+class DropsItsCaches(BatchGenerator):
+    """The installed BatchGenerator, serving from caches of its own."""
+
+    def insert(self, prompts, max_tokens=None, caches=None, **options):
+        return super().insert(prompts, max_tokens=max_tokens, **options)
+
+
+def test_the_batch_generator_detector_finds_a_generator_that_ignores_the_cache_given():
+    assert batch_generator_serves_its_own_cache(DropsItsCaches)
+
+
+def test_the_installed_batch_generator_is_judged_by_what_it_does():
+    # mlx-lm 0.30's own-cache branch is in its source exactly when running it shows the defect.
+    own_cache = "if all(c[0].empty() for c in caches)" in inspect.getsource(inspect.getmodule(BatchGenerator))
+    assert batch_generator_serves_its_own_cache() is own_cache
+    assert (installed_batch_generator_defect() is BATCH_GENERATOR_OWN_CACHE) is own_cache
+
+
+def test_l3_on_a_batch_generator_with_its_own_cache_is_an_mlx_lm_defect(monkeypatch):
+    monkeypatch.setattr(engines, "installed_batch_generator_defect", lambda: BATCH_GENERATOR_OWN_CACHE)
+    schedule = load_arrivals(next(p for p in arrivals_paths() if p.stem == "staggered"))
+    result = run_l3(schedule, load_implementation(), model_name="llama-h64-bf16-mha")
+    assert result.stopped == MLX_LM_DEFECT and "(batch-generator-own-cache)" in result.reason
+    assert result.reason.endswith("L3 on this BatchGenerator cannot judge a cache")
+    assert not any(row.checks for row in result.rows)
