@@ -22,6 +22,7 @@ from mlx_lm.models.base import (
 )
 
 from kvparity.oracle.arrays import raw_many
+from kvparity.oracle.mlx_lm_versions import defects_for
 from kvparity.oracle.quantization import BITS, GROUP_SIZES
 
 # Quantized Linear layers of a 4-bit mlx-lm model.
@@ -118,6 +119,9 @@ class ProbeResult:
     max_abs_diff: float  # in float32 over differing elements; 0.0 when invariant
     first_row: Optional[int]  # first row that differs
     error: Optional[str]  # the op raised on this device (then invariant is False)
+    # Set when mlx-lm's own code, not the backend, makes the op differ: the
+    # installed mlx-lm's defect, with what it does and where.
+    attribution: Optional[str] = None
 
 
 # An op maps (shapes, batch_size, seed) to the outputs of the batched run and,
@@ -292,6 +296,10 @@ def probe_quantized_sdpa_left_padding(s: ProbeShapes, B: int, seed: int):
     return (decode, verify), list(zip(decode_solo, verify_solo))
 
 
+# The ops that run mlx-lm's own code (the rest are MLX's): where one differs,
+# an installed mlx-lm defect that reaches the shapes is named as the cause.
+MLX_LM_OPS = ("quantized_sdpa_left_padding",)
+
 OPS: dict[str, Op] = {
     "matmul": probe_matmul,
     "quantized_matmul": probe_quantized_matmul,
@@ -325,6 +333,13 @@ def compare_rows(batched: Outputs, solos: list[Outputs]):
     return first_row is None, max_diff, first_row
 
 
+def _attribution(name: str, shapes: ProbeShapes) -> Optional[str]:
+    if name not in MLX_LM_OPS:
+        return None
+    found = defects_for(shapes.n_heads, shapes.n_kv_heads)
+    return "; ".join(d.attribution() for d in found) or None
+
+
 def _probe(name: str, op: Op, shapes: ProbeShapes, B: int, seed: int) -> ProbeResult:
     try:
         batched, solos = op(shapes, B, seed)
@@ -333,8 +348,9 @@ def _probe(name: str, op: Op, shapes: ProbeShapes, B: int, seed: int) -> ProbeRe
         invariant, diff, first_row = compare_rows(batched, solos)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-        return ProbeResult(name, B, False, float("nan"), None, error)
-    return ProbeResult(name, B, invariant, diff, first_row, None)
+        return ProbeResult(name, B, False, float("nan"), None, error, _attribution(name, shapes))
+    attribution = None if invariant else _attribution(name, shapes)
+    return ProbeResult(name, B, invariant, diff, first_row, None, attribution)
 
 
 def _device(device) -> mx.Device:
@@ -372,8 +388,19 @@ def run_probes(
 def _cell(r: ProbeResult) -> str:
     if r.error is not None:
         msg = r.error.splitlines()[0] if r.error else ""
-        return f"error: {msg[:60]}"
-    return "yes" if r.invariant else f"NO ({r.max_abs_diff:.1e})"
+        cell = f"error: {msg[:60]}"
+    else:
+        cell = "yes" if r.invariant else f"NO ({r.max_abs_diff:.1e})"
+    return cell if r.attribution is None else f"{cell} [mlx-lm defect]"
+
+
+def probe_notes(results: Sequence[ProbeResult]) -> list[str]:
+    """Each mlx-lm defect the table marks, said once, with the ops it reached."""
+    ops = {}
+    for r in results:
+        if r.attribution is not None:
+            ops.setdefault(r.attribution, []).append(f"{r.op} B={r.batch_size}")
+    return [f"[mlx-lm defect] {', '.join(where)}: {text}" for text, where in ops.items()]
 
 
 def probe_table(results: Sequence[ProbeResult]) -> tuple[list[str], list[list]]:

@@ -19,7 +19,8 @@ from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.verdicts import DIVERGED, EXIT_BROKEN, EXIT_OK, HELD, NOT_COMPARED, STATUS
 from kvparity.suites.checks import LOGITS, TOKENS
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS, REFUSED,
+    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS,
+    REFUSED,
 )
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
@@ -32,6 +33,7 @@ OUTCOME = {
     NOT_SUPPORTED: ("muted", "needs an optional capability the implementation lacks"),
     ORACLE_CANNOT_RUN: ("oracle", "mlx-lm's own solo path cannot run on this backend"),
     ORACLE_NONDETERMINISTIC: ("oracle", "mlx-lm's own solo path differs from itself between two runs"),
+    MLX_LM_DEFECT: ("oracle", "the installed mlx-lm's own batched path is wrong for this model whatever the cache holds"),
     EXPECTED_DIVERGENCE: ("expected", "every divergence was declared in the expectations file; evidence complete"),
 }
 # Columns of the per-check table: a non-zero count is coloured as its state.

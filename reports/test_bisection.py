@@ -195,6 +195,7 @@ def test_bisect_on_a_refused_schedule_fails_without_a_schedule_to_shrink(tmp_pat
     assert not out.exists()
 
 
+@pytest.mark.gqa_batched
 def test_bisect_at_l2(tmp_path, capsys):
     spec = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"
     out = tmp_path / "min.json"

@@ -59,6 +59,7 @@ def test_exit_codes_agree_with_the_verdicts():
         verdicts.EXIT_OK, verdicts.EXIT_BROKEN, verdicts.EXIT_USAGE, verdicts.EXIT_CANNOT_JUDGE)
 
 
+@pytest.mark.gqa_batched
 def test_run_passes_and_writes_a_report(tmp_path, capsys):
     code = main(["run", "--out", str(tmp_path), "--schedule", str(CATALOG / "join-longer-joiner.json")])
     out, err = outcome(capsys)
@@ -254,6 +255,7 @@ def test_probe_prints_the_l0_table(capsys):
     assert "B=4" in out
 
 
+@pytest.mark.gqa_batched
 def test_run_l2_reports_logit_agreement(capsys):
     code = main(["run", "--no-report", "--level", "L2", "--schedule", str(CATALOG / "rollback-uneven.json")])
     out = outcome(capsys)[0]
@@ -275,6 +277,7 @@ def test_main_module_exits_with_mains_status(tmp_path):
 STAGGERED = str(CATALOG / "l3" / "staggered.json")
 
 
+@pytest.mark.gqa_batched
 def test_l3_run_serves_both_prefill_modes_and_reports_the_timeline(tmp_path, capsys):
     assert main(["run", "--level", "L3", "--schedule", STAGGERED, "--out", str(tmp_path)]) == EXIT_OK
     out = outcome(capsys)[0]
@@ -286,12 +289,14 @@ def test_l3_run_serves_both_prefill_modes_and_reports_the_timeline(tmp_path, cap
     assert "## L3 timeline" in (report / "report.md").read_text()
 
 
+@pytest.mark.gqa_batched
 def test_l3_check_fails_a_mask_bug_naming_request_token_and_engine_step(capsys):
     code = main(["replay", STAGGERED, "--level", "L3", "--impl", f"{CONTROLS}:MaskIgnoresLeftPadding"])
     assert code == EXIT_BROKEN
     assert "logprobs: after event #0 serve, engine step" in outcome(capsys)[0]
 
 
+@pytest.mark.gqa_batched
 def test_l3_bisect_shrinks_an_arrivals_schedule_that_replays(tmp_path, capsys):
     out = tmp_path / "min.json"
     mask_bug = f"{CONTROLS}:MaskIgnoresLeftPadding"

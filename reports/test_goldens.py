@@ -27,6 +27,7 @@ def test_golden_layout(golden):
     assert (golden / "rollback-uneven" / "a" / "trace.safetensors").exists()
 
 
+@pytest.mark.gqa_batched
 def test_engine_traces_compare_equal_to_the_golden(golden, tmp_path, capsys):
     candidate = tmp_path / "candidate"
     assert main(["record", str(candidate), "--engine", *SCHEDULES]) == EXIT_OK
@@ -35,6 +36,7 @@ def test_engine_traces_compare_equal_to_the_golden(golden, tmp_path, capsys):
     assert "2 passed, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.gqa_batched
 def test_a_broken_engine_fails_the_comparison(golden, tmp_path, capsys):
     candidate = tmp_path / "broken"
     spec = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"

@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 import jsonschema
 import pytest
 
+from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import html as html_report
 from kvparity.reports import junit
@@ -24,7 +25,8 @@ from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_row
 from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OUTCOMES, PASS,
+    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+    OUTCOMES, PASS,
     REFUSED, ScheduleResult,
 )
 from kvparity.suites.l1 import run_l1
@@ -126,6 +128,10 @@ def unjudged():
                               model_sha256="b" * 64)
     unstable.row("a")
     unstable.stop(ORACLE_NONDETERMINISTIC, "mlx-lm's solo path for 'a' differs from itself between two runs")
+    defect = ScheduleResult("mlx-lm-defect", "L2", "Cache", ["join", "step"], model="other-model",
+                            model_sha256="b" * 64)
+    defect.row("a")
+    defect.stop(MLX_LM_DEFECT, GQA_LEFT_PADDING_MASK.attribution())
     return [
         l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:MaskIgnoresLeftPadding")),
         l1("join-longer-joiner", reference),
@@ -138,6 +144,7 @@ def unjudged():
         oracle,
         unstable,
         l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsBfloat16")),
+        defect,
     ]
 
 
@@ -177,7 +184,8 @@ def validator():
 
 def test_each_outcome_is_shown_by_the_sample(results):
     assert [r.verdict for r in results] == [FAIL, PASS, PASS, NOT_SUPPORTED, REFUSED, NO_EVIDENCE, FAIL, FAIL,
-                                            ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE]
+                                            ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE,
+                                            MLX_LM_DEFECT]
     assert {row.verdict for r in results for row in r.rows} == set(OUTCOMES)
 
 
@@ -192,7 +200,7 @@ def test_a_report_directory_holds_four_files_and_the_record_validates(report, re
     assert record["headline"] == run_verdict.headline
     assert record["summary"]["schedules"] == {PASS: 2, FAIL: 3, REFUSED: 1, NO_EVIDENCE: 1, NOT_SUPPORTED: 1,
                                               ORACLE_CANNOT_RUN: 1, ORACLE_NONDETERMINISTIC: 1,
-                                              EXPECTED_DIVERGENCE: 1}
+                                              MLX_LM_DEFECT: 1, EXPECTED_DIVERGENCE: 1}
     assert record["summary"]["rows"][NO_EVIDENCE] == 1 and record["summary"]["rows"][REFUSED] == 3
     l2 = record["results"][7]
     row = l2["rows"][0]
@@ -210,7 +218,7 @@ def test_each_schedule_names_its_own_model_and_the_header_none(record):
     assert [(r["model"], r["model_sha256"]) for r in record["results"][7:9]] == [
         ("tiny-llama", "a" * 64), ("other-model", "b" * 64)]
     assert record["models"] == [{"model": "tiny-llama", "model_sha256": "a" * 64, "schedules": 1},
-                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 2}]
+                                {"model": "other-model", "model_sha256": "b" * 64, "schedules": 3}]
 
 
 def test_coverage_members_and_gaps_come_from_the_run(record, run_verdict):
@@ -374,8 +382,8 @@ def test_junit_has_a_testcase_per_schedule_and_row(report, results):
     assert declared.get("skipped") == "1" and declared.get("failures") == "0"
     assert root.get("tests") == str(len(rows) + 2)
     assert root.get("failures") == str(sum(row.verdict in (FAIL, REFUSED, NO_EVIDENCE) for row in rows))
-    assert root.get("skipped") == str(1 + sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN,
-                                                              ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE)
+    assert root.get("skipped") == str(1 + sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+                                                              MLX_LM_DEFECT, EXPECTED_DIVERGENCE)
                                               for row in rows))
 
 

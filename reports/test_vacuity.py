@@ -74,6 +74,7 @@ def test_refusing_filter_fails_the_catalog(capsys):
 
 
 @pytest.mark.parametrize("level", ["L1", "L2"])  # L2 read the state as triples and crashed (exit 128)
+@pytest.mark.gqa_batched
 def test_state_returning_none_is_a_layout_failure_not_a_crash(capsys, level):
     code, out, err = run(capsys, "check", "--level", level, "--schedule", str(CATALOG / "join-longer-joiner.json"),
                          "--impl", f"{CONTROLS}:StateReturnsNone")
@@ -82,6 +83,7 @@ def test_state_returning_none_is_a_layout_failure_not_a_crash(capsys, level):
     assert "layout" in out and "state returned no" in out  # the summary cuts the message
 
 
+@pytest.mark.gqa_batched
 def test_zero_width_state_fails_l2_under_the_gpu_policy(capsys):
     # gpu.json tolerates logit moves and reports model-written bytes; layout gates regardless
     code, out, err = run(capsys, "check", "--level", "L2", "--policy", "gpu",
@@ -103,6 +105,7 @@ def test_an_optional_member_that_declines_is_not_supported_and_the_rest_passes(c
     assert code == EXIT_OK and "not supported" in out, out + err
 
 
+@pytest.mark.gqa_batched
 def test_the_default_check_on_the_reference_exercises_every_member_and_event_kind(capsys, verdict_of):
     code, out, err = run(capsys, "check")
     assert code == EXIT_OK, out + err
@@ -167,6 +170,7 @@ REFILL = [{"join": ["a"]}, {"step": 2}, {"leave": ["a"]}, {"join": ["b", "c"]}, 
 
 
 @pytest.mark.parametrize("level", ["L1", "L2"])
+@pytest.mark.gqa_batched
 def test_a_leave_that_empties_the_batch_is_judged_by_the_refill_after_it(tmp_path, capsys, verdict_of, level):
     # Nothing is compared right after the leave (no row is left), but every
     # row of the refill is: the leave's effects were observed.
@@ -179,6 +183,7 @@ def test_a_leave_that_empties_the_batch_is_judged_by_the_refill_after_it(tmp_pat
 
 
 @pytest.mark.parametrize("level", ["L1", "L2"])
+@pytest.mark.gqa_batched
 def test_a_leave_that_nothing_is_compared_after_is_never_judged(tmp_path, capsys, level):
     ends = [{"join": ["a"]}, {"step": 2}, {"leave": ["a"]}]
     code, out, err = run(capsys, "check", "--level", level,
@@ -255,6 +260,7 @@ def test_a_candidate_missing_a_schedule_has_no_evidence(golden, tmp_path, capsys
     assert "the candidate has no trace of this schedule" in out
 
 
+@pytest.mark.gqa_batched
 def test_an_oracle_that_differs_from_itself_is_never_judged(monkeypatch, capsys, tmp_path):
     """--repeat-oracle runs every solo trace twice; when mlx-lm's own path
     differs from itself nothing can be judged: exit 125, never 0 nor 1."""

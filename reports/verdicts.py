@@ -23,7 +23,7 @@ from kvparity.suites import coverage as coverage_model
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.checks import CHECKS, LOGITS
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
+    EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
     OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
 from kvparity.suites.levels import LEVELS, Level
@@ -159,7 +159,7 @@ class RunVerdict:
         parts = [f"{self.counts[PASS]} passed", f"{self.counts[FAIL]} failed"]
         parts += [f"{self.counts[v]} {v}"
                   for v in (EXPECTED_DIVERGENCE, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
-                            ORACLE_NONDETERMINISTIC)
+                            ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT)
                   if self.counts[v]]
         text = ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
         stale = len(self.unexpectedly_passing)

@@ -23,10 +23,13 @@ NO_EVIDENCE = "no evidence"  # nothing the policy requires was compared
 NOT_SUPPORTED = "not supported"  # an optional capability is missing
 ORACLE_CANNOT_RUN = "oracle cannot run"  # mlx-lm's own solo path fails on this backend
 ORACLE_NONDETERMINISTIC = "oracle nondeterministic"  # mlx-lm's solo path differs from itself: nothing to judge by
+# The installed mlx-lm's own batched path is wrong for this model whatever the
+# cache holds (oracle/mlx_lm_versions.py names the defect): nothing to judge.
+MLX_LM_DEFECT = "mlx-lm defect"
 # Every divergence was declared in an expectations file, and the evidence is complete: does not gate.
 EXPECTED_DIVERGENCE = "expected divergence"
 OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-            EXPECTED_DIVERGENCE)
+            MLX_LM_DEFECT, EXPECTED_DIVERGENCE)
 FAILURES = (FAIL, REFUSED)
 
 
@@ -63,7 +66,7 @@ class ScheduleResult:
     implementation: str
     event_kinds: List[str] = field(default_factory=list)  # kind of each event, in order
     rows: List[RowResult] = field(default_factory=list)
-    stopped: str = ""  # NOT_SUPPORTED, REFUSED, ORACLE_CANNOT_RUN or ORACLE_NONDETERMINISTIC when it ended early
+    stopped: str = ""  # NOT_SUPPORTED, REFUSED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC or MLX_LM_DEFECT when it ended early
     reason: str = ""  # why it stopped, or what raised
     path: Optional[str] = None
     model: Optional[str] = None

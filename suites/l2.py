@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
+from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import load_model, random_model_for
 from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo, run_solos
 from kvparity.oracle.trace import cached_solo, drop_entry, oracle_cache, request_key
@@ -40,7 +41,8 @@ from kvparity.suites.compare import (
 )
 from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING, LOGITS, OFFSET, STORED, TOKENS
 from kvparity.suites.evidence import (
-    NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic, ScheduleResult,
+    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic,
+    ScheduleResult,
 )
 from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay, drive
@@ -263,6 +265,10 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     missing = implementation.missing(schedule.needs)
     if missing:
         result.stop(NOT_SUPPORTED, f"needs {', '.join(missing)}")
+        return result
+    defect = defect_for_model(loaded)
+    if defect is not None:
+        result.stop(MLX_LM_DEFECT, defect.attribution())
         return result
     start = time.perf_counter()
     calls_before = dict(implementation.calls)

@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
+from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
@@ -48,7 +49,9 @@ from kvparity.suites.engines import (
     Generated,
     make_engine,
 )
-from kvparity.suites.evidence import NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised
+from kvparity.suites.evidence import (
+    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
+)
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
@@ -88,6 +91,10 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     unfit = check_fits(schedule, loaded.head_dim, loaded.vocab_size, loaded.tokenizer is not None)
     if unfit:
         result.stop(NOT_SUPPORTED, unfit)
+        return result
+    defect = defect_for_model(loaded)
+    if defect is not None:
+        result.stop(MLX_LM_DEFECT, defect.attribution())
         return result
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     first_turns = [r for r in requests if r.continues is None]
@@ -170,6 +177,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             run = engine.serve(requests)
         except EngineUnsupported as error:
             result.stop(NOT_SUPPORTED, str(error))
+            return None
+        except MlxLmDefectFound as found:
+            result.stop(MLX_LM_DEFECT, str(found))
             return None
         except MemberRaised as raised:  # the cache under test declined or broke
             raised.layer = layer_of(raised, loaded.model.layers)

@@ -61,12 +61,14 @@ def test_a_subclass_of_the_control_gets_the_other_verdict(cls, judged):
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)
+@pytest.mark.gqa_batched
 def test_subclass_sensitive_control_at_l2(cls, judged):
     result = run_l2(load(CATALOG / "join-longer-joiner.json"), control(cls))
     assert judged(result).verdict == cls.expected_outcome, result.reason
 
 
 @pytest.mark.parametrize("cls", SENSITIVE, ids=lambda c: c.__name__)
+@pytest.mark.gqa_batched
 def test_subclass_sensitive_control_at_l3(cls, judged):
     schedule = parse_arrivals({
         "kind": "arrivals", "name": "staggered-pair", "model": "llama-h64-bf16", "kv": {"bits": 4, "group_size": 64},

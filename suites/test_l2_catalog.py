@@ -14,6 +14,7 @@ PATHS = catalog_paths("L2")
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+@pytest.mark.gqa_batched
 def test_catalog_schedule(path, implementation, gate):
     gate(run_l2(load(path), implementation))
 
@@ -36,6 +37,7 @@ def test_l2_catalog_covers_models_and_settings():
         ("RopeOffsetIgnoresLeftPadding", 0, "offset"),
     ],
 )
+@pytest.mark.gqa_batched
 def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_check, judged):
     """join-longer-joiner: rows a (6 tokens) and b (4 tokens, 2 pad columns)
     merge, then decode. Only b is padded, so b diverges first, and its first

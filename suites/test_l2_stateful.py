@@ -24,6 +24,7 @@ def fuzz_settings(examples, **overrides):
                     **overrides)
 
 
+@pytest.mark.gqa_batched
 def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
     machine = make_machine(implementation, lambda r: judged(r, policy),
                            os.environ.get("KVPARITY_FOUND_DIR", tmp_path), level="L2", run_l2=run_l2)

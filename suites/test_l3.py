@@ -67,6 +67,7 @@ def test_catalog_covers_the_issue():
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+@pytest.mark.gqa_batched
 def test_catalog_on_batch_generator(path, implementation, judged):
     schedule = load(path)
     result = assert_passed(judged(run_l3(schedule, implementation)))
@@ -82,6 +83,7 @@ def test_catalog_on_batch_generator(path, implementation, judged):
         assert started and {row.request for row in result.rows if row.metrics[FROM_STORE] > 0} == started
 
 
+@pytest.mark.gqa_batched
 def test_burst_waits_for_free_rows(implementation, judged):
     schedule = load(next(p for p in PATHS if p.stem == "burst-over-completion-batch"))
     result = assert_passed(judged(run_l3(schedule, implementation)))
@@ -90,6 +92,7 @@ def test_burst_waits_for_free_rows(implementation, judged):
 
 
 @pytest.mark.parametrize("name", ["engine-defaults", "chunked-prefill-joiners"])
+@pytest.mark.gqa_batched
 def test_both_prefill_modes_are_bit_exact(name, implementation, judged):
     schedule = load(next(p for p in PATHS if p.stem == name))
     results = {label: assert_passed(judged(run_l3(variant, implementation)))
@@ -99,6 +102,7 @@ def test_both_prefill_modes_are_bit_exact(name, implementation, judged):
     assert batched["engine default"] > 0  # several prompts in one padded call happened
 
 
+@pytest.mark.gqa_batched
 def test_divergence_names_request_token_and_engine_step(judged):
     mask_bug = load_implementation(f"{CONTROLS}:MaskIgnoresLeftPadding")
     schedule = load(next(p for p in PATHS if p.stem == "staggered"))
@@ -113,18 +117,21 @@ def test_divergence_names_request_token_and_engine_step(judged):
 # -- the engine adapter --------------------------------------------------------------
 
 
+@pytest.mark.gqa_batched
 def test_serial_engine_passes(implementation, judged):
     result = assert_passed(judged(run_l3(small(), implementation, f"{TEST_ENGINES}:serial")))
     assert result.timeline == []
     assert sum(row.metrics["log-prob vectors compared"] for row in result.rows) == 9
 
 
+@pytest.mark.gqa_batched
 def test_chosen_logprob_engine_passes_on_values(implementation, judged):
     result = assert_passed(judged(run_l3(small(), implementation, f"{TEST_ENGINES}:chosen_logprob_only")))
     assert [row.metrics["log-prob values compared"] for row in result.rows] == [4, 5]
     assert [row.compared("logprobs") for row in result.rows] == [4, 5]  # values are log-prob evidence too
 
 
+@pytest.mark.gqa_batched
 def test_engine_dropping_a_last_token_fails(implementation, judged):
     result = run_l3(small(), implementation, f"{TEST_ENGINES}:drops_last_token")
     assert judged(result).verdict == FAIL
@@ -135,6 +142,7 @@ def test_engine_dropping_a_last_token_fails(implementation, judged):
     assert set(CHECKS) >= {"tokens", "logprobs", "length"}
 
 
+@pytest.mark.gqa_batched
 def test_engine_swapping_outputs_fails(implementation, judged):
     result = run_l3(small(), implementation, f"{TEST_ENGINES}:swaps_outputs")
     assert judged(result).verdict == FAIL
@@ -155,6 +163,7 @@ def test_row_class_merges_into_the_batch_class(implementation):
     assert isinstance(type(row).merge([row]), implementation.batch_class)
 
 
+@pytest.mark.gqa_batched
 def test_batch_generator_cannot_convert_late(implementation, judged):
     schedule = small(a={"arrival": 0, "prompt_len": 9, "max_tokens": 4, "kv": {"quantized_kv_start": 4}})
     result = run_l3(schedule, implementation)
@@ -163,6 +172,7 @@ def test_batch_generator_cannot_convert_late(implementation, judged):
     assert_passed(judged(run_l3(schedule, implementation, f"{TEST_ENGINES}:serial")))
 
 
+@pytest.mark.gqa_batched
 def test_batch_generator_refuses_mixed_bit_widths(implementation, judged):
     schedule = small(a={"arrival": 0, "prompt_len": 5, "max_tokens": 2},
                      b={"arrival": 0, "prompt_len": 5, "max_tokens": 2, "kv": {"bits": 8}})
@@ -170,6 +180,7 @@ def test_batch_generator_refuses_mixed_bit_widths(implementation, judged):
     assert_passed(judged(run_l3(schedule, implementation, f"{TEST_ENGINES}:serial")))
 
 
+@pytest.mark.gqa_batched
 def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
     # mlx-lm 0.32.2's QuantizedKVCache sizes its packed buffer as head_dim // (32 // bits):
     # wrong when bits does not divide 32 (6-bit, head_dim 128: 25 words for 24).
@@ -182,6 +193,7 @@ def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
     assert result.members == {} and implementation.calls_since(calls_before) == {}
 
 
+@pytest.mark.gqa_batched
 def test_a_cache_that_refuses_a_required_member_is_refused_at_l3(judged):
     refuses = load_implementation(f"{CONTROLS}:RefusesUpdateAndFetch")
     result = run_l3(small(), refuses)
@@ -200,12 +212,14 @@ CAUGHT_AT_L3 = {"MaskIgnoresLeftPadding", "RopeOffsetIgnoresLeftPadding", "Exten
 
 
 @pytest.mark.parametrize("control", ["MaskIgnoresLeftPadding", "RopeOffsetIgnoresLeftPadding"])
+@pytest.mark.gqa_batched
 def test_negative_control_caught(control, judged):
     result = judged(run_l3(load(next(p for p in PATHS if p.stem == "engine-defaults")),
                            load_implementation(f"{CONTROLS}:{control}")))
     assert result.verdict == FAIL
 
 
+@pytest.mark.gqa_batched
 def test_members_batch_generator_calls(implementation, judged):
     from collections import Counter
 
@@ -241,10 +255,12 @@ def test_every_negative_control_on_the_catalog(judged):
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=arrival_documents())
+@pytest.mark.gqa_batched
 def test_generated_arrivals(doc, implementation, judged, tmp_path_factory):
     check_document(doc, implementation, judged, folder=tmp_path_factory.getbasetemp() / "found")
 
 
+@pytest.mark.gqa_batched
 def test_failing_document_is_written_and_replays(tmp_path, judged):
     mask_bug = load_implementation(f"{CONTROLS}:MaskIgnoresLeftPadding")
     doc = {"kind": "arrivals", "name": "two-rows", "model": "llama-h64-bf16", "kv": {"bits": 4, "group_size": 64},

@@ -122,6 +122,7 @@ def test_l3_generations_are_cached_by_content_and_recomputed_when_damaged(tmp_pa
         assert all(first_difference(a, b) is None for a, b in zip(fresh.logprobs, run.logprobs))
 
 
+@pytest.mark.gqa_batched
 def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation, gate):
     """A second run of a schedule reuses the stored solo traces instead of
     recomputing them; a changed request gets a new key."""
@@ -146,6 +147,7 @@ def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation, 
     assert "the oracle ran again" in changed.reason
 
 
+@pytest.mark.gqa_batched
 def test_an_oracle_that_cannot_run_is_never_a_pass_nor_a_failure(monkeypatch, implementation, judged):
     """mlx-lm's own solo path raising (as it does for some shapes on CUDA)
     is "oracle cannot run", naming the error; the cache is not blamed."""
@@ -183,6 +185,7 @@ def _flaky_solo(monkeypatch, l2, flip_call=1, flip_index=3):
     return runs
 
 
+@pytest.mark.gqa_batched
 def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(monkeypatch, implementation,
                                                                                  judged):
     """Run twice, mlx-lm's solo path gives other bytes the second time: the
@@ -206,6 +209,7 @@ def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(m
     assert "call 1, logits, flat index 3: first run " in result.reason and "second run " in result.reason
 
 
+@pytest.mark.gqa_batched
 def test_the_oracle_cache_does_not_hide_nondeterminism(tmp_path, monkeypatch, implementation, gate):
     """A stored solo trace is compared with a fresh second run, never with
     itself; a trace found to differ is dropped from the cache."""
@@ -237,6 +241,7 @@ def test_the_oracle_cache_does_not_hide_nondeterminism(tmp_path, monkeypatch, im
     assert len(list(tmp_path.iterdir())) == len(stored) - 1  # its stored trace is gone
 
 
+@pytest.mark.gqa_batched
 def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, implementation, gate):
     from kvparity.suites import l2
     from kvparity.suites.schedule import CATALOG, load

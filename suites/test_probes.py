@@ -8,7 +8,9 @@ import pytest
 from tabulate import tabulate
 
 from kvparity.oracle import probes
+from kvparity.oracle.mlx_lm_versions import defects_for
 from kvparity.oracle.probes import (
+    MLX_LM_OPS,
     OPS,
     ProbeResult,
     ProbeShapes,
@@ -39,9 +41,15 @@ def test_every_op_is_batch_invariant_on_cpu(dtype):
     assert [(r.op, r.batch_size) for r in results] == [
         (op, b) for op in OPS for b in BATCH_SIZES
     ]
+    # Where the installed mlx-lm's own attention is wrong for these shapes, the
+    # probe must say so (suites/test_mlx_lm_versions.py); every other op holds.
+    defective = bool(defects_for(4, 2))
     for r in results:
+        if defective and r.op in MLX_LM_OPS and r.batch_size > 1:
+            assert not r.invariant and r.attribution is not None, r
+            continue
         assert r.error is None, r
-        assert r.invariant, r
+        assert r.invariant and r.attribution is None, r
         assert r.max_abs_diff == 0.0 and r.first_row is None, r
 
 
@@ -70,7 +78,10 @@ def test_table_of_a_real_run():
     headers, rows = probe_table(results)
     assert headers == ["op", "B=1", "B=2"]
     assert [row[0] for row in rows] == list(OPS)
-    assert all(cell == "yes" for row in rows for cell in row[1:])
+    defective = bool(defects_for(4, 2))
+    for row in rows:
+        marked = defective and row[0] in MLX_LM_OPS
+        assert row[1] == "yes" and (row[2].endswith("[mlx-lm defect]") if marked else row[2] == "yes"), row
 
 
 def test_probe_reports_an_op_that_depends_on_batch_position(monkeypatch):

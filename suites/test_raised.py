@@ -48,6 +48,7 @@ def batched(cache):
     ("L2", L2_SCHEDULE, "event #1 step"),
     ("L3", L3_SCHEDULE, "event #0 serve"),
 ])
+@pytest.mark.gqa_batched
 def test_the_models_forward_raising_on_the_batch_is_a_failure_worded_alike(
         capsys, monkeypatch, fresh_oracle, level, schedule, event):
     wrap_attention(monkeypatch, batched)
@@ -59,6 +60,7 @@ def test_the_models_forward_raising_on_the_batch_is_a_failure_worded_alike(
 
 
 @pytest.mark.parametrize("level, schedule", [("L2", L2_SCHEDULE), ("L3", L3_SCHEDULE)])
+@pytest.mark.gqa_batched
 def test_raising_on_the_solo_path_too_means_the_oracle_cannot_run(capsys, monkeypatch, fresh_oracle, level,
                                                                    schedule):
     wrap_attention(monkeypatch, lambda cache: True)
@@ -73,6 +75,7 @@ def test_raising_on_the_solo_path_too_means_the_oracle_cannot_run(capsys, monkey
     ("L2", L2_SCHEDULE, "kvparity.suites.l2.compare_caches"),
     ("L3", L3_SCHEDULE, "kvparity.suites.l3.compare_request"),
 ])
+@pytest.mark.gqa_batched
 def test_only_a_bug_of_kvparity_itself_exits_128(capsys, monkeypatch, level, schedule, harness_part):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the harness")

@@ -37,6 +37,7 @@ def one_ulp(logits):
     (lambda x: x + 0.5, "kl<=0.0001 and top-1 agree", FAIL),  # a shift: softmax unchanged, every value moved
     (lambda x: -x, "diverged", FAIL),  # the greedy token flips
 ], ids=["none", "one ulp", "shift", "negated"])
+@pytest.mark.gqa_batched
 def test_each_tier_is_reached_by_a_known_perturbation(implementation, judged, change, tier, verdict):
     loaded = load_model("llama-h64-bf16")
     perturbed = dataclasses.replace(loaded, model=Perturbed(loaded.model, change))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvparity.oracle.models import DEFAULT_MODEL, ModelUnavailable, available_models
+from kvparity.oracle.models import DEFAULT_MODEL, ModelUnavailable, available_models, random_model
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
@@ -36,8 +36,9 @@ DEVICE_HELP = "MLX device (default: MLX's default)"
 
 
 def model_help() -> str:
-    return (f"run L2 on this model (one of {', '.join(available_models())}; smollm2 runs the real-model "
-            "schedules); default: each schedule's own, a seeded random model")
+    return (f"run L2 on this model (one of {', '.join(available_models())}, or a random one with '-mha' added: a kv "
+            "head per query head; smollm2 runs the real-model schedules); default: each schedule's own, a seeded "
+            "random model")
 
 
 def common_options(command, levels=("L1", "L2", "L3", "all"), default_level="all"):
@@ -103,7 +104,7 @@ def check_engine(spec):
 
 
 def check_model_name(name):
-    if name is not None and name not in available_models():
+    if name is not None and name not in available_models() and random_model(name) is None:
         raise UsageError(f"--model {name!r}: unknown model (available: {', '.join(available_models())})")
 
 

@@ -5,7 +5,7 @@ import argparse
 from tabulate import tabulate
 
 from kvparity.oracle.models import DEFAULT_MODEL
-from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, probe_table, run_probes
+from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, probe_notes, probe_table, run_probes
 from kvparity.reports.commands.base import (
     DEVICE_HELP, CannotRun, check_model_name, model_help, model_or_default, use_device,
 )
@@ -59,4 +59,6 @@ def handle(args):
     print(f"L0 batch invariance on {model.name} shapes, {args.device or 'default device'}: "
           "is row i of a batch byte-identical to the op run on row i alone?")
     print(tabulate(rows, headers, tablefmt="simple"))
+    for note in probe_notes(results):
+        print(note)
     return EXIT_OK

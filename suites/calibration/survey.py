@@ -10,13 +10,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import RANDOM_MODELS, load_model
 from kvparity.oracle.quantization import BITS, GROUP_SIZES
 from kvparity.suites.calibration.backend import (
     READS, backend_warnings, captured_stderr, error_text, reads, schedule_doc, solo_traces,
 )
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
-from kvparity.suites.evidence import OracleNondeterministic
+from kvparity.suites.evidence import MLX_LM_DEFECT, OracleNondeterministic
 from kvparity.suites.l2 import fit_to_model, model_for, run_l2
 from kvparity.suites.schedule import catalog_paths, load, parse
 
@@ -123,6 +124,10 @@ def _survey_setting(model, implementation, bits, group_size, entry):
         traces = solo_traces(model, schedule)
     except Exception as error:
         entry["oracle"], entry["detail"] = "raised (batch-survey prompts)", error_text(error)
+        return
+    defect = defect_for_model(model)
+    if defect is not None:  # distances through mlx-lm's own wrong attention calibrate nothing
+        entry["batched"], entry["detail"] = MLX_LM_DEFECT, defect.attribution()
         return
     try:
         rows = batched_rows(model, implementation, schedule, traces)

@@ -1,0 +1,170 @@
+"""The mlx-lm versions kvparity runs on, and mlx-lm's own defects it reports.
+
+The oracle and the batched path are always the installed mlx-lm's own code.
+This is the one place that knows how mlx-lm versions differ: a compatibility
+shim goes here, with the version and the API difference it bridges, and so
+does each defect of mlx-lm's own batched path that no cache can avoid.
+
+A defect is found by running the installed mlx-lm's code, never by reading
+its version number: a patched or backported mlx-lm is judged by what it does.
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Callable, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+
+# The oldest mlx-lm whose oracle path kvparity uses unchanged (pyproject.toml
+# requires it); every minor from it to the newest is gated in CI (noxfile.py).
+OLDEST_SUPPORTED = "0.30"
+
+
+def mlx_lm_version() -> str:
+    try:
+        return version("mlx-lm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# --- compatibility shims: one per API difference -----------------------------
+
+
+def batch_generator_next(generator) -> Tuple[list, list]:
+    """One step of mlx-lm's ``BatchGenerator``: (prompt responses, generation
+    responses). mlx-lm 0.31 and 0.32 return that tuple; 0.30's ``next()``
+    returns the generation responses alone, as a list (it prefills whole
+    prompts inside the step and reports no prompt progress)."""
+    responses = generator.next()
+    if isinstance(responses, tuple):
+        return responses
+    return [], responses
+
+
+# --- mlx-lm's own defects -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MlxLmDefect:
+    """A defect of mlx-lm's own batched path: wrong whatever the cache holds."""
+
+    name: str
+    what: str  # what goes wrong, in one sentence
+    source: str  # mlx-lm's source that does it
+    fixed_in: str  # the first mlx-lm release without it
+    consequence: str  # what it leaves kvparity unable to judge
+
+    def attribution(self) -> str:
+        """What a report says where the defect decides an outcome."""
+        return (f"mlx-lm {mlx_lm_version()} defect ({self.name}): {self.what} [{self.source}; "
+                f"fixed in mlx-lm {self.fixed_in}]: {self.consequence}")
+
+
+class MlxLmDefectFound(Exception):
+    """Raised where an installed mlx-lm defect keeps a run from judging the cache."""
+
+    def __init__(self, defect: MlxLmDefect):
+        super().__init__(defect.attribution())
+        self.defect = defect
+
+
+GQA_LEFT_PADDING_MASK = MlxLmDefect(
+    name="gqa-left-padding-mask",
+    what=("quantized attention with grouped-query heads broadcasts a batch's (B, 1, L, S) left-padding mask "
+          "against its (B, kv_heads, repeats, L, S) scores without expanding it, so row i's mask lands on kv "
+          "head i (wrong logits when B equals kv_heads, a broadcast error otherwise)"),
+    source="mlx_lm/models/base.py quantized_scaled_dot_product_attention, before 'mask = mx.expand_dims(mask, -3)'",
+    fixed_in="0.32.0",
+    consequence=("the cache's bytes held, the logits diverge through mlx-lm's attention, so parity cannot be "
+                 "judged on this model here"),
+)
+
+
+def _mask_broadcast_breaks(attention: Callable, n_heads: int, n_kv_heads: int) -> bool:
+    """True when ``attention`` raises on a batch of 3 rows with uneven left
+    padding (3 is neither 1 nor the 2 kv heads, so a mask broadcast over kv
+    heads instead of rows cannot go unnoticed)."""
+    B, L, S, head_dim, bits, group_size = 3, 1, 8, 64, 4, 64
+    queries = mx.zeros((B, n_heads, L, head_dim), dtype=mx.float32)
+    keys = mx.quantize(mx.zeros((B, n_kv_heads, S, head_dim)), group_size=group_size, bits=bits)
+    values = mx.quantize(mx.zeros((B, n_kv_heads, S, head_dim)), group_size=group_size, bits=bits)
+    # What BatchKVCache.make_mask gives for rows padded by 0, 2 and 5 columns.
+    mask = create_causal_mask(L, S - L, left_padding=mx.array([0, 2, 5]))
+    try:
+        mx.eval(attention(queries, keys, values, scale=1.0, mask=mask, group_size=group_size, bits=bits))
+    except ValueError:
+        return True
+    return False
+
+
+def has_gqa_left_padding_mask_defect(attention: Optional[Callable] = None) -> bool:
+    """The installed (or given) quantized attention breaks on a grouped-query
+    batch with a left-padding mask while the same batch with a kv head per
+    query head runs: the defect is in the grouped-query path alone."""
+    attention = attention or quantized_scaled_dot_product_attention
+    return _mask_broadcast_breaks(attention, 4, 2) and not _mask_broadcast_breaks(attention, 4, 4)
+
+
+BATCH_GENERATOR_OWN_CACHE = MlxLmDefect(
+    name="batch-generator-own-cache",
+    what=("BatchGenerator serves prompts whose inserted caches are all empty from a bfloat16 BatchKVCache of its "
+          "own, never merging the caches it was given, so the cache under test never serves a token"),
+    source="mlx_lm/generate.py BatchGenerator._process_prompts, 'if all(c[0].empty() for c in caches)'",
+    fixed_in="0.31.0",
+    consequence="L3 on this BatchGenerator cannot judge a cache",
+)
+
+
+class _MergeRecorder(KVCache):
+    merged = 0
+
+    @classmethod
+    def merge(cls, caches):
+        _MergeRecorder.merged += 1
+        return super().merge(caches)
+
+
+def batch_generator_serves_its_own_cache(generator_class=None) -> bool:
+    """True when mlx-lm's BatchGenerator (or the given class) serves a prompt
+    without ever merging the empty caches inserted with it."""
+    from kvparity.oracle.models import load_model  # a model only where L3 asks
+
+    generator_class = generator_class or BatchGenerator
+    model = load_model("llama-h64-bf16-mha").model
+    generator = generator_class(model)
+    _MergeRecorder.merged = 0
+    try:
+        generator.insert([[1, 2, 3]], max_tokens=[1], caches=[[_MergeRecorder() for _ in model.layers]])
+        for _ in range(4):  # a prompt step, then a token
+            batch_generator_next(generator)
+    finally:
+        generator.close()
+    return _MergeRecorder.merged == 0
+
+
+@lru_cache(maxsize=None)
+def installed_batch_generator_defect() -> Optional[MlxLmDefect]:
+    """The installed BatchGenerator's defect that keeps L3 from judging a cache, or None."""
+    return BATCH_GENERATOR_OWN_CACHE if batch_generator_serves_its_own_cache() else None
+
+
+@lru_cache(maxsize=None)
+def _installed_has_gqa_defect() -> bool:
+    return has_gqa_left_padding_mask_defect()
+
+
+def defects_for(n_heads: int, n_kv_heads: int) -> List[MlxLmDefect]:
+    """The installed mlx-lm's defects that reach a model with these heads."""
+    if n_kv_heads < n_heads and _installed_has_gqa_defect():
+        return [GQA_LEFT_PADDING_MASK]
+    return []
+
+
+def defect_for_model(loaded) -> Optional[MlxLmDefect]:
+    """The first installed mlx-lm defect that reaches ``loaded`` (a LoadedModel), or None."""
+    found = defects_for(loaded.n_heads, loaded.n_kv_heads)
+    return found[0] if found else None
