@@ -33,7 +33,7 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
 # Each supported mlx-lm minor and the release of it the gate installs (its
 # newest): the oldest is oracle/mlx_lm_versions.py's OLDEST_SUPPORTED.
-MLX_LM_MINORS = {"0.30": "0.30.7", "0.31": "0.31.3", "0.32": "0.32.2"}
+MLX_LM_MINORS = {"0.31": "0.31.3", "0.32": "0.32.2"}
 
 # L2 on a model with a kv head per query head: judged on every supported
 # mlx-lm, also where mlx-lm's grouped-query attention has its own defect.

@@ -12,7 +12,7 @@ its version number: a patched or backported mlx-lm is judged by what it does.
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 
 # The oldest mlx-lm whose oracle path kvparity uses unchanged (pyproject.toml
 # requires it); every minor from it to the newest is gated in CI (noxfile.py).
-OLDEST_SUPPORTED = "0.30"
+OLDEST_SUPPORTED = "0.31"
 
 
 def mlx_lm_version() -> str:
@@ -31,18 +31,7 @@ def mlx_lm_version() -> str:
         return "unknown"
 
 
-# --- compatibility shims: one per API difference -----------------------------
-
-
-def batch_generator_next(generator) -> Tuple[list, list]:
-    """One step of mlx-lm's ``BatchGenerator``: (prompt responses, generation
-    responses). mlx-lm 0.31 and 0.32 return that tuple; 0.30's ``next()``
-    returns the generation responses alone, as a list (it prefills whole
-    prompts inside the step and reports no prompt progress)."""
-    responses = generator.next()
-    if isinstance(responses, tuple):
-        return responses
-    return [], responses
+# A compatibility shim goes here, one per API difference; 0.31.3 and 0.32.x need none.
 
 
 # --- mlx-lm's own defects -----------------------------------------------------
@@ -140,7 +129,7 @@ def batch_generator_serves_its_own_cache(generator_class=None) -> bool:
     try:
         generator.insert([[1, 2, 3]], max_tokens=[1], caches=[[_MergeRecorder() for _ in model.layers]])
         for _ in range(4):  # a prompt step, then a token
-            batch_generator_next(generator)
+            generator.next()
     finally:
         generator.close()
     return _MergeRecorder.merged == 0

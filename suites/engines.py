@@ -52,7 +52,7 @@ from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache
 from kvparity.oracle.generation import (
     PROMPT_CACHE_MODEL, NotQuantized, StoredPrefix, fetch_nearest, quantized_copy,
 )
-from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, batch_generator_next, installed_batch_generator_defect
+from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, installed_batch_generator_defect
 from kvparity.suites.adapter import ImplementationError, resolve
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
@@ -279,7 +279,7 @@ class _Serving:
             if arriving:
                 pending = [r for r in pending if r not in arriving]
                 self.insert(arriving, step, record)
-            prompt_responses, generation_responses = batch_generator_next(self.generator)
+            prompt_responses, generation_responses = self.generator.next()
             for response in prompt_responses:
                 (record.joined if response.end_of_prompt else record.prompt_rows).append(self.by_uid[response.uid])
             if self.store is not None:

@@ -163,7 +163,7 @@ def test_the_batch_generator_detector_finds_a_generator_that_ignores_the_cache_g
 
 
 def test_the_installed_batch_generator_is_judged_by_what_it_does():
-    # mlx-lm 0.30's own-cache branch is in its source exactly when running it shows the defect.
+    # mlx-lm 0.30's own-cache branch (not supported) is in its source exactly when running it shows the defect.
     own_cache = "if all(c[0].empty() for c in caches)" in inspect.getsource(inspect.getmodule(BatchGenerator))
     assert batch_generator_serves_its_own_cache() is own_cache
     assert (installed_batch_generator_defect() is BATCH_GENERATOR_OWN_CACHE) is own_cache
