@@ -46,6 +46,7 @@ LOGPROBS = "logprobs"
 LENGTH = "length"
 PAD = "pad"
 ALIAS = "alias"
+QUANTIZED = "quantized"
 
 # Every check, in the order the reports list them.
 CHECKS: Dict[str, Check] = {
@@ -65,6 +66,8 @@ CHECKS: Dict[str, Check] = {
     TOKENS: Check(PARITY, "greedy (L2) or generated (L3) tokens equal the request run alone", BY_TIER),
     LOGPROBS: Check(PARITY, "L3: the log-probabilities of each generated token"),
     LENGTH: Check(PARITY, "L3: how many tokens each request generated"),
+    QUANTIZED: Check(PARITY, "L3: after the engine's first step that generated a token, every layer's cache holds "
+                             "(packed, scales, biases) triples of the requested bits and group size"),
     PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),

@@ -132,6 +132,36 @@ class PrefixUse:
     cached: int  # prompt tokens that came from the entry
 
 
+@dataclass(frozen=True)
+class HeldLayer:
+    """What one layer's cache held, read when the engine held it: its class
+    and the keys and values its ``state`` gave (a quantized cache's are
+    (packed, scales, biases) triples)."""
+
+    cache: str
+    keys: object
+    values: object
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """The engine's first step that generated a token: which requests
+    generated, and what each layer's cache of their batch held then."""
+
+    step: int
+    rows: Tuple[str, ...]
+    layers: Tuple[HeldLayer, ...]
+
+
+def held_layers(caches) -> Tuple[HeldLayer, ...]:
+    """Each layer's cache as it holds its keys and values now."""
+    held = []
+    for cache in caches:
+        state = cache.state
+        held.append(HeldLayer(type(cache).__name__, state[0], state[1]))
+    return tuple(held)
+
+
 @dataclass
 class EngineRun:
     outputs: Dict[str, Generated]
@@ -142,6 +172,9 @@ class EngineRun:
     prompts: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     stored: Dict[int, StoredPrefix] = field(default_factory=dict)
     prefixes: Dict[str, PrefixUse] = field(default_factory=dict)
+    # What the caches held after the first step that generated a token;
+    # None: the engine does not say (the quantized check is then not made).
+    first_step: Optional[FirstStep] = None
 
 
 class StoredEntry(list):
@@ -228,6 +261,26 @@ class BatchGeneratorEngine:
         finally:
             generator.close()
 
+    def insert(self, generator, requests: Sequence[EngineRequest], prompts: List[List[int]]) -> List[int]:
+        """Requests that start from nothing, each with its empty quantized rows."""
+        return generator.insert(prompts, max_tokens=[r.max_tokens for r in requests],
+                                caches=[self.rows(r) for r in requests])
+
+    @staticmethod
+    def joined(prompt_response) -> bool:
+        """Whether a prompt response says its row moved into the generation batch."""
+        return prompt_response.end_of_prompt
+
+    @staticmethod
+    def logprobs(response) -> mx.array:
+        return response.logprobs
+
+    @staticmethod
+    def batch_caches(generator) -> list:
+        """Each layer's cache of the generation batch (mlx-lm keeps it in
+        ``_generation_batch``; no public member hands it out)."""
+        return generator._generation_batch.prompt_cache
+
     def rows(self, request: EngineRequest) -> list:
         """Empty quantized rows, one per layer: a request that starts from nothing."""
         return [self.row_class(group_size=request.group_size, bits=request.bits) for _ in self.model.layers]
@@ -266,7 +319,7 @@ class _Serving:
         # more steps than that means the engine stalled.
         everything = sum(len(r.prompt) + r.max_tokens for r in self.requests)
         limit = sum(r.arrival + r.max_tokens + 2 + everything // r.prefill_step_size for r in self.requests)
-        step = 0
+        step, first_step = 0, None
         while unfinished:
             if step > limit:
                 raise RuntimeError(f"engine stalled: {sorted(unfinished)} unfinished after {step} steps")
@@ -277,7 +330,8 @@ class _Serving:
                 self.insert(arriving, step, record)
             prompt_responses, generation_responses = self.generator.next()
             for response in prompt_responses:
-                (record.joined if response.end_of_prompt else record.prompt_rows).append(self.by_uid[response.uid])
+                (record.joined if self.engine.joined(response) else record.prompt_rows).append(
+                    self.by_uid[response.uid])
             if self.store is not None:
                 self.store_segments(prompt_responses, step, record)
             for response in generation_responses:
@@ -285,7 +339,7 @@ class _Serving:
                 record.generation_rows.append(rid)
                 out = self.outputs[rid]
                 out.tokens.append(response.token)
-                out.logprobs.append(response.logprobs)
+                out.logprobs.append(self.engine.logprobs(response))
                 out.steps.append(step)
                 if response.finish_reason is not None:
                     record.finished.append(rid)
@@ -295,9 +349,12 @@ class _Serving:
                             self.due[r.id] = step + 1 + r.arrival
                     if self.store is not None:
                         self.put(response.prompt_cache, response.all_tokens, "assistant", rid, step, record)
+            if generation_responses and first_step is None:
+                first_step = FirstStep(step, tuple(record.generation_rows),
+                                       held_layers(self.engine.batch_caches(self.generator)))
             timeline.append(record)
             step += 1
-        return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes)
+        return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes, first_step)
 
     def prompt(self, request: EngineRequest) -> Tuple[int, ...]:
         if request.continues is None:
@@ -310,9 +367,7 @@ class _Serving:
         for r in arriving:
             self.prompts[r.id] = self.prompt(r)
         if self.store is None:
-            uids = self.generator.insert([list(self.prompts[r.id]) for r in arriving],
-                                         max_tokens=[r.max_tokens for r in arriving],
-                                         caches=[self.engine.rows(r) for r in arriving])
+            uids = self.engine.insert(self.generator, arriving, [list(self.prompts[r.id]) for r in arriving])
             self.by_uid.update(zip(uids, (r.id for r in arriving)))
             return
         for r in arriving:  # as mlx_lm.server does for each request it can batch
