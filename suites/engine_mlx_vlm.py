@@ -46,7 +46,7 @@ from kvparity.suites.engines import (
     EngineRun,
     EngineSettings,
     EngineUnsupported,
-    _Serving,
+    Serving,
     uniform,
 )
 
@@ -100,7 +100,7 @@ class MlxVlmBatchGenerator(BatchGeneratorEngine):
         applied = {k: getattr(generator, k) for k in ("completion_batch_size", "prefill_batch_size",
                                                       "prefill_step_size", "kv_bits", "kv_group_size")}
         try:
-            return _Serving(self, generator, None, requests).run(applied)
+            return Serving(self, generator, None, requests).run(applied)
         finally:
             generator.close()
 

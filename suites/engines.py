@@ -38,6 +38,11 @@ request's full prompt, every entry it stored (``StoredPrefix``, mlx-lm's own
 ``QuantizedKVCache`` holding the bytes at the time it was stored) and which
 entry each request started from: the oracle starts the same request alone
 from that entry.
+
+What the engine's caches held (``EngineRun.first_step``, optional): after the
+first step that generated a token, each layer's cache of that batch as
+``held_layers`` reads it. L3's ``quantized`` check reads it: every layer must
+hold triples of the requests' bits and group size.
 """
 
 import inspect
@@ -257,7 +262,7 @@ class BatchGeneratorEngine:
         elif any(r.continues is not None for r in requests):
             raise EngineUnsupported("a conversation's turns need a prompt cache (settings.prompt_cache_size)")
         try:
-            return _Serving(self, generator, store, requests).run(applied)
+            return Serving(self, generator, store, requests).run(applied)
         finally:
             generator.close()
 
@@ -295,9 +300,12 @@ class BatchGeneratorEngine:
         return list(entry)
 
 
-class _Serving:
+class Serving:
     """One ``serve``: requests handed to the generator at their steps, its
-    responses collected, and with a store, the server loop's fetches and stores."""
+    responses collected, and with a store, the server loop's fetches and stores.
+    An engine whose generator works like mlx-lm's (``insert``, then ``next()``
+    answering prompt and generation responses) reuses it through the
+    engine's ``insert``, ``joined``, ``logprobs`` and ``batch_caches``."""
 
     def __init__(self, engine: BatchGeneratorEngine, generator, store: Optional[LRUPromptCache], requests):
         self.engine, self.generator, self.store = engine, generator, store
