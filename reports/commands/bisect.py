@@ -82,6 +82,7 @@ def handle(args):
     print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
           + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
-    replay = f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
+    replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
+              + (f" --engine {args.engine}" if getattr(args, "engine", None) else ""))
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN
