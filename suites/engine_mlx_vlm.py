@@ -31,6 +31,10 @@ and nothing else:
 * each token's log-prob comes back as a Python float (``tolist()`` of the
   logits' dtype, ar.py:1246 and 1470): made an array of that dtype again
   (the embeddings' dtype, the activations'), which holds the same value.
+
+It keeps its generation batch where mlx-lm's generator does
+(``_generation_batch``, ar.py:2576), so the ``quantized`` check reads each
+layer's cache the same way.
 """
 
 from typing import List, Sequence

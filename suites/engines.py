@@ -281,10 +281,12 @@ class BatchGeneratorEngine:
         return response.logprobs
 
     @staticmethod
-    def batch_caches(generator) -> list:
+    def batch_caches(generator) -> Optional[list]:
         """Each layer's cache of the generation batch (mlx-lm keeps it in
-        ``_generation_batch``; no public member hands it out)."""
-        return generator._generation_batch.prompt_cache
+        ``_generation_batch``, 0.31.3 to 0.32.x; no public member hands it
+        out), or None where the generator keeps it elsewhere: not said."""
+        batch = getattr(generator, "_generation_batch", None)
+        return None if batch is None else batch.prompt_cache
 
     def rows(self, request: EngineRequest) -> list:
         """Empty quantized rows, one per layer: a request that starts from nothing."""
@@ -358,8 +360,9 @@ class Serving:
                     if self.store is not None:
                         self.put(response.prompt_cache, response.all_tokens, "assistant", rid, step, record)
             if generation_responses and first_step is None:
-                first_step = FirstStep(step, tuple(record.generation_rows),
-                                       held_layers(self.engine.batch_caches(self.generator)))
+                caches = self.engine.batch_caches(self.generator)
+                if caches is not None:
+                    first_step = FirstStep(step, tuple(record.generation_rows), held_layers(caches))
             timeline.append(record)
             step += 1
         return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes, first_step)
