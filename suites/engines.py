@@ -38,6 +38,11 @@ request's full prompt, every entry it stored (``StoredPrefix``, mlx-lm's own
 ``QuantizedKVCache`` holding the bytes at the time it was stored) and which
 entry each request started from: the oracle starts the same request alone
 from that entry.
+
+What the engine's caches held (``EngineRun.first_step``, optional): after the
+first step that generated a token, each layer's cache of that batch as
+``held_layers`` reads it. L3's ``quantized`` check reads it: every layer must
+hold triples of the requests' bits and group size.
 """
 
 import inspect
@@ -133,6 +138,36 @@ class PrefixUse:
     cached: int  # prompt tokens that came from the entry
 
 
+@dataclass(frozen=True)
+class HeldLayer:
+    """What one layer's cache held, read when the engine held it: its class
+    and the keys and values its ``state`` gave (a quantized cache's are
+    (packed, scales, biases) triples)."""
+
+    cache: str
+    keys: object
+    values: object
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """The engine's first step that generated a token: which requests
+    generated, and what each layer's cache of their batch held then."""
+
+    step: int
+    rows: Tuple[str, ...]
+    layers: Tuple[HeldLayer, ...]
+
+
+def held_layers(caches) -> Tuple[HeldLayer, ...]:
+    """Each layer's cache as it holds its keys and values now."""
+    held = []
+    for cache in caches:
+        state = cache.state
+        held.append(HeldLayer(type(cache).__name__, state[0], state[1]))
+    return tuple(held)
+
+
 @dataclass
 class EngineRun:
     outputs: Dict[str, Generated]
@@ -143,6 +178,9 @@ class EngineRun:
     prompts: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     stored: Dict[int, StoredPrefix] = field(default_factory=dict)
     prefixes: Dict[str, PrefixUse] = field(default_factory=dict)
+    # What the caches held after the first step that generated a token;
+    # None: the engine does not say (the quantized check is then not made).
+    first_step: Optional[FirstStep] = None
 
 
 class StoredEntry(list):
@@ -228,9 +266,31 @@ class BatchGeneratorEngine:
         elif any(r.continues is not None for r in requests):
             raise EngineUnsupported("a conversation's turns need a prompt cache (settings.prompt_cache_size)")
         try:
-            return _Serving(self, generator, store, requests).run(applied)
+            return Serving(self, generator, store, requests).run(applied)
         finally:
             generator.close()
+
+    def insert(self, generator, requests: Sequence[EngineRequest], prompts: List[List[int]]) -> List[int]:
+        """Requests that start from nothing, each with its empty quantized rows."""
+        return generator.insert(prompts, max_tokens=[r.max_tokens for r in requests],
+                                caches=[self.rows(r) for r in requests])
+
+    @staticmethod
+    def joined(prompt_response) -> bool:
+        """Whether a prompt response says its row moved into the generation batch."""
+        return prompt_response.end_of_prompt
+
+    @staticmethod
+    def logprobs(response) -> mx.array:
+        return response.logprobs
+
+    @staticmethod
+    def batch_caches(generator) -> Optional[list]:
+        """Each layer's cache of the generation batch (mlx-lm keeps it in
+        ``_generation_batch``, 0.31.3 to 0.32.x; no public member hands it
+        out), or None where the generator keeps it elsewhere: not said."""
+        batch = getattr(generator, "_generation_batch", None)
+        return None if batch is None else batch.prompt_cache
 
     def rows(self, request: EngineRequest) -> list:
         """Empty quantized rows, one per layer: a request that starts from nothing."""
@@ -246,9 +306,12 @@ class BatchGeneratorEngine:
         return list(entry)
 
 
-class _Serving:
+class Serving:
     """One ``serve``: requests handed to the generator at their steps, its
-    responses collected, and with a store, the server loop's fetches and stores."""
+    responses collected, and with a store, the server loop's fetches and stores.
+    An engine whose generator works like mlx-lm's (``insert``, then ``next()``
+    answering prompt and generation responses) reuses it through the
+    engine's ``insert``, ``joined``, ``logprobs`` and ``batch_caches``."""
 
     def __init__(self, engine: BatchGeneratorEngine, generator, store: Optional[LRUPromptCache], requests):
         self.engine, self.generator, self.store = engine, generator, store
@@ -270,7 +333,7 @@ class _Serving:
         # more steps than that means the engine stalled.
         everything = sum(len(r.prompt) + r.max_tokens for r in self.requests)
         limit = sum(r.arrival + r.max_tokens + 2 + everything // r.prefill_step_size for r in self.requests)
-        step = 0
+        step, first_step = 0, None
         while unfinished:
             if step > limit:
                 raise RuntimeError(f"engine stalled: {sorted(unfinished)} unfinished after {step} steps")
@@ -281,7 +344,8 @@ class _Serving:
                 self.insert(arriving, step, record)
             prompt_responses, generation_responses = self.generator.next()
             for response in prompt_responses:
-                (record.joined if response.end_of_prompt else record.prompt_rows).append(self.by_uid[response.uid])
+                (record.joined if self.engine.joined(response) else record.prompt_rows).append(
+                    self.by_uid[response.uid])
             if self.store is not None:
                 self.store_segments(prompt_responses, step, record)
             for response in generation_responses:
@@ -289,7 +353,7 @@ class _Serving:
                 record.generation_rows.append(rid)
                 out = self.outputs[rid]
                 out.tokens.append(response.token)
-                out.logprobs.append(response.logprobs)
+                out.logprobs.append(self.engine.logprobs(response))
                 out.steps.append(step)
                 if response.finish_reason is not None:
                     record.finished.append(rid)
@@ -299,9 +363,13 @@ class _Serving:
                             self.due[r.id] = step + 1 + r.arrival
                     if self.store is not None:
                         self.put(response.prompt_cache, response.all_tokens, "assistant", rid, step, record)
+            if generation_responses and first_step is None:
+                caches = self.engine.batch_caches(self.generator)
+                if caches is not None:
+                    first_step = FirstStep(step, tuple(record.generation_rows), held_layers(caches))
             timeline.append(record)
             step += 1
-        return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes)
+        return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes, first_step)
 
     def prompt(self, request: EngineRequest) -> Tuple[int, ...]:
         if request.continues is None:
@@ -314,9 +382,7 @@ class _Serving:
         for r in arriving:
             self.prompts[r.id] = self.prompt(r)
         if self.store is None:
-            uids = self.generator.insert([list(self.prompts[r.id]) for r in arriving],
-                                         max_tokens=[r.max_tokens for r in arriving],
-                                         caches=[self.engine.rows(r) for r in arriving])
+            uids = self.engine.insert(self.generator, arriving, [list(self.prompts[r.id]) for r in arriving])
             self.by_uid.update(zip(uids, (r.id for r in arriving)))
             return
         for r in arriving:  # as mlx_lm.server does for each request it can batch

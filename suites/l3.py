@@ -33,14 +33,16 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional
 
+import mlx.core as mx
+
 from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
-from kvparity.suites.checks import EXTRACT
-from kvparity.suites.compare import Divergence, first_difference
+from kvparity.suites.checks import EXTRACT, QUANTIZED
+from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
 from kvparity.suites.engines import (
     EngineRequest,
     EngineRun,
@@ -101,6 +103,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     solos = generate_solos(result, loaded, first_turns, use_cache)
     run = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
     if run is not None:
+        check_quantized(result, run, requests, loaded.head_dim)
         for request in requests:
             if request.continues is not None:  # a next turn: its prompt as the engine served it
                 if request.id not in run.prompts:
@@ -203,6 +206,41 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
          "stored": s.stored, "from_store": s.from_store}
         for s in run.timeline or ()]
     return run
+
+
+def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], head_dim: int):
+    """After the engine's first step that generated a token, every layer's
+    cache of that batch holds (packed, scales, biases) triples of each
+    request's bits and group size: an engine that was asked for a quantized
+    cache and keeps a layer in bf16 is caught here, whatever its tokens."""
+    first = run.first_step
+    if first is None:  # the engine does not say what its caches held
+        return
+    asked = {r.id: r for r in requests}
+    for rid in first.rows:
+        request, found = asked[rid], []
+        for number, layer in enumerate(first.layers):
+            for tensor in ("keys", "values"):
+                held = held_otherwise(getattr(layer, tensor), request.bits, request.group_size, head_dim)
+                if held is not None:
+                    found.append(Divergence(
+                        QUANTIZED, f"{SERVE_LABEL}, engine step {first.step}", rid, tensor=tensor, layer=number,
+                        detail=f"layer {number} holds a {layer.cache} whose {tensor} are {held}, where "
+                               f"(packed, scales, biases) triples of {request.bits} bits, group size "
+                               f"{request.group_size} were asked for"))
+        result.note(0, QUANTIZED, [rid], len(first.layers), found)
+
+
+def held_otherwise(held, bits: int, group_size: int, head_dim: int) -> Optional[str]:
+    """None when ``held`` is a triple of ``bits`` and ``group_size`` (what
+    ``mx.quantize`` makes of ``head_dim`` columns), else what it is, in words."""
+    if not (isinstance(held, (tuple, list)) and len(held) == 3 and all(isinstance(x, mx.array) for x in held)):
+        return in_words(held, where_a_triple=True)
+    packed, scales, biases = held
+    held_bits, held_group = packed.shape[-1] * 32 / head_dim, head_dim / scales.shape[-1]
+    if packed.dtype != mx.uint32 or biases.shape != scales.shape or (held_bits, held_group) != (bits, group_size):
+        return f"{a_triple(held)} ({held_bits:g} bits, group size {held_group:g})"
+    return None
 
 
 def compare_request(result: ScheduleResult, request: EngineRequest, expected: SoloGeneration,

@@ -7,11 +7,14 @@ fail: ``drops_last_token`` loses a request's last token, ``swaps_outputs``
 hands two requests each other's output, and ``stored_entries_change``
 (mlx-lm's BatchGenerator in the server loop) writes into each prompt cache
 entry after storing it, as a store sharing memory with a batch would see.
+``keeps_last_layer_bf16`` (mlx-lm's BatchGenerator) hands its last layer a
+plain ``KVCache``, which batches as a bf16 ``BatchKVCache``: an engine that
+was asked for a quantized cache and keeps one layer unquantized.
 """
 
 from typing import Sequence
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from kvparity.oracle.generation import generate_alone
 from kvparity.suites.engines import BatchGeneratorEngine, EngineRequest, EngineRun, EngineSettings, Generated
@@ -80,8 +83,14 @@ class StoredEntriesChange(BatchGeneratorEngine):
     store_class = StoreWhoseEntriesChange
 
 
+class KeepsLastLayerBf16(BatchGeneratorEngine):
+    def rows(self, request):
+        return super().rows(request)[:-1] + [KVCache()]
+
+
 serial = SerialEngine
 chosen_logprob_only = ChosenLogprobOnly
 drops_last_token = DropsLastToken
 swaps_outputs = SwapsOutputs
 stored_entries_change = StoredEntriesChange
+keeps_last_layer_bf16 = KeepsLastLayerBf16

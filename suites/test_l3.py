@@ -150,6 +150,22 @@ def test_engine_swapping_outputs_fails(implementation, judged):
     assert all(d.step == 0 for d in result.divergences if d.check == "logprobs")
 
 
+def test_batch_generator_runs_a_quantized_cache_in_every_layer(implementation, judged):
+    result = assert_passed(judged(run_l3(small(), implementation)))
+    # the rows of the first step that generated a token, one comparison per layer
+    assert sorted(row.compared("quantized") for row in result.rows) in ([0, 2], [2, 2])
+
+
+def test_engine_keeping_a_layer_bf16_fails_the_quantized_check(implementation, judged):
+    result = run_l3(small(), implementation, f"{TEST_ENGINES}:keeps_last_layer_bf16")
+    assert judged(result).verdict == FAIL
+    found = [d for d in result.divergences if d.check == "quantized"]
+    assert found and {(d.layer, d.tensor) for d in found} == {(1, "keys"), (1, "values")}
+    assert ("layer 1 holds a BatchKVCache whose keys are an unquantized bfloat16 array"
+            in found[0].message()), found[0].message()
+    assert "triples of 4 bits, group size 64 were asked for" in found[0].message()
+
+
 def test_bad_engine_spec_is_refused():
     for spec, reason in (("nodots", "expected"), ("kvparity.nothing_here:x", "cannot import"),
                          (f"{TEST_ENGINES}:missing", "has no")):

@@ -46,6 +46,14 @@ def test_registry():
         load_model("llama-h64-f16")
 
 
+def test_a_3layers_name_is_its_model_one_layer_deeper():
+    base, deep = load_model("llama-h64-bf16"), load_model("llama-h64-bf16-3layers")
+    assert (base.num_layers, deep.num_layers, len(deep.model.layers)) == (2, 3, 3)
+    assert {**deep.args, "num_hidden_layers": 2} == base.args
+    assert deep.sha256 != base.sha256 and "llama-h64-bf16-3layers" not in available_models()
+    assert load_model("qwen3-h64-bf16-mha-3layers").n_kv_heads == load_model("qwen3-h64-bf16-mha").n_kv_heads
+
+
 def test_an_mha_name_is_its_model_with_a_kv_head_per_query_head():
     base, mha = load_model("qwen3-h64-bf16"), load_model("qwen3-h64-bf16-mha")
     assert base.n_kv_heads < base.n_heads == mha.n_kv_heads == mha.n_heads

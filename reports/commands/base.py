@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvparity.oracle.models import DEFAULT_MODEL, ModelUnavailable, available_models, random_model
+from kvparity.oracle.models import DEEP, DEFAULT_MODEL, MHA, ModelUnavailable, available_models, random_model
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
@@ -36,9 +36,9 @@ DEVICE_HELP = "MLX device (default: MLX's default)"
 
 
 def model_help() -> str:
-    return (f"run L2 on this model (one of {', '.join(available_models())}, or a random one with '-mha' added: a kv "
-            "head per query head; smollm2 runs the real-model schedules); default: each schedule's own, a seeded "
-            "random model")
+    return (f"run L2 on this model (one of {', '.join(available_models())}; smollm2 runs the real-model "
+            f"schedules; a random model's name may end in {MHA} or {DEEP}); default: each schedule's own, "
+            "a seeded random model")
 
 
 def common_options(command, levels=("L1", "L2", "L3", "all"), default_level="all"):
@@ -104,8 +104,11 @@ def check_engine(spec):
 
 
 def check_model_name(name):
+    """A name load_model knows: one of ``available_models`` or a random
+    model's variant (``-mha``, ``-3layers``)."""
     if name is not None and name not in available_models() and random_model(name) is None:
-        raise UsageError(f"--model {name!r}: unknown model (available: {', '.join(available_models())})")
+        raise UsageError(f"--model {name!r}: unknown model (available: {', '.join(available_models())}; "
+                         f"a random model's name may end in {MHA} or {DEEP}, or both in that order)")
 
 
 def load_model(name):

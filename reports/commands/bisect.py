@@ -84,6 +84,7 @@ def handle(args):
           + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
     replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
-              + (f" --expectations {args.expectations}" if args.expectations else ""))
+              + (f" --expectations {args.expectations}" if args.expectations else "")
+              + (f" --engine {args.engine}" if getattr(args, "engine", None) else ""))
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN
