@@ -55,6 +55,7 @@ def test_broken_cache_fails_l2_at_the_padded_row(variant, first_event, first_che
 
 @pytest.mark.parametrize("variant, check", [("StoredRowTrimForgetsScales", "stored"),
                                             ("StoredNbytesCountsPacked", "stored_nbytes")])
+@pytest.mark.gqa_batched
 def test_store_controls_fail_l2_naming_the_entry(variant, check, judged):
     """Through the model too: the trimmed copy of the stored row (an exact
     hit gives a token back) and the entry's byte count."""

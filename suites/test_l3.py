@@ -150,12 +150,14 @@ def test_engine_swapping_outputs_fails(implementation, judged):
     assert all(d.step == 0 for d in result.divergences if d.check == "logprobs")
 
 
+@pytest.mark.gqa_batched
 def test_batch_generator_runs_a_quantized_cache_in_every_layer(implementation, judged):
     result = assert_passed(judged(run_l3(small(), implementation)))
     # the rows of the first step that generated a token, one comparison per layer
     assert sorted(row.compared("quantized") for row in result.rows) in ([0, 2], [2, 2])
 
 
+@pytest.mark.gqa_batched
 def test_engine_keeping_a_layer_bf16_fails_the_quantized_check(implementation, judged):
     result = run_l3(small(), implementation, f"{TEST_ENGINES}:keeps_last_layer_bf16")
     assert judged(result).verdict == FAIL
@@ -397,6 +399,7 @@ def test_bad_conversation_files_are_refused_before_anything_runs(edits, message)
     parse(conversation(), source="chat.json")  # the unchanged file is valid
 
 
+@pytest.mark.gqa_batched
 def test_stored_prompts_longer_than_the_new_one_are_trimmed_by_mlx_lm(implementation, judged):
     result = assert_passed(judged(run_l3(load(TRIM), implementation)))
     # 'long' stores its prompt less its last token (15 tokens) when its prefill
@@ -408,6 +411,7 @@ def test_stored_prompts_longer_than_the_new_one_are_trimmed_by_mlx_lm(implementa
                for row in result.rows if row.request != "long")
 
 
+@pytest.mark.gqa_batched
 def test_merge_that_reads_a_row_buffer_fails_on_trimmed_entries(judged):
     broken = load_implementation(f"{THIS_MODULE}:MergeReadsRowBufferLength")
     result = run_l3(load(TRIM), broken)
@@ -419,6 +423,7 @@ def test_merge_that_reads_a_row_buffer_fails_on_trimmed_entries(judged):
     assert "from stored entry #0 (user, 15 tokens of 'long', step 0): 8 prompt tokens" in first.message()
 
 
+@pytest.mark.gqa_batched
 def test_a_stored_entry_that_changes_after_storing_fails(implementation, judged):
     # The oracle starts from the bytes as they were stored, not as fetched.
     result = run_l3(load(TRIM), implementation, f"{TEST_ENGINES}:stored_entries_change")
@@ -426,6 +431,7 @@ def test_a_stored_entry_that_changes_after_storing_fails(implementation, judged)
     assert {d.request for d in result.divergences} == {"exact", "prefix", "branch"}
 
 
+@pytest.mark.gqa_batched
 def test_a_stored_entry_that_is_no_quantized_cache_fails_under_extract(judged):
     result = run_l3(load(TRIM), load_implementation(f"{THIS_MODULE}:ExtractDequantizes"))
     assert judged(result).verdict == FAIL
@@ -436,6 +442,7 @@ def test_a_stored_entry_that_is_no_quantized_cache_fails_under_extract(judged):
             "QuantizedKVCache: layer 0 is a KVCache") in prefix.message()
 
 
+@pytest.mark.gqa_batched
 def test_an_engine_without_conversations_is_not_supported(implementation, judged):
     result = run_l3(load(TRIM), implementation, f"{TEST_ENGINES}:serial")
     assert judged(result).verdict == NOT_SUPPORTED and "serves_conversations" in result.reason
