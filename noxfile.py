@@ -61,7 +61,7 @@ def write_json(doc: dict, path: Path):
 
 def cannot_install(session, row, reason: str):
     """The row's cell says why; the session itself has done its job."""
-    write_json({"row": row.name, "reason": reason}, OUT / row.name / ecosystem_rows.CANNOT_INSTALL)
+    write_json(row.cannot_install(reason, session.name), OUT / row.name / ecosystem_rows.CANNOT_INSTALL)
     session.skip(f"cannot install: {reason}")
 
 
@@ -117,7 +117,7 @@ def ecosystem(session, name):
     """One matrix row: its own environment, then `kvparity run` on its implementation."""
     row = next(r for r in ROW_LIST if r.name == name)
     out = OUT / name
-    (out / ecosystem_rows.CANNOT_INSTALL).unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # the row's folder holds this session's one cell
     here = platform.python_version()
     if not row.python_supported(here):
         cannot_install(session, row, f"needs Python {row.python}, this interpreter is {here}")

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 CANNOT_INSTALL = "cannot-install.json"
+CANNOT_INSTALL_FORMAT = "kvparity.cannot-install/1"  # reports/schema/cannot-install.schema.json
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -39,6 +40,23 @@ class Row:
 
     def python_supported(self, version: str) -> bool:
         return version in SpecifierSet(self.python)
+
+    def pinned(self, distribution: str) -> Optional[str]:
+        """The version the row pins ``distribution`` to (``name==X``), or None."""
+        for requirement in self.install + self.install_no_deps:
+            name, _, pinned = requirement.partition("==")
+            if name.split("[")[0].strip().lower() == distribution:
+                return pinned.strip() or None
+        return None
+
+    def cannot_install(self, reason: str, session: str) -> dict:
+        """The row's cannot-install.json: its cell says why, never a gap."""
+        package = self.install_no_deps[0] if self.install_no_deps else self.install[0]
+        return {"format": CANNOT_INSTALL_FORMAT, "implementation": self.impl, "package": package.split("==")[0],
+                "version": self.version, "mlx_lm": self.pinned("mlx-lm"), "reason": reason,
+                "command": " ".join(["uv pip install", *self.install]
+                                    + (["&& uv pip install --no-deps", *self.install_no_deps] if self.install_no_deps else [])),
+                "session": session}
 
 
 REQUIRED = tuple(f.name for f in fields(Row) if f.name not in ("install_no_deps", "engine", "expectations"))

@@ -31,6 +31,7 @@ from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.reports import records
+from kvparity.reports.ecosystem_rows import CANNOT_INSTALL
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, ScheduleVerdict, gates
 from kvparity.suites.checks import BY_TIER, CHECKS
 from kvparity.suites.evidence import (
@@ -40,8 +41,6 @@ from kvparity.suites.evidence import (
 from kvparity.suites.levels import LEVELS
 
 SCHEMA = "kvparity.matrix/1"
-CANNOT_INSTALL = "cannot-install.json"
-CANNOT_INSTALL_FORMAT = "kvparity.cannot-install/1"
 BISECTED = "bisect"  # a row folder's minimal failing schedules, NAME-min.json as kvparity bisect names them
 SCHEMAS = Path(files(__package__) / "schema")  # package data
 # A check that diverged where the policy does not gate it (hygiene under "report", logits within the tier).

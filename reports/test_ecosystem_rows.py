@@ -62,3 +62,17 @@ def test_each_rows_expectations_file_exists_and_loads():
     assert declared, "rapid-mlx declares its designed differences"
     for row in declared:
         load_expectations(ROWS.parent.parent.parent / row.expectations)  # raises, naming the file
+
+
+def test_a_row_that_cannot_install_writes_what_the_matrix_reads(tmp_path):
+    import json
+
+    from kvparity.reports import matrix
+    from kvparity.reports.ecosystem_rows import CANNOT_INSTALL
+
+    beam = next(row for row in load_rows(ROWS) if row.name.startswith("mlx-beam"))
+    folder = tmp_path / beam.name
+    folder.mkdir()
+    (folder / CANNOT_INSTALL).write_text(json.dumps(beam.cannot_install("needs Python >=3.12", "ecosystem")))
+    (row,) = matrix.gather([tmp_path])
+    assert row.cannot_install["reason"] == "needs Python >=3.12" and row.cannot_install["version"] == "0.1.0a11"
