@@ -74,9 +74,9 @@ def _uv() -> str:
     return find_uv_bin()
 
 
-def _uv_install(session, *args) -> subprocess.CompletedProcess:
-    """uv into the session's environment, the output kept for a reason."""
-    command = [_uv(), "pip", "install", "--python", session.virtualenv.location, *args]
+def _uv_install(session, environment, *args) -> subprocess.CompletedProcess:
+    """uv into ``environment``, the output kept for a reason."""
+    command = [_uv(), "pip", "install", "--python", str(environment), *args]
     session.log(" ".join(command))
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
 
@@ -86,6 +86,20 @@ def _why(process: subprocess.CompletedProcess) -> str:
     lines = [line.strip() for line in process.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if not line.startswith(("hint:", "help:", "Using Python"))]
     return " ".join(errors)[-600:] or f"the installer exited {process.returncode}"
+
+
+def _interpreter_for(row) -> "str | None":
+    """A python3.N on PATH that runs and that the row supports, newest first
+    (uv never downloads one here)."""
+    for minor in range(14, 9, -1):
+        found = shutil.which(f"python3.{minor}")
+        if found is None:
+            continue
+        probe = subprocess.run([found, "-c", "import platform; print(platform.python_version())"],
+                               capture_output=True, text=True)
+        if probe.returncode == 0 and row.python_supported(probe.stdout.strip()):
+            return found
+    return None
 
 
 # --- sessions ---------------------------------------------------------------
@@ -118,19 +132,49 @@ def ecosystem(session, name):
     row = next(r for r in ROW_LIST if r.name == name)
     out = OUT / name
     shutil.rmtree(out, ignore_errors=True)  # the row's folder holds this session's one cell
+    environment, bin_dir = Path(session.virtualenv.location), None
     here = platform.python_version()
     if not row.python_supported(here):
-        cannot_install(session, row, f"needs Python {row.python}, this interpreter is {here}")
-    installed = _uv_install(session, "-e", ".", *row.install)
+        interpreter = _interpreter_for(row)
+        if interpreter is None:
+            cannot_install(session, row, f"needs Python {row.python}; this interpreter is {here}, "
+                                         "and no python3.N on PATH is one it supports")
+        # The row's own environment on that interpreter, beside the session's.
+        environment = environment.with_name(environment.name + "-row")
+        made = subprocess.run([_uv(), "venv", "--clear", "--python", interpreter, str(environment)],
+                              cwd=ROOT, capture_output=True, text=True)
+        if made.returncode != 0:
+            cannot_install(session, row, _why(made))
+        bin_dir = environment / "bin"
+    installed = _uv_install(session, environment, "-e", ".", *row.install)
     if installed.returncode == 0 and row.install_no_deps:
-        installed = _uv_install(session, "--no-deps", *row.install_no_deps)
+        installed = _uv_install(session, environment, "--no-deps", *row.install_no_deps)
     if installed.returncode != 0:
         cannot_install(session, row, _why(installed))
-    command = ["kvparity", "run", "--impl", row.impl, "--out", str(out)]
+    kvparity = str(bin_dir / "kvparity") if bin_dir else "kvparity"
+    command = [kvparity, "run", "--impl", row.impl, "--out", str(out)]
     if row.engine:
         command += ["--engine", row.engine]
     if row.expectations:
         command += ["--expectations", str(ROOT / row.expectations)]
     # A verdict (0 holds, 1 broken, 125 cannot judge) is the row's cell, in
     # its report; usage errors (2) and kvparity's own bugs fail the session.
-    session.run(*command, *session.posargs, success_codes=[0, 1, 125])
+    session.run(*command, *session.posargs, success_codes=[0, 1, 125], external=bin_dir is not None)
+
+
+PAGE = ROOT / "reports" / "examples" / "matrix"  # the checked-in matrix: rows/ and page/
+
+
+@nox.session(python=PYTHON)
+def matrix(session):
+    """The checked-in conformance matrix, made anew: every row in its own
+    environment (the ecosystem sessions, writing reports/examples/matrix/rows/),
+    then `kvparity matrix` over them (reports/examples/matrix/page/)."""
+    rows, page = PAGE / "rows", PAGE / "page"
+    shutil.rmtree(rows, ignore_errors=True)
+    shutil.rmtree(page, ignore_errors=True)
+    session.install("-e", ".")
+    session.run(PYTHON, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "ecosystem",
+                env={"KVPARITY_MATRIX_OUT": str(rows)}, external=True)
+    session.run("kvparity", "matrix", str(rows.relative_to(ROOT)), "--out", str(page.relative_to(ROOT)))
+

@@ -23,11 +23,18 @@ def git_commit(directory="."):
     return out.stdout.strip() or None
 
 
-def implementation_version(spec):
-    """The version of the installed distribution that provides the module
-    of ``spec`` (MODULE:FACTORY), or None (a module from the working
-    directory: the git commit says which)."""
-    top = spec.split(":")[0].split(".")[0]
+ADAPTERS = "kvparity.impl.ecosystem"  # protocol-only adapters: the version is the adapted package's
+
+
+def implementation_version(spec, batch_class=None):
+    """The version of the installed distribution that provides the class
+    under test: the module of ``spec`` (MODULE:FACTORY), or, for an adapter
+    in impl/ecosystem/, the published class it adapts; None for a module
+    from the working directory (the git commit says which)."""
+    module = spec.split(":")[0]
+    if batch_class is not None and module.startswith(ADAPTERS + "."):
+        module = next((c.__module__ for c in batch_class.__mro__ if not c.__module__.startswith(ADAPTERS)), module)
+    top = module.split(".")[0]
     names = packages_distributions().get(top) or []
     for name in names:
         try:
@@ -41,7 +48,7 @@ def describe(implementation=None, model=None, device=None) -> dict:
     env = {**environment(device), "git_commit": git_commit()}
     if implementation is not None:
         env["implementation"] = implementation.spec
-        env["implementation_version"] = implementation_version(implementation.spec)
+        env["implementation_version"] = implementation_version(implementation.spec, implementation.batch_class)
         env["capabilities"] = implementation.capabilities
     if model is not None:
         env["model"] = model.name

@@ -213,11 +213,12 @@ def _failing(row: Row, verdict: ScheduleVerdict) -> dict:
     schedule = minimal if minimal.is_file() else (result.path and Path(result.path))
     replay = None
     if schedule:
+        schedule = _from_here(schedule)
         replay = f"kvparity replay {schedule} --level {result.level} --impl {row.implementation}"
         policy = row.record["policy"]
         replay += f" --policy {policy['path'] or policy['name']}"
         if row.record["expectations"]:
-            replay += f" --expectations {row.record['expectations']['path']}"
+            replay += f" --expectations {_from_here(row.record['expectations']['path'])}"
     first = result.first
     return {"level": result.level, "schedule": result.schedule, "outcome": verdict.verdict,
             "file": str(schedule) if schedule else None, "minimal": minimal.is_file(), "replay": replay,
@@ -248,6 +249,13 @@ def render_status(rows: List[Row]) -> int:
 
 
 # -- the documents ---------------------------------------------------------------------
+
+
+def _from_here(path) -> Path:
+    """``path`` relative to the working directory where it lies below it (a
+    checkout's catalog, its rows), so a page names no machine's folders."""
+    path = Path(path).resolve()
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def _link(path: Optional[Path], out: Path) -> Optional[str]:

@@ -239,3 +239,15 @@ def test_every_schema_property_is_documented(name):
 
     walk(json.loads((matrix.SCHEMAS / name).read_text()), "#")
     assert not missing
+
+
+def test_an_adapters_row_carries_the_version_of_the_package_it_adapts():
+    from importlib.metadata import version
+
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from kvparity.reports.environment import implementation_version
+
+    adapter = type("Adapter", (QuantizedKVCache,), {"__module__": "kvparity.impl.ecosystem.some_package"})
+    assert implementation_version("kvparity.impl.ecosystem.some_package:Adapter", adapter) == version("mlx-lm")
+    assert implementation_version("kvparity.impl.batch_quantized:BatchQuantizedKVCache") == version("kvparity")

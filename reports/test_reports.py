@@ -563,3 +563,17 @@ def test_an_interrupted_report_leaves_nothing_and_earlier_ones_stay(results, tmp
     with pytest.raises(RuntimeError):
         write_report(results, ENV, tmp_path, **options(results))
     assert sorted(tmp_path.iterdir()) == before
+
+
+@pytest.mark.gqa_batched
+def test_a_conversation_run_at_l3_writes_a_record_that_validates(tmp_path):
+    # Its timeline has the steps' arrivals from the prompt cache and its stores.
+    from kvparity.suites import arrivals
+    from kvparity.suites.l3 import run_l3
+
+    result = run_l3(arrivals.load(CATALOG / "l3" / "stored-prompt-longer.json"), load_implementation())
+    verdict = judge(result, CPU)
+    out = write_report([verdict], ENV, tmp_path, policy=CPU, run_verdict=verdict_of_run([verdict], policy=CPU))
+    record = json.loads((out / "report.json").read_text())
+    assert any(step.get("from_store") for run in record["results"] for step in run["timeline"])
+    validator().validate(record)
