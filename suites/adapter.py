@@ -26,6 +26,7 @@ refusal, a failure.
 import functools
 import importlib
 import inspect
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -248,6 +249,28 @@ class _Watch:
 
 
 _WATCHES: Dict[type, _Watch] = {}  # class -> its watch, while a run watches it
+# class -> (what its protocol names held, a watch, that watch's wrappers): a
+# generated schedule watches once per event, so the wrappers are made again
+# only when the class or a base changed what a protocol name holds.
+_MADE = weakref.WeakKeyDictionary()
+
+
+def _protocol_attributes(cls: type) -> tuple:
+    """What each protocol name holds on ``cls`` or the first base defining it."""
+    found = []
+    for name in REQUIRED_MEMBERS + tuple(OPTIONAL_MEMBERS):
+        found.append(next((klass.__dict__[name] for klass in cls.__mro__ if name in klass.__dict__), _ABSENT))
+    return tuple(found)
+
+
+def _watch_of(cls: type):
+    """A watch of ``cls`` with its wrappers, made again only if the class changed."""
+    attributes = _protocol_attributes(cls)
+    made = _MADE.get(cls)
+    if made is None or len(made[0]) != len(attributes) or any(a is not b for a, b in zip(made[0], attributes)):
+        watch = _Watch()
+        made = _MADE[cls] = (attributes, watch, watch.members(cls))
+    return made[1], made[2]
 
 
 @dataclass
@@ -282,8 +305,8 @@ class Implementation:
             with watch.counting(self.calls):
                 yield
             return
-        watch = _Watch()
-        with patched(cls, watch.members(cls)):
+        watch, members = _watch_of(cls)
+        with patched(cls, members):
             _WATCHES[cls] = watch
             try:
                 with watch.counting(self.calls):

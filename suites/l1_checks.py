@@ -8,8 +8,7 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from kvparity.oracle.arrays import (Reading, arrays_in, describe_shared, owned_arrays, shared_memory_later,
-                                    start_evaluating)
+from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
@@ -263,9 +262,9 @@ def check_nbytes(batch, triples, checks: EventChecks, rows, label):
 def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_known):
     """``expected``: the solo row's keys and values triples, already taken;
     ``batch_known``: the batch's arrays as taken before the extracts."""
+    # Its copies are evaluated with the event's other arrays (one mx.eval): an
+    # async_eval per row cost more main-thread time than the overlap saved.
     extracted = batch.extract(i)
-    # Its copies compute while the next rows are checked.
-    start_evaluating(arrays_in(tuple(getattr(extracted, name, None) for name in ("keys", "values"))))
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
