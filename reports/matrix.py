@@ -39,6 +39,7 @@ from kvparity.suites.evidence import (
     OUTCOMES, PASS,
 )
 from kvparity.suites.levels import LEVELS
+from kvparity.suites.shrink import first_failure
 
 SCHEMA = "kvparity.matrix/1"
 BISECTED = "bisect"  # a row folder's minimal failing schedules, NAME-min.json as kvparity bisect names them
@@ -216,10 +217,10 @@ def _failing(row: Row, verdict: ScheduleVerdict) -> dict:
         schedule = _from_here(schedule)
         replay = f"kvparity replay {schedule} --level {result.level} --impl {row.implementation}"
         policy = row.record["policy"]
-        replay += f" --policy {policy['path'] or policy['name']}"
+        replay += f" --policy {_from_here(policy['path']) if policy['path'] else policy['name']}"
         if row.record["expectations"]:
             replay += f" --expectations {_from_here(row.record['expectations']['path'])}"
-    first = result.first
+    first = first_failure(verdict)  # what failed the run, not an earlier hygiene finding
     return {"level": result.level, "schedule": result.schedule, "outcome": verdict.verdict,
             "file": str(schedule) if schedule else None, "minimal": minimal.is_file(), "replay": replay,
             "first": first.message() if first else result.reason}
