@@ -78,6 +78,7 @@ def _skipped(log):
     return {line.split("[")[1].split("]")[0] for line in log.splitlines() if line.startswith("# skip:")}
 
 
+@pytest.mark.slow
 def test_git_bisect_run_lands_on_the_breaking_commit_skipping_what_cannot_import(history):
     repo, shas = history
     done, log = bisect_run(repo, shas["first"], shas["last"], [sys.executable, "-m", "kvparity", *CHECK])
@@ -89,6 +90,7 @@ def test_git_bisect_run_lands_on_the_breaking_commit_skipping_what_cannot_import
     assert "cannot judge here" in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_harness_error_aborts_git_bisect_run(history, tmp_path):
     repo, shas = history
     wrapper = tmp_path / "broken_harness.py"
@@ -112,6 +114,7 @@ def test_a_harness_error_aborts_git_bisect_run(history, tmp_path):
     assert _skipped(log) <= {shas["wip"], shas["helpers"]}, log
 
 
+@pytest.mark.slow
 def test_a_usage_error_under_git_bisect_run_is_never_a_silent_skip(history):
     repo, shas = history
     typo = [sys.executable, "-m", "kvparity", "check", "--impl", "mycache", "--level", "L1"]

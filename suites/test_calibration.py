@@ -3,11 +3,14 @@ what its data can honestly support."""
 
 import json
 
+import pytest
+
 from kvparity.oracle.mlx_lm_versions import defects_for
 from kvparity.suites.calibration.proposal import propose
 from kvparity.suites.calibration.run import FORMAT, calibrate
 
 
+@pytest.mark.slow
 def test_calibration_runs_end_to_end_on_a_tiny_grid(tmp_path):
     """On MLX's CPU backend (batch-invariant) the oracle runs and agrees with
     itself, the reference is bit-exact at every batch size, so a proposed tau
