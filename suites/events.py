@@ -294,11 +294,10 @@ class Reinsert(NamesOneRequest):
 
 
 @dataclass(frozen=True)
-class NamesStoreAndRequests(Event):
+class NamesStoreAndRequests(NamesRequests):
     """A kind whose argument names a prompt-cache store and a list of request ids."""
 
     store: str = ""
-    requests: Tuple[str, ...] = ()
     field_name: ClassVar[str] = ""  # the store's key: "into" or "from"
 
     @classmethod
@@ -308,19 +307,11 @@ class NamesStoreAndRequests(Event):
             raise ScheduleError(f'{where}: expected {{"{key}": store, "requests": [request ids]}}')
         if not isinstance(args[key], str) or not args[key]:
             raise ScheduleError(f"{where}: {key}: expected a store name, got {args[key]!r}")
-        return cls(index, args[key], ids_of(f"{where}: requests", args["requests"]))
+        return cls(index, store=args[key], requests=ids_of(f"{where}: requests", args["requests"]))
 
     @property
     def args(self):
         return {self.field_name: self.store, "requests": list(self.requests)}
-
-    @property
-    def named(self):
-        return self.requests
-
-    def without(self, rid):
-        rest = without_id(self.requests, rid)
-        return replace(self, requests=rest) if rest else None
 
 
 @dataclass(frozen=True)
