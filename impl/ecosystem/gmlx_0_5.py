@@ -29,15 +29,7 @@ arrays it holds. The adapter sets both back to the class's own values.
 
 from gmlx.cache.kv_cache import BatchQuantizedKVCache, QuantizedKVCache, cache_nbytes
 
-
-def as_gmlx_row(row) -> QuantizedKVCache:
-    """``row``, an mlx-lm ``QuantizedKVCache``, as gmlx's row class: the
-    same arrays, offset, bits and group size."""
-    if isinstance(row, QuantizedKVCache):
-        return row
-    gmlx_row = QuantizedKVCache(group_size=row.group_size, bits=row.bits)
-    gmlx_row.keys, gmlx_row.values, gmlx_row.offset = row.keys, row.values, row.offset
-    return gmlx_row
+from kvparity.impl.ecosystem import retyped
 
 
 class GmlxBatchQuantizedKVCache(BatchQuantizedKVCache):
@@ -47,7 +39,7 @@ class GmlxBatchQuantizedKVCache(BatchQuantizedKVCache):
 
     @classmethod
     def merge(cls, caches):
-        rows = [as_gmlx_row(c) for c in caches]
+        rows = [retyped(c, QuantizedKVCache) for c in caches]
         join = QuantizedKVCache(group_size=rows[0].group_size, bits=rows[0].bits)
         batch = join.prefix_cache_merge(rows, [r.offset for r in rows])
         if batch is None:  # gmlx's answer for rows it will not join

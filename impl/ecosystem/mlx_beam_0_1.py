@@ -14,19 +14,11 @@ rows to that class, sharing their arrays, and joins through mlx-beam's own
 
 from mlx_beam._vendor.optiq.kv_batch import BatchQuantizedKVCache, MergeableQuantizedKVCache
 
-
-def as_mergeable(row) -> MergeableQuantizedKVCache:
-    """``row``, an mlx-lm ``QuantizedKVCache``, as mlx-beam's mergeable row
-    class: the same arrays, offset, bits and group size."""
-    if isinstance(row, MergeableQuantizedKVCache):
-        return row
-    mergeable = MergeableQuantizedKVCache(group_size=row.group_size, bits=row.bits)
-    mergeable.keys, mergeable.values, mergeable.offset = row.keys, row.values, row.offset
-    return mergeable
+from kvparity.impl.ecosystem import retyped
 
 
 class MlxBeamBatchQuantizedKVCache(BatchQuantizedKVCache):
     @classmethod
     def merge(cls, caches):
         # Rows re-typed to mlx-beam's row class (kv_batch.py:192 reads size()).
-        return super().merge([as_mergeable(c) for c in caches])
+        return super().merge([retyped(c, MergeableQuantizedKVCache) for c in caches])

@@ -26,15 +26,13 @@ Everything else is the package's own code, unchanged.
 from mlx_lm.models.cache import QuantizedKVCache as MlxLmQuantizedKVCache
 from mlx_vlm.models import cache as vlm
 
+from kvparity.impl.ecosystem import retyped
+
 
 def as_vlm_row(row):
     """mlx-lm's solo quantized row as mlx-vlm's own row class, holding the
     same arrays (prefix_cache_merge checks isinstance of mlx-vlm's class)."""
-    if not isinstance(row, MlxLmQuantizedKVCache) or isinstance(row, vlm.QuantizedKVCache):
-        return row
-    out = vlm.QuantizedKVCache(group_size=row.group_size, bits=row.bits)
-    out.keys, out.values, out.offset = row.keys, row.values, row.offset
-    return out
+    return retyped(row, vlm.QuantizedKVCache) if isinstance(row, MlxLmQuantizedKVCache) else row
 
 
 class BatchQuantizedKVCache(vlm.BatchQuantizedKVCache):

@@ -14,19 +14,11 @@ through optiq's own ``merge``. Nothing else is changed.
 
 from optiq.runtime.kv.batch import BatchQuantizedKVCache, MergeableQuantizedKVCache
 
-
-def as_mergeable(row) -> MergeableQuantizedKVCache:
-    """``row``, an mlx-lm ``QuantizedKVCache``, as optiq's mergeable row
-    class: the same arrays, offset, bits and group size."""
-    if isinstance(row, MergeableQuantizedKVCache):
-        return row
-    mergeable = MergeableQuantizedKVCache(group_size=row.group_size, bits=row.bits)
-    mergeable.keys, mergeable.values, mergeable.offset = row.keys, row.values, row.offset
-    return mergeable
+from kvparity.impl.ecosystem import retyped
 
 
 class OptiqBatchQuantizedKVCache(BatchQuantizedKVCache):
     @classmethod
     def merge(cls, caches):
         # Rows re-typed to optiq's row class (batch.py:227 reads size()).
-        return super().merge([as_mergeable(c) for c in caches])
+        return super().merge([retyped(c, MergeableQuantizedKVCache) for c in caches])
