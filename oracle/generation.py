@@ -40,6 +40,7 @@ from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, trim_prompt_ca
 from kvparity.oracle.arrays import digest, handles
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
+from kvparity.oracle.plan import fresh_rows
 from kvparity.oracle.trace import drop_entry, oracle_cache
 
 GENERATION_FORMAT = "kvparity.l3-solo/1"
@@ -65,8 +66,7 @@ def generate_alone(model, request) -> SoloGeneration:
     """The request alone through generate_step, greedy (its default sampler)."""
     kwargs = dict(max_tokens=request.max_tokens, prefill_step_size=request.prefill_step_size)
     if request.quantized_kv_start is None:
-        kwargs["prompt_cache"] = [QuantizedKVCache(group_size=request.group_size, bits=request.bits)
-                                  for _ in model.layers]
+        kwargs["prompt_cache"] = fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
     else:
         kwargs.update(kv_bits=request.bits, kv_group_size=request.group_size,
                       quantized_kv_start=request.quantized_kv_start)

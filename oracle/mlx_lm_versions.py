@@ -44,13 +44,14 @@ class MlxLmDefect:
     name: str
     what: str  # what goes wrong, in one sentence
     source: str  # mlx-lm's source that does it
-    fixed_in: str  # the first mlx-lm release without it
+    fixed_in: str  # the first mlx-lm release without it; NOT_FIXED for a limit of every release
     consequence: str  # what it leaves kvparity unable to judge
 
     def attribution(self) -> str:
         """What a report says where the defect decides an outcome."""
+        fixed = f"fixed in mlx-lm {self.fixed_in}" if self.fixed_in else "not fixed in mlx-lm"
         return (f"mlx-lm {mlx_lm_version()} defect ({self.name}): {self.what} [{self.source}; "
-                f"fixed in mlx-lm {self.fixed_in}]: {self.consequence}")
+                f"{fixed}]: {self.consequence}")
 
 
 class MlxLmDefectFound(Exception):
@@ -154,6 +155,100 @@ def defects_for(n_heads: int, n_kv_heads: int) -> List[MlxLmDefect]:
 
 
 def defect_for_model(loaded) -> Optional[MlxLmDefect]:
-    """The first installed mlx-lm defect that reaches ``loaded`` (a LoadedModel), or None."""
+    """The first installed mlx-lm defect or limit that reaches ``loaded`` (a
+    LoadedModel): the grouped-query mask, then what its plan's probe found."""
     found = defects_for(loaded.n_heads, loaded.n_kv_heads)
-    return found[0] if found else None
+    return found[0] if found else loaded.limit
+
+
+# --- mlx-lm's limits on a model, found by running its code on that model ------
+# (oracle/plan.py probes each model; the first limit found decides its outcome)
+
+NOT_FIXED = ""  # a limit of every mlx-lm release kvparity knows
+
+
+def mlx_lm_frame(error: BaseException) -> str:
+    """The innermost frame of mlx-lm's own code in ``error``'s traceback, as
+    ``mlx_lm/models/cache.py:554 (to_quantized)``; empty when none is mlx-lm's."""
+    import traceback
+
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = frame.filename.replace("\\", "/")
+        if "/mlx_lm/" in path:
+            found = f"mlx_lm/{path.rsplit('/mlx_lm/', 1)[1]}:{frame.lineno} ({frame.name})"
+    return found
+
+
+def solo_kv_bits_raises(error: BaseException, doing: str) -> MlxLmDefect:
+    """mlx-lm's solo kv_bits path raised on this model: it cannot exist here."""
+    what = f"{doing} raises {type(error).__name__}: {error}"
+    return MlxLmDefect(name="solo-kv-bits-raises", what=what, source=mlx_lm_frame(error) or "mlx-lm",
+                       fixed_in=NOT_FIXED,
+                       consequence="mlx-lm's solo kv_bits run, the oracle, cannot exist on this model")
+
+
+def no_batched_class(cache: str, index: int) -> MlxLmDefect:
+    return MlxLmDefect(
+        name="no-batched-class",
+        what=f"layer {index}'s {cache} has no merge, so mlx-lm cannot batch it",
+        source=f"mlx_lm/models/cache.py class {cache}; mlx_lm/generate.py _merge_caches",
+        fixed_in=NOT_FIXED, consequence="a batch of this model cannot be built the way mlx-lm builds one")
+
+
+def kv_bits_leaves_dense(caches: List[str]) -> MlxLmDefect:
+    return MlxLmDefect(
+        name="kv-bits-leaves-dense",
+        what=(f"kv_bits converts no layer of this model: its {', '.join(caches)} caches have no to_quantized, "
+              "so mlx-lm's solo kv_bits run silently keeps every layer dense"),
+        source="mlx_lm/generate.py maybe_quantize_kv_cache, 'if hasattr(c, \"to_quantized\")'",
+        fixed_in=NOT_FIXED, consequence="no layer of this model is a quantized cache, so none can be judged")
+
+
+DENSE_PROMPTS = ([3, 1, 4, 1, 5, 9, 2], [6, 5, 3])  # uneven: the shorter row is padded
+DENSE_TOKENS = 3
+
+
+def _dense_generations(model, prompts) -> List[List[mx.array]]:
+    generator = BatchGenerator(model)
+    out = {}
+    try:
+        uids = generator.insert([list(p) for p in prompts], max_tokens=[DENSE_TOKENS] * len(prompts))
+        out = {uid: [] for uid in uids}
+        for _ in range(4 * DENSE_TOKENS + sum(map(len, prompts))):
+            _, responses = generator.next()
+            for response in responses:
+                out[response.uid].append(response.logprobs)
+            if all(len(v) == DENSE_TOKENS for v in out.values()):
+                break
+    finally:
+        generator.close()
+    mx.eval(list(out.values()))
+    return [out[uid] for uid in uids]
+
+
+def dense_batch_differs(model) -> Optional[MlxLmDefect]:
+    """mlx-lm's own dense BatchGenerator on two uneven prompts together, against
+    each alone: where they differ (or the batch raises), mlx-lm's batched path
+    is wrong on this model whatever a cache holds."""
+    where = "mlx_lm/generate.py BatchGenerator, the model's batched forward"
+    try:
+        together = _dense_generations(model, DENSE_PROMPTS)
+    except Exception as error:
+        return MlxLmDefect(
+            name="dense-batch-raises", what=f"mlx-lm's own dense BatchGenerator raises {type(error).__name__}: "
+                                            f"{error} on two uneven prompts", source=mlx_lm_frame(error) or where,
+            fixed_in=NOT_FIXED, consequence="mlx-lm cannot batch this model, so no batch of it can be judged")
+    for row, prompt in enumerate(DENSE_PROMPTS):
+        (alone,) = _dense_generations(model, [prompt])
+        for i, (a, b) in enumerate(zip(alone, together[row])):
+            if a.dtype != b.dtype or a.shape != b.shape or not mx.array_equal(a, b).item():
+                return MlxLmDefect(
+                    name="dense-batch-differs",
+                    what=(f"mlx-lm's own dense BatchGenerator gives row {row} (prompt of {len(prompt)} tokens, "
+                          f"beside one of {len(DENSE_PROMPTS[1 - row])}) other log-probs at token {i} than the "
+                          "same prompt alone"),
+                    source=where, fixed_in=NOT_FIXED,
+                    consequence="mlx-lm's batched path is not batch-invariant on this model, so a batch's "
+                                "divergence cannot be told from the cache's")
+    return None

@@ -26,7 +26,7 @@ replaced), so code that needs reproducible random data should use its own keys.
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import List, Optional
 
 import mlx.core as mx
@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
+from .plan import CachePlan, plan_for
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -197,12 +198,21 @@ class LoadedModel:
     dtype: mx.Dtype  # activation dtype
     sha256: str  # model_sha256(args, model)
     tokenizer: object | None  # encode/decode for smollm2; None for random models
-    head_dim: int
+    plan: CachePlan  # what each layer of its prompt cache holds, as mlx-lm lays it out
+    head_dim: int  # the attention layer's (``plan.attention``) key dim, kv heads and query heads
     n_kv_heads: int
     n_heads: int
     hidden_size: int
-    num_layers: int
+    num_layers: int  # entries of its prompt cache
     vocab_size: int
+
+    @cached_property
+    def limit(self):
+        """mlx-lm's first limit that keeps a batch of this model from being
+        judged (``oracle/plan.py``), or None; probed once, when first asked."""
+        from .plan import limit_for
+
+        return limit_for(self.model, self.plan)
 
 
 def available_models() -> list[str]:
@@ -257,7 +267,9 @@ def model_sha256(args: dict, model: nn.Module) -> str:
 
 
 def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
-    n_heads = args["num_attention_heads"]
+    plan = plan_for(model)
+    attention = plan.layers[plan.attention]
+    text = args.get("text_config", args)  # a family with a nested text config
     return LoadedModel(
         name=name,
         model=model,
@@ -265,12 +277,13 @@ def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
         dtype=dtype,
         sha256=model_sha256(args, model),
         tokenizer=tokenizer,
-        head_dim=args.get("head_dim") or args["hidden_size"] // n_heads,
-        n_kv_heads=args.get("num_key_value_heads") or n_heads,
-        n_heads=n_heads,
-        hidden_size=args["hidden_size"],
-        num_layers=args["num_hidden_layers"],
-        vocab_size=args["vocab_size"],
+        plan=plan,
+        head_dim=attention.key_dim,
+        n_kv_heads=attention.kv_heads,
+        n_heads=text.get("num_attention_heads") or attention.kv_heads,
+        hidden_size=text["hidden_size"],
+        num_layers=len(plan.layers),
+        vocab_size=text.get("vocab_size") or args["vocab_size"],
     )
 
 

@@ -9,6 +9,8 @@ its own tokens from its stream, and a chat turn's prompt starts with the
 tokens of the turn it continues. One model, so one key for it.
 """
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache, trim_prompt_cache
 
@@ -28,11 +30,14 @@ def fetch_nearest(store, prompt) -> tuple:
     return cache, list(rest)
 
 
-def stored_copy(cache: QuantizedKVCache) -> QuantizedKVCache:
+def stored_copy(cache):
     """mlx-lm's cache as a store holds a row taken out of a batch: its
-    tokens, in arrays of their own (the oracle's side of ``extract``)."""
-    copy = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
-    copy.offset = cache.offset
-    copy.keys, copy.values = (tuple(mx.array(x[..., : cache.offset, :]) for x in triple)
-                              for triple in (cache.keys, cache.values))
-    return copy
+    tokens, in arrays of their own (the oracle's side of ``extract``); a
+    layer mlx-lm does not quantize (SSM state), as mlx-lm's store copies it."""
+    if not isinstance(cache, QuantizedKVCache):
+        return copy.deepcopy(cache)
+    copy_ = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    copy_.offset = cache.offset
+    copy_.keys, copy_.values = (tuple(mx.array(x[..., : cache.offset, :]) for x in triple)
+                                for triple in (cache.keys, cache.values))
+    return copy_

@@ -23,6 +23,7 @@ import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
+from kvparity.oracle.plan import converted, offset_of
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest, stored_copy
 
 
@@ -56,7 +57,15 @@ def draft_tokens(request, position: int, n: int, vocab_size: int) -> List[int]:
 
 
 def layer_bytes(cache) -> Dict[str, mx.array]:
-    """One layer's cache on [0, offset): keys and values, as triples when quantized."""
+    """One layer's cache as a request observes it: keys and values on
+    [0, offset), as triples when quantized; an ``ArraysCache``'s state whole
+    (linear-attention and SSM state: every byte is the request's); a
+    ``CacheList``'s members', each under its index."""
+    members = getattr(cache, "caches", None)
+    if isinstance(members, (tuple, list)):
+        return {f"{k}.{name}": x for k, member in enumerate(members) for name, x in layer_bytes(member).items()}
+    if isinstance(getattr(cache, "cache", None), list):
+        return {f"state.{k}": x for k, x in enumerate(cache.cache) if x is not None}
     n = cache.offset
     out = {}
     for name in ("keys", "values"):
@@ -117,11 +126,11 @@ class SoloRequest:
 
     @property
     def offset(self) -> int:
-        return self.cache[0].offset
+        return offset_of(self.cache)
 
     @property
     def quantized(self) -> bool:
-        return all(hasattr(c, "bits") for c in self.cache)
+        return converted(self.cache)
 
     def convert(self):
         maybe_quantize_kv_cache(

@@ -280,11 +280,13 @@ def _check_conversations(source, requests: Dict[str, ArrivalRequest], engine: En
             turn = requests[turn.continues]
 
 
-def check_fits(schedule: ArrivalSchedule, head_dim: int, vocab_size: int, has_tokenizer: bool) -> Optional[str]:
-    """Why the schedule cannot run on a model of this shape, or None."""
+def check_fits(schedule: ArrivalSchedule, plan, vocab_size: int, has_tokenizer: bool) -> Optional[str]:
+    """Why the schedule cannot run on a model of this per-layer plan (a
+    ``CachePlan``) and vocabulary, or None."""
     for r in schedule.requests.values():
-        if head_dim % r.group_size:
-            return f"{schedule.path}: request {r.id!r}: group_size={r.group_size} does not divide head_dim={head_dim}"
+        unfit = plan.group_sizes_fit(r.group_size)
+        if unfit:
+            return f"{schedule.path}: request {r.id!r}: {unfit.removeprefix('kv.')}"
     prompts = list(schedule.requests.values()) + ([schedule.system] if schedule.system else [])
     for r in prompts:
         where = f"{schedule.path}: " + ("system" if isinstance(r, SystemPrompt) else f"request {r.id!r}")

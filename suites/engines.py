@@ -45,6 +45,7 @@ first step that generated a token, each layer's cache of that batch as
 hold triples of the requests' bits and group size.
 """
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -58,6 +59,7 @@ from kvparity.oracle.generation import (
     PROMPT_CACHE_MODEL, NotQuantized, StoredPrefix, fetch_nearest, quantized_copy,
 )
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, installed_batch_generator_defect
+from kvparity.oracle.plan import fresh_rows, plan_for
 from kvparity.suites.adapter import ImplementationError, resolve
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
@@ -230,6 +232,7 @@ class BatchGeneratorEngine:
 
     def __init__(self, model, batch_class: type, settings: EngineSettings):
         self.model = model
+        self.plan = plan_for(model)  # which layers the class under test batches
         self.batch_class = batch_class
         self.row_class = quantized_row_class(batch_class)
         self.settings = settings
@@ -293,16 +296,18 @@ class BatchGeneratorEngine:
         return None if batch is None else batch.prompt_cache
 
     def rows(self, request: EngineRequest) -> list:
-        """Empty quantized rows, one per layer: a request that starts from nothing."""
-        return [self.row_class(group_size=request.group_size, bits=request.bits) for _ in self.model.layers]
+        """A request that starts from nothing: an empty quantized row for each
+        layer mlx-lm quantizes, mlx-lm's own empty cache for every other."""
+        return fresh_rows(self.model, request.bits, request.group_size, self.row_class)
 
     def mergeable(self, entry: list) -> list:
         """What mlx-lm's store handed back (a deep copy of what ``extract``
         returned, perhaps trimmed) made to merge into the class under test, in
         place: each layer's class becomes a ``quantized_row_class`` of its own;
         its arrays and offset stay exactly as mlx-lm left them."""
-        for layer in entry:
-            layer.__class__ = quantized_row_class(self.batch_class, type(layer))
+        for layer, planned in zip(entry, self.plan.layers):
+            if planned.quantized:
+                layer.__class__ = quantized_row_class(self.batch_class, type(layer))
         return list(entry)
 
 
@@ -422,8 +427,8 @@ class Serving:
         stored = StoredPrefix(number, tuple(tokens), None, rid, step, kind)
         copies = []
         try:
-            for layer in layers:
-                copies.append(quantized_copy(layer))
+            for layer, planned in zip(layers, self.engine.plan.layers):
+                copies.append(quantized_copy(layer) if planned.quantized else copy.deepcopy(layer))
             stored.layers = copies
         except NotQuantized as error:
             stored.unusable = f"layer {len(copies)} is {error}"

@@ -98,6 +98,9 @@ class SyntheticBackend:
     def append_alone(self, rid, solo, n, j):
         solo.append(*self.draw(rid, n))
 
+    def untrimmable(self) -> str:
+        return ""  # synthetic layers are quantized caches: every one trims
+
     def batched_prefill(self, rids):
         """Several prompts in one right-padded call: prepare/finalize."""
         requests = [self.schedule.requests[rid] for rid in rids]

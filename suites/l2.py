@@ -63,9 +63,9 @@ def model_for(schedule, forced=None) -> str:
 def fit_to_model(schedule, model):
     """Tokenize text prompts and check the kv settings fit the model; returns
     (schedule, why it cannot run on this model or None)."""
-    if model.head_dim % schedule.group_size:
-        return schedule, (f"kv.group_size={schedule.group_size} does not divide "
-                          f"head_dim={model.head_dim} of {model.name}")
+    unfit = model.plan.group_sizes_fit(schedule.group_size)
+    if unfit:
+        return schedule, f"{unfit} of {model.name}"
     if any(r.text is not None for r in schedule.requests.values()):
         if model.tokenizer is None:
             return schedule, f"text prompts need a tokenizer; {model.name} has none"
@@ -157,6 +157,10 @@ class ModelBackend:
 
     def batched_prefill(self, rids):
         raise AssertionError("the dry run refuses batched_join at L2")
+
+    def untrimmable(self) -> str:
+        """The model's layers mlx-lm cannot trim (SSM state), in words; empty when none."""
+        return ", ".join(f"layer {layer.index} is an {layer.cache}" for layer in self.model.plan.untrimmable())
 
 
 
@@ -334,8 +338,12 @@ def row_bytes(replay: Replay, rid: str):
     if alone is not None:
         return [layer_bytes(c) for c in alone.cache], alone.offset
     i = replay.rows.index(rid)
+    plan = replay.backend.model.plan
     layers = []
-    for batch in replay.layers:
+    for layer, batch in zip(plan.layers, replay.layers):
+        if not layer.quantized:  # mlx-lm's own batched class: the row as it extracts it
+            layers.append(layer_bytes(batch.extract(i)))
+            continue
         start, stop = int(batch.left_padding[i].item()), batch.size()
         triples = state_triples(batch.state)
         if triples is None:  # what the state was instead, for a layout divergence
@@ -344,7 +352,7 @@ def row_bytes(replay: Replay, rid: str):
             continue
         layers.append({f"{name}.{part}": x[i : i + 1, :, start:stop]
                        for name, triple in triples.items() for part, x in zip(TRIPLE, triple)})
-    return layers, int(replay.layers[0].offset[i].item())
+    return layers, int(replay.layers[plan.attention].offset[i].item())
 
 
 def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
@@ -358,7 +366,7 @@ def compare_caches(replay: Replay, traces, result: ScheduleResult, event):
         where = dict(event=label, request=rid, step=len(replay.calls[rid]) - 1)
         if rid in replay.rows:
             i = replay.rows.index(rid)
-            batch = replay.layers[0]
+            batch = replay.layers[replay.backend.model.plan.attention]
             pad, size = int(batch.left_padding[i].item()), batch.size()
             if size - pad != offset:
                 result.note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, offset, size, pad, **where)])

@@ -90,7 +90,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     for rid in schedule.requests:
         result.row(rid)
     start = time.perf_counter()
-    unfit = check_fits(schedule, loaded.head_dim, loaded.vocab_size, loaded.tokenizer is not None)
+    unfit = check_fits(schedule, loaded.plan, loaded.vocab_size, loaded.tokenizer is not None)
     if unfit:
         result.stop(NOT_SUPPORTED, unfit)
         return result
@@ -103,7 +103,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     solos = generate_solos(result, loaded, first_turns, use_cache)
     run = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
     if run is not None:
-        check_quantized(result, run, requests, loaded.head_dim)
+        check_quantized(result, run, requests, loaded.plan)
         for request in requests:
             if request.continues is not None:  # a next turn: its prompt as the engine served it
                 if request.id not in run.prompts:
@@ -208,26 +208,42 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     return run
 
 
-def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], head_dim: int):
-    """After the engine's first step that generated a token, every layer's
-    cache of that batch holds (packed, scales, biases) triples of each
-    request's bits and group size: an engine that was asked for a quantized
-    cache and keeps a layer in bf16 is caught here, whatever its tokens."""
+def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan):
+    """After the engine's first step that generated a token, every layer that
+    mlx-lm's solo run quantizes (``plan``, a ``CachePlan``) holds (packed,
+    scales, biases) triples of each request's bits and group size at its own
+    key and value dims, and every other layer holds mlx-lm's own batched
+    class for it: an engine that was asked for a quantized cache and keeps a
+    layer in bf16 is caught here, whatever its tokens."""
     first = run.first_step
     if first is None:  # the engine does not say what its caches held
         return
     asked = {r.id: r for r in requests}
+    where = f"{SERVE_LABEL}, engine step {first.step}"
     for rid in first.rows:
         request, found = asked[rid], []
-        for number, layer in enumerate(first.layers):
-            for tensor in ("keys", "values"):
-                held = held_otherwise(getattr(layer, tensor), request.bits, request.group_size, head_dim)
+        if first.layers and len(first.layers) != len(plan.layers):  # none: the batch was gone already
+            found.append(Divergence(QUANTIZED, where, rid, expected=len(plan.layers), actual=len(first.layers),
+                                    detail="layers in the engine's batch, where mlx-lm's prompt cache has "
+                                           f"{len(plan.layers)}"))
+        for planned, layer in zip(plan.layers, first.layers):
+            number = planned.index
+            if not planned.quantized:
+                if layer.cache != planned.batched:
+                    found.append(Divergence(
+                        QUANTIZED, where, rid, tensor="state", layer=number, expected=planned.batched,
+                        actual=layer.cache,
+                        detail=f"layer {number} holds a {layer.cache}, where mlx-lm batches its {planned.cache} "
+                               f"as a {planned.batched} (mlx-lm does not quantize this layer)"))
+                continue
+            for tensor, dim in (("keys", planned.key_dim), ("values", planned.value_dim)):
+                held = held_otherwise(getattr(layer, tensor), request.bits, request.group_size, dim)
                 if held is not None:
                     found.append(Divergence(
-                        QUANTIZED, f"{SERVE_LABEL}, engine step {first.step}", rid, tensor=tensor, layer=number,
+                        QUANTIZED, where, rid, tensor=tensor, layer=number,
                         detail=f"layer {number} holds a {layer.cache} whose {tensor} are {held}, where "
                                f"(packed, scales, biases) triples of {request.bits} bits, group size "
-                               f"{request.group_size} were asked for"))
+                               f"{request.group_size} at {tensor[:-1]} dim {dim} were asked for"))
         result.note(0, QUANTIZED, [rid], len(first.layers), found)
 
 

@@ -41,9 +41,16 @@ class ScheduleError(ValueError):
 class NotSupported(Exception):
     """The schedule needs an optional capability the implementation lacks."""
 
-    def __init__(self, capability: str):
-        super().__init__(f"needs {capability}, which the implementation does not have")
+    def __init__(self, capability: str, why: str = ""):
+        super().__init__(why or f"needs {capability}, which the implementation does not have")
         self.capability = capability
+
+
+def mlx_lm_batch(rows: list):
+    """One layer's solo rows as one batch: a quantized layer through the class
+    under test (set by ``enter``), any other through mlx-lm's own class for it,
+    as ``BatchGenerator`` merges it (``rows[0].merge(rows)``)."""
+    return rows[0].merge(list(rows))
 
 
 @dataclass(frozen=True)
@@ -203,9 +210,11 @@ class Replay:
         ready = [rid for rid, solo in solos.items() if solo.quantized]
         if ready:
             layers = list(zip(*(solos[rid].layers for rid in ready)))
-            self.backend.watch("merge", [c for rows in layers for c in rows])
+            quantized = [rows for rows in layers if hasattr(rows[0], "bits")]
+            self.backend.watch("merge", [c for rows in quantized for c in rows])
             merge = self.backend.implementation.batch_class.merge
-            self.add_rows([merge(list(rows)) for rows in layers], ready)
+            self.add_rows([merge(list(rows)) if hasattr(rows[0], "bits") else mlx_lm_batch(rows) for rows in layers],
+                          ready)
         self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
 
     def add_rows(self, layers, rids):
@@ -247,6 +256,10 @@ class Replay:
         for rid, n in amounts.items():
             if n > self.generated[rid]:
                 self.fail(f"rollback of {n} for {rid!r} is past what it generated ({self.generated[rid]})")
+        untrimmable = self.backend.untrimmable() if any(amounts.values()) else None
+        if untrimmable:
+            raise NotSupported("rollback", f"rollback on this model: {untrimmable}, which mlx-lm cannot trim "
+                                           "(trim_prompt_cache trims nothing then)")
         batched = [amounts.get(rid, 0) for rid in self.rows]
         if any(batched):
             if len(set(batched)) == 1:
@@ -403,7 +416,7 @@ class _Counted:
 
     def __init__(self, start: int, length: int = 0, quantized: bool = False):
         self.start, self.offset, self.quantized = start, 0, quantized
-        self.layers = [None]
+        self.layers = [NoRow()]
         self.append(length)
 
     def append(self, n: int):
@@ -415,9 +428,10 @@ class _Counted:
 
 
 class NoRow:
-    """Stands in for an extracted row in a store: it holds no bytes."""
+    """Stands in for a quantized row (solo, or extracted into a store): it holds no bytes."""
 
     nbytes = 0
+    bits = None  # a quantized layer's row: it merges into the batch under test
 
     def is_trimmable(self):
         return True
@@ -474,6 +488,9 @@ class _DryRun:
 
     def append_alone(self, rid, solo, n, j):
         solo.append(n)
+
+    def untrimmable(self):
+        return ""
 
 
 def dry_backend(schedule):

@@ -128,7 +128,7 @@ class L3Runner(Runner):
         return options.forced or schedule.model
 
     def unfit(self, schedule, model):
-        unfit = arrivals.check_fits(schedule, model.head_dim, model.vocab_size, model.tokenizer is not None)
+        unfit = arrivals.check_fits(schedule, model.plan, model.vocab_size, model.tokenizer is not None)
         return unfit and f"cannot run on {model.name}: {unfit}"
 
     def run(self, schedule, implementation, options):

@@ -165,7 +165,7 @@ def test_engine_keeping_a_layer_bf16_fails_the_quantized_check(implementation, j
     assert found and {(d.layer, d.tensor) for d in found} == {(1, "keys"), (1, "values")}
     assert ("layer 1 holds a BatchKVCache whose keys are an unquantized bfloat16 array"
             in found[0].message()), found[0].message()
-    assert "triples of 4 bits, group size 64 were asked for" in found[0].message()
+    assert "triples of 4 bits, group size 64 at key dim 64 were asked for" in found[0].message()
 
 
 def test_bad_engine_spec_is_refused():
