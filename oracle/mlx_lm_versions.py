@@ -9,7 +9,7 @@ A defect is found by running the installed mlx-lm's code, never by reading
 its version number: a patched or backported mlx-lm is judged by what it does.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, List, Optional
@@ -252,3 +252,36 @@ def dense_batch_differs(model) -> Optional[MlxLmDefect]:
                     consequence="mlx-lm's batched path is not batch-invariant on this model, so a batch's "
                                 "divergence cannot be told from the cache's")
     return None
+
+
+QUANTIZED_FIRST_WRITE = MlxLmDefect(
+    name="quantized-kv-first-write-width",
+    what=("an empty QuantizedKVCache allocates each token's packed words as dim // (32 // bits), not the "
+          "dim * bits / 32 words mx.quantize packs, when 32 is no multiple of bits (3, 5 and 6 bits at some "
+          "dims), so its first write raises a broadcast error"),
+    source="mlx_lm/models/cache.py QuantizedKVCache.update_and_fetch, init_quant 'dim // el_per_int'",
+    fixed_in=NOT_FIXED,
+    consequence="mlx-lm's solo run quantized from the first token, the L3 oracle, cannot run here",
+)
+
+
+@lru_cache(maxsize=None)
+def first_write_breaks(bits: int, group_size: int, dim: int) -> bool:
+    """True when the installed mlx-lm's empty QuantizedKVCache raises on its first write of ``dim`` columns."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    x = mx.zeros((1, 1, 1, dim))
+    try:
+        mx.eval(QuantizedKVCache(group_size=group_size, bits=bits).update_and_fetch(x, x))
+    except ValueError:
+        return True
+    return False
+
+
+def first_write_defect(bits: int, group_size: int, dims) -> Optional[MlxLmDefect]:
+    """The first-write defect where it reaches a request of ``bits`` on a model with these packed dims."""
+    broken = [d for d in dims if first_write_breaks(bits, group_size, d)]
+    if not broken:
+        return None
+    return replace(QUANTIZED_FIRST_WRITE, consequence=f"{QUANTIZED_FIRST_WRITE.consequence} "
+                                                      f"({bits} bits, dims {', '.join(map(str, broken))})")

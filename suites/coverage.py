@@ -184,6 +184,9 @@ class Paths:
     def append_alone(self, rid, solo, n, j):
         self.dry.append_alone(rid, solo, n, j)
 
+    def untrimmable(self):
+        return self.dry.untrimmable()
+
 
 def paths_of(schedule) -> Tuple[str, ...]:
     """The paths a schedule takes, from its dry run."""

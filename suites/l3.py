@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
-from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model
+from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
@@ -94,7 +94,9 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     if unfit:
         result.stop(NOT_SUPPORTED, unfit)
         return result
-    defect = defect_for_model(loaded)
+    defect = defect_for_model(loaded) or next(
+        (found for r in schedule.requests.values() if r.quantized_kv_start is None
+         for found in [first_write_defect(r.bits, r.group_size, loaded.plan.dims)] if found), None)
     if defect is not None:
         result.stop(MLX_LM_DEFECT, defect.attribution())
         return result

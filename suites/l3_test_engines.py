@@ -10,11 +10,16 @@ entry after storing it, as a store sharing memory with a batch would see.
 ``keeps_last_layer_bf16`` (mlx-lm's BatchGenerator) hands its last layer a
 plain ``KVCache``, which batches as a bf16 ``BatchKVCache``: an engine that
 was asked for a quantized cache and keeps one layer unquantized.
+``leaves_batch_dense`` accepts the quantized settings and serves every request
+from mlx-lm's dense prompt cache (a server whose ``--kv-bits`` never reaches
+the batch); ``converts_if_layer0_attention`` quantizes only when layer 0 is an
+attention layer (a conversion that reads ``cache[0]``), so a hybrid model
+whose layer 0 holds SSM state stays dense.
 """
 
 from typing import Sequence
 
-from mlx_lm.models.cache import KVCache, LRUPromptCache
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
 from kvparity.oracle.generation import generate_alone
 from kvparity.suites.engines import BatchGeneratorEngine, EngineRequest, EngineRun, EngineSettings, Generated
@@ -88,9 +93,22 @@ class KeepsLastLayerBf16(BatchGeneratorEngine):
         return super().rows(request)[:-1] + [KVCache()]
 
 
+class LeavesBatchDense(BatchGeneratorEngine):
+    def rows(self, request):
+        return make_prompt_cache(self.model)
+
+
+class ConvertsIfLayer0Attention(BatchGeneratorEngine):
+    def rows(self, request):
+        dense = make_prompt_cache(self.model)
+        return super().rows(request) if isinstance(dense[0], KVCache) else dense
+
+
 serial = SerialEngine
 chosen_logprob_only = ChosenLogprobOnly
 drops_last_token = DropsLastToken
 swaps_outputs = SwapsOutputs
 stored_entries_change = StoredEntriesChange
 keeps_last_layer_bf16 = KeepsLastLayerBf16
+leaves_batch_dense = LeavesBatchDense
+converts_if_layer0_attention = ConvertsIfLayer0Attention
