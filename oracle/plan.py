@@ -48,6 +48,14 @@ class LayerPlan:
     trimmable: bool = True
     batched: str = ""  # a layer mlx-lm batches itself: the class its merge makes ("": the class under test)
 
+    def short(self) -> str:
+        """``Q(2x64)``, ``Q(2x192/128)`` (kv heads x key/value dims) for a
+        quantized layer, mlx-lm's class name for any other."""
+        if not self.quantized:
+            return self.cache
+        dims = str(self.key_dim) if self.key_dim == self.value_dim else f"{self.key_dim}/{self.value_dim}"
+        return f"Q({self.kv_heads}x{dims})"
+
     def describe(self) -> str:
         dims = ""
         if self.key_dim is not None:
@@ -95,6 +103,16 @@ class CachePlan:
 
     def describe(self) -> List[str]:
         return [layer.describe() for layer in self.layers]
+
+    def summary(self) -> str:
+        """The layers in one line, runs of equal layers counted: ``ArraysCache*3, Q(1x256)``."""
+        runs: List[List] = []
+        for layer in self.layers:
+            if runs and runs[-1][0] == layer.short():
+                runs[-1][1] += 1
+            else:
+                runs.append([layer.short(), 1])
+        return ", ".join(name if n == 1 else f"{name}*{n}" for name, n in runs)
 
 
 def offset_of(caches) -> int:

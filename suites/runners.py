@@ -8,14 +8,20 @@ and bisect all read ``RUNNERS``; a new level is its runner plus one entry.
 ``--model smollm2`` is the one special case: it selects the real model's
 own schedules (each names its model) instead of forcing a model on all of
 them. ``RunOptions.forced`` says it once.
+
+The architecture axis (``catalog/architectures/axis.json``, data): the
+catalog schedules it names run again on each model of the run's model set
+(``RunOptions.models``: the axis's default architectures, or every
+architecture of mlx-lm's zoo), each judged per layer as mlx-lm lays it out.
 """
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Callable, Dict, List, Optional, Tuple
 
-from kvparity.oracle.models import SMOLLM2
+from kvparity.oracle.models import SMOLLM2, zoo_models
 from kvparity.suites import arrivals, l1, l2, l3
-from kvparity.suites.schedule import CATALOG, REAL_CATALOG, catalog_paths, parse, read_document
+from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
 
 # A label for the progress line and a run: implementation -> ScheduleResult.
 Run = Tuple[str, Callable]
@@ -27,6 +33,7 @@ class RunOptions:
     engine: Optional[str] = None  # L3: package.module:factory, None for mlx-lm's BatchGenerator
     repeat_oracle: Optional[bool] = None  # L2: None for the device's default
     use_cache: bool = True  # L2: reuse stored solo traces (bisect's variants do not)
+    models: Tuple[str, ...] = ()  # the architecture axis's models (see ``model_set``)
 
     @property
     def real_model(self) -> bool:
@@ -54,6 +61,43 @@ def is_arrivals(schedule) -> bool:
     return isinstance(schedule, arrivals.ArrivalSchedule)
 
 
+AXIS = CATALOG / "architectures" / "axis.json"
+MODEL_SETS = ("default", "all")  # --models: the axis's own default, or every architecture of the zoo
+
+
+@dataclass(frozen=True)
+class ArchitectureAxis:
+    default: Tuple[str, ...]  # the models a run adds by default
+    schedules: Dict[str, Tuple[str, ...]]  # level -> catalog schedule names run on each model
+
+
+@lru_cache(maxsize=None)
+def architecture_axis(path=AXIS) -> ArchitectureAxis:
+    doc = read_document(path)
+    known = set(zoo_models())
+    for model in doc["default"]:
+        if model not in known:
+            raise ScheduleError(f"{path}: default: {model!r} is no architecture of the zoo")
+    return ArchitectureAxis(tuple(doc["default"]), {level: tuple(doc.get(level, ())) for level in ("L2", "L3")})
+
+
+def model_set(text: Optional[str]) -> Tuple[str, ...]:
+    """``--models``: ``default`` (the axis's), ``all`` (the zoo), ``none``, or names, comma-separated."""
+    if text in (None, "default"):
+        return architecture_axis().default
+    if text == "all":
+        return tuple(zoo_models())
+    if text == "none":
+        return ()
+    names = tuple(n for n in text.split(",") if n)
+    unknown = [n for n in names if n not in zoo_models()]
+    if unknown or not names:
+        raise ValueError(f"--models {text!r}: {unknown[0] if unknown else 'no name'} is not "
+                         f"{', '.join(MODEL_SETS + ('none',))} or an architecture of the zoo "
+                         f"({', '.join(zoo_models())})")
+    return names
+
+
 class Runner:
     """A level of the event schedules (L1, L2); L3 overrides what differs."""
 
@@ -77,8 +121,23 @@ class Runner:
         """One schedule, as it is, on ``implementation``: a ScheduleResult."""
         raise NotImplementedError
 
+    def variants(self, schedule, options: RunOptions) -> List[Tuple[str, RunOptions]]:
+        """(suffix, options) of each run of ``schedule``: as it is, then on
+        every model of the run's axis that the axis runs it on."""
+        out = [("", replace(options, models=()))]
+        if schedule.name in architecture_axis().schedules.get(self.level, ()):
+            out += [(f" on {model}", replace(options, model=model, models=())) for model in options.models]
+        return out
+
     def runs(self, schedule, options: RunOptions) -> List[Run]:
-        return [(f"{self.level} {schedule.name}", lambda impl: self.run(schedule, impl, options))]
+        out = []
+        for suffix, variant in self.variants(schedule, options):
+            def run(impl, variant=variant, suffix=suffix):
+                result = self.run(schedule, impl, variant)
+                result.schedule += suffix
+                return result
+            out.append((f"{self.level} {schedule.name}{suffix}", run))
+        return out
 
 
 class L1Runner(Runner):
@@ -136,12 +195,13 @@ class L3Runner(Runner):
 
     def runs(self, schedule, options):
         out = []
-        for mode, variant in l3.prefill_modes(schedule).items():
-            def serve(impl, s=variant, mode=mode):
-                result = self.run(s, impl, options)
-                result.schedule = f"{s.name} ({mode})"
-                return result
-            out.append((f"L3 {schedule.name} ({mode})", serve))
+        for suffix, chosen in self.variants(schedule, options):
+            for mode, variant in l3.prefill_modes(schedule).items():
+                def serve(impl, s=variant, mode=mode, chosen=chosen, suffix=suffix):
+                    result = self.run(s, impl, chosen)
+                    result.schedule = f"{s.name} ({mode}){suffix}"
+                    return result
+                out.append((f"L3 {schedule.name} ({mode}){suffix}", serve))
         return out
 
 

@@ -17,7 +17,7 @@ from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.engines import EngineError, load_engine_factory
-from kvparity.suites.runners import RunOptions
+from kvparity.suites.runners import RunOptions, model_set
 
 
 class CannotRun(Exception):
@@ -55,6 +55,12 @@ def common_options(command, levels=("L1", "L2", "L3", "all"), default_level="all
         command.add_argument("--engine", metavar="MODULE:FACTORY",
                              help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
     command.add_argument("--model", metavar="NAME", help=model_help())
+    if levels is None or "L2" in levels:
+        command.add_argument("--models", metavar="SET", default="default",
+                             help="the architecture axis: the catalog schedules it names also run on these "
+                             "architectures of mlx-lm's zoo: default (a hybrid, keys and values of different "
+                             "widths, head_dim 256), all (every architecture; see kvparity models), none, or "
+                             "names, comma-separated (default: %(default)s; not with --model or --schedule)")
     command.add_argument("--device", choices=("cpu", "gpu"), help=DEVICE_HELP)
     command.add_argument("--policy", metavar="NAME|FILE",
                          help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
@@ -68,7 +74,18 @@ def expectations_option(command):
 
 def run_options(args, use_cache=True) -> RunOptions:
     return RunOptions(model=args.model, engine=getattr(args, "engine", None),
-                      repeat_oracle=getattr(args, "repeat_oracle", None), use_cache=use_cache)
+                      repeat_oracle=getattr(args, "repeat_oracle", None), use_cache=use_cache,
+                      models=models_of(args))
+
+
+def models_of(args):
+    """The run's architecture axis (``--models``); none where a model is forced."""
+    if args.model or not hasattr(args, "models"):
+        return ()
+    try:
+        return model_set(args.models)
+    except ValueError as error:
+        raise UsageError(str(error))
 
 
 # -- what the options name ---------------------------------------------------------------

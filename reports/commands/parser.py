@@ -7,10 +7,10 @@ import argparse
 
 from kvparity.oracle.models import available_models
 from kvparity.reports.commands import (
-    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, probe, record, replay, run,
+    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, models, probe, record, replay, run,
 )
 
-COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, probe, record, calibrate, compare)
+COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, models, probe, record, calibrate, compare)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache

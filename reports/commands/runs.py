@@ -3,6 +3,7 @@ runs planned for them (each level's runner, from ``suites.runners``), running
 and judging them, and the summary printed after."""
 
 import sys
+from dataclasses import replace
 
 from tabulate import tabulate
 
@@ -68,11 +69,12 @@ def plan(args, selected, options=None):
     runs = []
     for level, schedule in selected:
         runner = RUNNERS[level]
-        name = runner.model_name(schedule, options)
-        if name is not None:
-            unfit = runner.unfit(schedule, load_model(name))
-            if unfit:
-                raise UsageError(unfit)
+        for _, variant in runner.variants(schedule, options):
+            name = runner.model_name(schedule, variant)
+            if name is not None:
+                unfit = runner.unfit(schedule, load_model(name))
+                if unfit:
+                    raise UsageError(unfit)
         runs += runner.runs(schedule, options)
     return runs
 
@@ -86,7 +88,10 @@ def prepare(args, files=None):
     if any(level == "L3" for level, _ in selected):
         check_engine(getattr(args, "engine", None))
     use_device(args.device)
-    runs = plan(args, selected)
+    options = run_options(args)
+    if files:  # the axis names catalog schedules: a file of the same name is the user's own
+        options = replace(options, models=())
+    runs = plan(args, selected, options)
     return chosen_policy, runs, implementation(args.impl)
 
 
