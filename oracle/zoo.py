@@ -459,7 +459,7 @@ def _fix_parameters(model: nn.Module, config: dict):
     """The one place where `_init_parameters`'s draws are not what a model needs.
 
     - SSM decays (Mamba-2 and gated DeltaNet's `A_log`, `dt_bias`, `D`): drawn as
-      norm weights (about 1), every head would forget its state within a step or
+      1-D weights (1 + N(0, 0.1^2)), every head would forget its state within a step or
       two (A = -e, dt = softplus(1)); give them real checkpoints' spread, A in
       [-16, -1] and dt in [0.001, 0.1] across heads, D = 1, so state carries over
       many tokens (and a pad token taken into it shows).
@@ -481,7 +481,7 @@ def _fix_parameters(model: nn.Module, config: dict):
             updates.append((path, dt + mx.log(-mx.expm1(-dt))))  # softplus(x) = dt
         elif leaf == "D" and p.ndim == 1:
             updates.append((path, mx.ones((n,))))
-    vocab, hidden = config.get("text_config", config)["vocab_size"], None
+    vocab = config.get("text_config", config)["vocab_size"]
     heads = [k for k, p in params.items() if p.ndim == 2 and p.shape[0] == vocab
              and "layers." not in k and "embed" not in k]
     for path in heads:
@@ -490,8 +490,9 @@ def _fix_parameters(model: nn.Module, config: dict):
     if not heads:
         path, norm = _final_norm(model)
         hidden = norm.weight.shape[0]
-        key = mx.random.key(config["seed"] + 1)
-        weight = mx.random.normal((hidden,), key=key) * 3.0 * hidden ** -0.5
+        with mx.stream(mx.cpu):  # as _init_parameters: the device does not change the draw
+            key = mx.random.key(config["seed"] + 1)
+            weight = mx.random.normal((hidden,), key=key) * 3.0 * hidden ** -0.5
         updates.append((path + ".weight", weight - _norm_offset(norm)))
     if updates:
         dtype = next(iter(params.values())).dtype
@@ -507,13 +508,13 @@ def _final_norm(model: nn.Module):
     return norms[0]
 
 
-def _norm_offset(norm: nn.Module) -> float:
+def _norm_offset(norm: nn.Module) -> int:
     """What a norm adds to its weight (1.0 for Gemma's 1 + weight, else 0)."""
     weight = norm.weight
     norm.weight = mx.zeros_like(weight)
     out = norm(mx.ones((1, weight.shape[0]), dtype=weight.dtype))
     norm.weight = weight
-    return float(out.abs().max().item())
+    return round(out.abs().max().item())
 
 
 def build_zoo_model(name: str, dtype: mx.Dtype = mx.float32):
