@@ -519,7 +519,9 @@ def _norm_offset(norm: nn.Module) -> int:
 
 def build_zoo_model(name: str, dtype: mx.Dtype = mx.float32):
     """The entry's model through mlx-lm's own classes for its model_type, with
-    seeded random weights, eval'd; and the config used (JSON-serialisable)."""
+    seeded random weights, eval'd; and the config used (JSON-serialisable).
+    MoE entries run in float32 only on MLX's CPU backend (its gather_mm is
+    float32-only there), hence the float32 default."""
     config = zoo_config(name, dtype)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
