@@ -297,19 +297,19 @@ _ENTRIES = [
         "tie_word_embeddings": False,
     }, [KV, KV], {KV: (2, 64, 64)}),
     _arch("granitemoehybrid", "Granite 4.0-H: Mamba-2 and attention 9:1 (first attention at "
-          "layer 5), MoE with a shared expert", {
-        "model_type": "granitemoehybrid", "hidden_size": 128, "num_hidden_layers": 6,
-        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "layer 5), MoE with a shared expert, head_dim 128 (hidden / heads)", {
+        "model_type": "granitemoehybrid", "hidden_size": 256, "num_hidden_layers": 6,
+        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
         "max_position_embeddings": 4096, "attention_bias": False,
         "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
         "logits_scaling": UNSCALED, "residual_multiplier": 0.22,
         "layer_types": ["mamba"] * 5 + ["attention"], "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB_SIZE, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "shared_intermediate_size": 128, "mamba_n_heads": 4, "mamba_d_head": 32,
+        "shared_intermediate_size": 128, "mamba_n_heads": 8, "mamba_d_head": 32,
         "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4,
         "mamba_n_groups": 1, "mamba_conv_bias": True, "position_embedding_type": "nope",
         "tie_word_embeddings": False,
-    }, [ARR] * 5 + [KV], {KV: (2, 32, 32)}),
+    }, [ARR] * 5 + [KV], {KV: (1, 128, 128)}),
     _arch("lfm2", "LFM2: short-convolution layers with attention in between", {
         "model_type": "lfm2", "vocab_size": VOCAB_SIZE, "hidden_size": 256,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
