@@ -139,6 +139,7 @@ class RunVerdict:
     declarations: List[dict] = field(default_factory=list)  # Expectations.applied: each declaration's fate
     unexpected_passes_gate: bool = False  # the policy fails a run with a declaration unexpectedly passing
     cells: Optional[dict] = None  # the coverage model at L1: see model_coverage
+    failures: Optional[list] = None  # reports.failures.FailureGroup: set by the command that ran the schedules
 
     @property
     def unexpectedly_passing(self) -> List[dict]:

@@ -7,7 +7,7 @@ import sys
 from tabulate import tabulate
 
 from kvparity.oracle.models import ModelUnavailable
-from kvparity.reports import shards, verdicts
+from kvparity.reports import failures, shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
     load_model, model_or_default, policy, run_options, use_device,
@@ -142,7 +142,21 @@ def select_and_run(args, files, shard=None):
     # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge.
     verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None, expectations=declared,
                                       policy=chosen_policy)
+    verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
     return chosen, chosen_policy, results, verdict, declared, plan
+
+
+def grouped_failures(args, results, implementation, policy, declared):
+    """The failing runs grouped by root cause; at L1, each group's example
+    shrunk to name an earlier member its failure exposed (cheap there)."""
+    groups = failures.group(results, failures.options_of(args))
+    options = run_options(args, use_cache=False)
+
+    def at(level):
+        return lambda s: verdicts.judge(RUNNERS[level].run(s, implementation, options), policy, declared)
+
+    failures.explain(groups, at)
+    return groups
 
 
 def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
@@ -174,6 +188,9 @@ def print_summary(results, verdict, policy, out=None, quiet=False):
     if verdict.cells:
         print(f"\ncoverage model (L1): {verdict.cells['reached']} of {verdict.cells['requirements']} "
               "requirements reached", file=out)
+    groups = verdict.failures if verdict.failures is not None else failures.group(results)
+    if groups:
+        print("", *failures.lines(groups), sep="\n", file=out)
     print(f"\n{verdict.headline}", file=out)
     for gap in verdict.gaps:
         print(f"no evidence: {gap}", file=out)
