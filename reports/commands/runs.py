@@ -16,6 +16,7 @@ from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.evidence import PASS
+from kvparity.suites.levels import LEVELS
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
@@ -42,6 +43,29 @@ class Progress:
 
 def levels_of(args):
     return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
+
+
+def require_levels_option(command):
+    command.add_argument("--require-levels", metavar="L1,L2,L3",
+                         help="levels that must be judged: a run in which one of them judged no schedule run "
+                         "(every one mlx-lm defect, not supported, oracle cannot run, ...) cannot be judged "
+                         "(exit 125) instead of passing on the other levels; a shard leaves it to kvparity merge")
+
+
+def required_levels(args) -> tuple:
+    """--require-levels as level names, each among those --level runs; a
+    usage error otherwise (before any work)."""
+    given = getattr(args, "require_levels", None)
+    if given is None:
+        return ()
+    named = tuple(v.strip() for v in given.split(",") if v.strip())
+    unknown = [v for v in named if v not in LEVELS]
+    if unknown or not named:
+        raise UsageError(f"--require-levels {given!r}: expected some of {', '.join(LEVELS)}")
+    outside = [v for v in named if hasattr(args, "level") and v not in levels_of(args)]
+    if outside:
+        raise UsageError(f"--require-levels {given}: --level {args.level} does not run {', '.join(outside)}")
+    return named
 
 
 def select(args, files=None):
@@ -128,6 +152,7 @@ def select_and_run(args, files, shard=None):
     share of the plan): (implementation, policy, results, run verdict,
     expectations, the shard block or None)."""
     declared = expectations(args)  # a bad file is refused before anything else
+    required = required_levels(args)
     chosen_policy, runs, chosen = prepare(args, files)
     plan = None
     if shard is not None:
@@ -141,7 +166,7 @@ def select_and_run(args, files, shard=None):
     progress.close()
     # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge.
     verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None, expectations=declared,
-                                      policy=chosen_policy)
+                                      policy=chosen_policy, required_levels=required if plan is None else ())
     verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
     return chosen, chosen_policy, results, verdict, declared, plan
 
