@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache, _tokens
 
 
 class LeftPaddingOffByOne(BatchQuantizedKVCache):
@@ -229,6 +229,52 @@ class EmptyBatchPacksWholeElementsPerWord(BatchQuantizedKVCache):
                 mx.zeros((*shape, groups), dtype=biases.dtype))
 
 
+class FilterSharedPaddingOffByOne(BatchQuantizedKVCache):
+    """filter drops the padding every survivor shares from the bookkeeping,
+    but slices the arrays one column short of it (``shared - 1``): every
+    surviving row's bytes sit one column right of where its padding ends."""
+
+    caught_by = "bytes"
+
+    def filter(self, batch_indices):
+        rows = mx.array([int(i) for i in batch_indices])
+        self.offset, self.left_padding = self.offset[rows], self.left_padding[rows]
+        shared = min(self.left_padding.tolist())
+        if self.keys is not None:
+            start = max(shared - 1, 0)
+            self.keys = _tokens(tuple(x[rows] for x in self.keys), start, None)
+            self.values = _tokens(tuple(x[rows] for x in self.values), start, None)
+        self._idx -= shared
+        self.left_padding = self.left_padding - shared
+
+
+class TrimSlicesOnlyPackedWords(BatchQuantizedKVCache):
+    """A cache that holds exactly its tokens (a write appends, a trim cuts)
+    whose trim cuts the packed words but not the scales and biases: every
+    check after the trim holds, and the next write appends after the stale
+    scales and biases, so it shows one event after its cause."""
+
+    caught_by = "bytes"
+
+    def update_and_fetch(self, keys, values):
+        new = [mx.quantize(x, group_size=self.group_size, bits=self.bits) for x in (keys, values)]
+        if self.keys is None:
+            self.keys, self.values = new
+        else:
+            self.keys, self.values = (tuple(mx.concatenate(pair, axis=2) for pair in zip(old, fresh))
+                                      for old, fresh in zip((self.keys, self.values), new))
+        self._idx += keys.shape[2]
+        self.offset = self.offset + keys.shape[2]
+        return self._fetch()
+
+    def trim(self, n):
+        n = super().trim(n)
+        if self.keys is not None:
+            self.keys, self.values = ((packed[..., : self._idx, :], scales, biases)
+                                      for packed, scales, biases in (self.keys, self.values))
+        return n
+
+
 VARIANTS = [
     LeftPaddingOffByOne,
     FilterKeepsSharedPadding,
@@ -244,6 +290,8 @@ VARIANTS = [
     FinalizeLeavesJunk,
     GrowthDropsTail,
     EmptyBatchPacksWholeElementsPerWord,
+    FilterSharedPaddingOffByOne,
+    TrimSlicesOnlyPackedWords,
 ]
 
 

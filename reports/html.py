@@ -60,6 +60,7 @@ h2{margin:28px 0 8px;font-size:18px}
 table{border-collapse:collapse;font-size:12px;background:#fff}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;white-space:nowrap}
 td:last-child{white-space:normal;min-width:320px}
+#failures td{white-space:normal;overflow-wrap:anywhere;min-width:0}
 th{background:#eef0f3;position:sticky;top:0}
 td.pass{color:#2e7d32;font-weight:600}td.fail{color:#c62828;font-weight:600}
 td.warn{color:#b26a00;font-weight:600}td.muted{color:#777}
@@ -103,6 +104,8 @@ def render(record: dict, tables) -> str:
     ]
     (summary, *rest) = tables
     parts.append(_table_section(summary, "summary"))
+    if rest and rest[0][0].startswith("Failures"):  # what to fix, before the plots
+        parts.append(_table_section(rest.pop(0), "failures"))
     parts.append(_schedules_section(record["results"]))
     parts += [_table_section(t, _anchor(t[0], i)) for i, t in enumerate(rest)]
     parts.append("</main></body></html>\n")
@@ -348,7 +351,7 @@ def _heatmap(key, result, row) -> str:
         out.append(f'<text x="{GUTTER + cell * (step - lo + 0.5):.1f}" y="{height - 4}" '
                    f'text-anchor="middle">{step}</text>')
     out.append("</svg>")
-    caption = escape(_clip(f"outlined, the first: {first['message']}", 160))
+    caption = escape(f"outlined, the first: {first['message']}")
     return f'<figure class="heat">{"".join(out)}<figcaption>{caption}</figcaption></figure>'
 
 

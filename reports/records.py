@@ -116,6 +116,7 @@ def local_path(path: Optional[str]) -> Optional[str]:
 def evidence_of(doc: dict) -> ScheduleResult:
     """A schedule run's evidence from its report.json entry."""
     result = ScheduleResult(**_fields(ScheduleResult, {**doc, "rows": [], "path": local_path(doc.get("path"))}))
+    result.called = {int(e): list(members) for e, members in (doc.get("called") or {}).items()}
     for row_doc in doc["rows"]:
         row = RowResult(row_doc["request"], metrics=_finite(row_doc.get("metrics") or {}),
                         series=_finite(row_doc.get("series") or {}))

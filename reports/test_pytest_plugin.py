@@ -56,3 +56,23 @@ def test_levels_deselect_the_other_levels_suites(tmp_path):
     assert "test_catalog_covers_the_design_list" not in out, out  # an L1 test
     code, out = pytest_in(tmp_path, "--kvparity-levels", "L4", "--pyargs", "kvparity.suites.test_l1_catalog")
     assert code == 4 and "expected some of L1, L2, L3" in out, out
+
+
+def test_every_marker_is_registered_under_strict_markers(tmp_path):
+    """A team's project that sets --strict-markers collects kvparity's suites
+    and its own tests using kvparity's markers with no error and no warning:
+    the plugin registers every marker its tests carry or it applies."""
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "--strict-markers"\n')
+    (tmp_path / "test_theirs.py").write_text(
+        "import pytest\n\n\n@pytest.mark.gqa_batched\n@pytest.mark.kvparity\n@pytest.mark.slow\n"
+        "def test_theirs():\n    pass\n")
+    used = {name for path in pytest_plugin.TEST_FOLDERS for test in path.glob("test_*.py")
+            for name in re.findall(r"pytest\.mark\.(\w+)", test.read_text())}
+    builtin = {"parametrize", "skip", "skipif", "usefixtures", "xfail", "filterwarnings"}
+    registered = {marker.split(":")[0] for marker in pytest_plugin.MARKERS}
+    assert used - builtin <= registered, sorted(used - builtin - registered)
+    code, out = pytest_in(tmp_path, "--collect-only", "-W", "error::pytest.PytestUnknownMarkWarning",
+                          "test_theirs.py", "--pyargs", "kvparity.suites.test_l3", "kvparity.suites.test_oracle")
+    assert code == 0, out
+    assert "warning" not in out.lower() and "error" not in out.lower(), out
+    assert re.search(r"\d+ tests? collected", out), out

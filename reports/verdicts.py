@@ -33,6 +33,8 @@ EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
 # What each exit status of a run means, as the report header says it.
 STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
           EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}
+# The outcomes that judge a schedule run; the others say why it could not be judged.
+JUDGED = (PASS, FAIL, REFUSED, EXPECTED_DIVERGENCE)
 # What became of one check in a row or schedule, for the per-check table.
 HELD, DIVERGED, NOT_COMPARED = "held", "diverged", "not compared"
 CHECK_STATES = (HELD, DIVERGED, EXPECTED_DIVERGENCE, NOT_COMPARED)
@@ -139,6 +141,8 @@ class RunVerdict:
     declarations: List[dict] = field(default_factory=list)  # Expectations.applied: each declaration's fate
     unexpected_passes_gate: bool = False  # the policy fails a run with a declaration unexpectedly passing
     cells: Optional[dict] = None  # the coverage model at L1: see model_coverage
+    failures: Optional[list] = None  # reports.failures.FailureGroup: set by the command that ran the schedules
+    levels: Dict[str, Counter] = field(default_factory=dict)  # level -> outcome -> schedule runs
 
     @property
     def unexpectedly_passing(self) -> List[dict]:
@@ -155,6 +159,13 @@ class RunVerdict:
         return EXIT_OK
 
     @property
+    def unjudged_levels(self) -> Dict[str, Counter]:
+        """The levels that ran and of which no schedule run was judged (all
+        mlx-lm defect, not supported, ...): level -> those runs' outcomes."""
+        return {level: outcomes for level, outcomes in self.levels.items()
+                if sum(outcomes.values()) and not any(outcomes[v] for v in JUDGED)}
+
+    @property
     def headline(self) -> str:
         parts = [f"{self.counts[PASS]} passed", f"{self.counts[FAIL]} failed"]
         parts += [f"{self.counts[v]} {v}"
@@ -162,8 +173,16 @@ class RunVerdict:
                             ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT)
                   if self.counts[v]]
         text = ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
+        unjudged = self.unjudged_levels
+        if unjudged:
+            text += "; " + ", ".join(f"{level} not judged ({_outcomes(outcomes)})"
+                                     for level, outcomes in sorted(unjudged.items()))
         stale = len(self.unexpectedly_passing)
         return text + (f"; {stale} declared divergence(s) unexpectedly passing" if stale else "")
+
+
+def _outcomes(outcomes: Counter) -> str:
+    return ", ".join(f"{n} {v}" for v, n in outcomes.most_common() if n)
 
 
 def coverage(results: List[ScheduleResult]) -> Dict[str, Counter]:
@@ -234,12 +253,14 @@ def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
 
 
 def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False, expectations=None,
-                   policy: Policy = None) -> RunVerdict:
+                   policy: Policy = None, required_levels=()) -> RunVerdict:
     """``verdicts``: each schedule run's, from ``judge``. ``whole_catalog``:
     the default selection, which must exercise every required member of the
     protocol. ``expectations``: the declarations the runs were judged with,
     reported each with what it matched; ``policy`` says whether one
-    unexpectedly passing fails the run."""
+    unexpectedly passing fails the run. ``required_levels``: levels that
+    must be judged (``--require-levels``): one that ran and of which no
+    schedule run was judged is a gap, so the run cannot be judged (125)."""
     counts = Counter({v: 0 for v in OUTCOMES})
     counts.update(v.verdict for v in verdicts)
     results = [v.evidence for v in verdicts]
@@ -262,6 +283,14 @@ def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False,
         unused = [m for m in REQUIRED_MEMBERS if not members[m]]
         if unused:
             gaps.append(f"required members never called: {', '.join(unused)}")
+    levels = {}
+    for v in verdicts:
+        levels.setdefault(v.evidence.level, Counter())[v.verdict] += 1
+    for level in required_levels:
+        outcomes = levels.get(level, Counter())
+        if not any(outcomes[v] for v in JUDGED):
+            found = f" ({_outcomes(outcomes)})" if outcomes else " (no schedule ran at it)"
+            gaps.append(f"level {level} is required (--require-levels) and was not judged{found}")
     cells = model_coverage(results)
     if whole_catalog and cells and cells["missing"]:
         gaps.append(f"the coverage model's cells not reached at L1 ({len(cells['missing'])} of "
@@ -269,4 +298,4 @@ def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False,
                     + (", ..." if len(cells["missing"]) > 5 else ""))
     return RunVerdict(dict(counts), table, members, gaps, check_table(verdicts),
                       expectations.applied(verdicts) if expectations else [],
-                      policy is not None and policy.unexpected_passes == "gate", cells)
+                      policy is not None and policy.unexpected_passes == "gate", cells, levels=levels)

@@ -21,7 +21,7 @@ from typing import Callable, List, Mapping, Optional
 from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
-from kvparity.reports import html, junit
+from kvparity.reports import failures as failures_of, html, junit
 from kvparity.reports.environment import flatten, split_environment
 from kvparity.reports.policy import TIER_FAMILIES, Policy, tier_family
 from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict, RunVerdict, ScheduleVerdict
@@ -110,9 +110,12 @@ def member_calls(run_verdict: RunVerdict) -> dict:
 
 
 def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
-                 probes=None, capabilities=None, sections=(), expectations=None, shard=None) -> dict:
+                 probes=None, capabilities=None, sections=(), expectations=None, shard=None,
+                 failures=None) -> dict:
     """report.json's content, as described by schema/report.schema.json.
-    ``shard``: a shard's plan (``reports/shards.py``), or a merge's."""
+    ``shard``: a shard's plan (``reports/shards.py``), or a merge's.
+    ``failures``: the failing runs grouped by root cause (``reports/failures.py``;
+    default: the run verdict's, else grouped here without shrinking)."""
     unjudged = [str(getattr(v, "schedule", v)) for v in verdicts if not isinstance(v, ScheduleVerdict)]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
         raise ValueError(f"results not judged: {', '.join(unjudged)}")
@@ -144,6 +147,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "expectations": expectations_doc(run_verdict, expectations),
         "members": member_calls(run_verdict),
         "gaps": list(run_verdict.gaps),
+        "failures": [g.to_json() for g in _groups(verdicts, failures, run_verdict)],
         "model_coverage": run_verdict.cells,
         "hygiene": {
             "gates": policy.hygiene == "gate",
@@ -240,7 +244,33 @@ def summary_rows(verdicts: List[ScheduleVerdict], policy: Policy):
         top1 = sum(row.metrics.get("top1_agree", 0) for row in r.rows)
         logit_cols = [f"{exact}/{positions}", f"{top1}/{positions}"] if positions else ["", ""]
         rows.append([r.schedule, r.level, r.model or "", len(r.rows), r.events, v.verdict, *logit_cols,
-                     _short(first.message() if first else why(v))])
+                     first.message() if first else why(v)])
+    return headers, rows
+
+
+def _groups(verdicts, failures, run_verdict):
+    """The failure groups given, else the run verdict's, else those of ``verdicts`` (not shrunk)."""
+    if failures is None:
+        failures = run_verdict.failures
+    return failures_of.group(verdicts) if failures is None else failures
+
+
+def failure_rows(groups):
+    """One row per root cause: the member at fault, what diverged, how many
+    runs it explains, its first divergence in full and the command that shrinks it."""
+    headers = ["at fault", "check", "level", "schedule runs", "rows", "first seen", "expected", "got",
+               "shrink it with"]
+    rows = []
+    for g in groups:
+        doc = g.to_json()
+        fault = doc["at_fault"] or "not known"
+        if g.exposure:
+            fault = f"{g.exposure.sentence()} (shrunk: {'; '.join(g.shrunk)})"
+        example = doc["example"]
+        rows.append([fault, doc["check"] + (f" on {doc['tensor']}" if doc["tensor"] else ""), doc["level"],
+                     doc["schedules"], doc["rows"], f"{example['schedule']}: {example['message']}",
+                     "" if example["expected"] is None else example["expected"],
+                     "" if example["actual"] is None else example["actual"], doc["bisect"] or ""])
     return headers, rows
 
 
@@ -360,17 +390,21 @@ def probe_rows(probes):
     return headers, [[record.get(h) for h in headers] for record in records]
 
 
+FAILURES_TITLE = "Failures by root cause: the member most likely at fault, and how to shrink each"
 CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, diverged only as declared, "
                 "or compared nothing")
 
 
 def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
-           sections=(), expectations=None):
+           sections=(), expectations=None, failures=None):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(verdicts, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
-           ("Rows", *row_rows(verdicts, policy))]
+    out = [("Summary", *summary_rows(verdicts, policy))]
+    groups = _groups(verdicts, failures, run_verdict)
+    if groups:
+        out.append((FAILURES_TITLE, *failure_rows(groups)))
+    out += [(CHECKS_TITLE, *check_rows(run_verdict)), ("Rows", *row_rows(verdicts, policy))]
     if expectations is not None:
         gating = "failing the run" if run_verdict.unexpected_passes_gate else "reported"
         out.append((f"Declared divergences ({expectations.path}; unexpectedly passing: {gating} "
@@ -406,11 +440,6 @@ def _g(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
-def _short(text, width=90):
-    text = text or ""
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def render_markdown(record: dict, report_tables) -> str:
     status = record["exit_status"]
     lines = ["# kvparity report", "", f"Written {record['created']} ({SCHEMA}).", "",
@@ -425,7 +454,7 @@ def render_markdown(record: dict, report_tables) -> str:
 
 def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
-                 shard=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+                 shard=None, extra: Optional[Callable[[Path], None]] = None, failures=None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
@@ -437,9 +466,11 @@ def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, po
     (benchmarks) before the directory appears. ``expectations`` is the
     expectations file the runs were judged with, if any; ``shard`` the
     shard block of a shard's or a merge's report (``reports/shards.py``).
+    ``failures``: as for ``build_record``.
     """
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
-                   sections=sections, expectations=expectations)
+                   sections=sections, expectations=expectations,
+                   failures=_groups(verdicts, failures, run_verdict))
     record = build_record(verdicts, environment, shard=shard, **options)
     report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)

@@ -190,21 +190,26 @@ def patched(cls: type, attributes: Dict[str, object]):
 class _Watch:
     """The wrappers on one class while runs watch it, and the call counters
     of those runs. A run inside a run shares the wrappers; a counter already
-    counting (the same implementation watching again) counts a call once."""
+    counting (the same implementation watching again) counts a call once.
+    A trail lists, in order, the calls made from outside the class (a member
+    calling another is one call of the first)."""
 
     def __init__(self):
         self.counters: List[Counter] = []  # what the wrappers add to
+        self.trails: List[list] = []  # the members called from outside, in order
+        self.depth = 0  # members of the class running now, one inside another
 
     @contextmanager
-    def counting(self, calls: Counter):
+    def counting(self, calls: Counter, trail: list):
         first = all(c is not calls for c in self.counters)
         if first:
-            self.counters = self.counters + [calls]
+            self.counters, self.trails = self.counters + [calls], self.trails + [trail]
         try:
             yield
         finally:
             if first:
                 self.counters = [c for c in self.counters if c is not calls]
+                self.trails = [t for t in self.trails if t is not trail]
 
     def member(self, name: str, fn: Callable) -> Callable:
         fn = getattr(fn, "_watched_original", fn)  # a base being watched too: wrap its own code
@@ -213,12 +218,18 @@ class _Watch:
         def member(*args, **kwargs):
             for counter in self.counters:
                 counter[name] += 1
+            if not self.depth:
+                for trail in self.trails:
+                    trail.append(name)
+            self.depth += 1
             try:
                 return fn(*args, **kwargs)
             except MemberRaised:
                 raise
             except Exception as error:
                 raise MemberRaised(name, error) from error
+            finally:
+                self.depth -= 1
 
         member._watched_original = fn
         return member
@@ -279,6 +290,7 @@ class Implementation:
     batch_class: type
     capabilities: Dict[str, bool] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)  # protocol member -> calls, while watching
+    trail: list = field(default_factory=list)  # the members called, in order, while watching (emptied after)
 
     @property
     def name(self) -> str:
@@ -302,17 +314,18 @@ class Implementation:
         cls = self.batch_class
         watch = _WATCHES.get(cls)
         if watch is not None:  # a run inside a run: the wrappers are on already
-            with watch.counting(self.calls):
+            with watch.counting(self.calls, self.trail):
                 yield
             return
         watch, members = _watch_of(cls)
         with patched(cls, members):
             _WATCHES[cls] = watch
             try:
-                with watch.counting(self.calls):
+                with watch.counting(self.calls, self.trail):
                     yield
             finally:
                 del _WATCHES[cls]
+                self.trail.clear()
 
 
 def detect_capabilities(batch_class: type) -> Dict[str, bool]:

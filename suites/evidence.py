@@ -72,6 +72,8 @@ class ScheduleResult:
     model: Optional[str] = None
     model_sha256: Optional[str] = None
     members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls made
+    called: Dict[int, List[str]] = field(default_factory=dict)  # event index -> members its replay called, in order
+    raised_by: str = ""  # the protocol member whose raising stopped the run (or the model's forward), if one did
     timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
     seconds: float = 0.0
 
@@ -108,6 +110,14 @@ class ScheduleResult:
             for rid in targets:
                 self.row(rid).divergences.append(divergence)
 
+    def last_called(self, event_index: int):
+        """(event index, member) of the last protocol member the replay called
+        at or before ``event_index``; None when nothing was recorded."""
+        for index in sorted((i for i in self.called if i <= event_index), reverse=True):
+            if self.called[index]:
+                return index, self.called[index][-1]
+        return None
+
     def stop(self, outcome: str, reason: str):
         """The run ends early; what was recorded stays recorded."""
         self.stopped, self.reason = outcome, reason
@@ -143,5 +153,6 @@ class OracleNondeterministic(Exception):
 def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests):
     """The implementation's path raised where mlx-lm's solo path did not: a
     failure, worded the same at every level."""
+    result.raised_by = raised.member
     result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {raised}")
     result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=str(raised))])

@@ -515,15 +515,22 @@ def drive(result: ScheduleResult, replay: Replay, events, check) -> bool:
     each; stop at what the implementation refuses or cannot do. Returns
     False once the run stopped. Anything else that raises is the harness's
     own failure and propagates."""
+    trail = getattr(replay.backend.implementation, "trail", None)  # the members called, in order
     for event in events:
         label = event.label
+        mark = len(trail) if trail is not None else 0
         try:
-            replay.apply(event)
+            try:
+                replay.apply(event)
+            finally:  # what the event called, not what the checks call after it
+                if trail is not None:
+                    result.called[event.index] = trail[mark:]
             check(event)
         except NotSupported as error:
             result.stop(NOT_SUPPORTED, f"event {label}: {error}")
             return False
         except MemberRaised as raised:
+            result.raised_by = raised.member
             if raised.capability:
                 result.stop(NOT_SUPPORTED, f"event {label}: {raised.member} is not implemented "
                                            f"({raised.capability})")

@@ -6,14 +6,23 @@ one run. Shrinking is greedy delta debugging on the schedule document: drop
 events after the first failure, then drop single events, lower counts and
 shorten prompts while the schedule stays valid and still fails with the same
 check; last, forget requests no event names.
+
+A failure can show one event after its cause: a trim that forgets the
+scales passes every check and breaks the next write. ``exposure`` tells the
+two apart on a shrunk schedule: the batch is made again, just before the
+failing event, from what each of its rows can observe (every row extracted,
+then reinserted in its order). If the failure goes away, the failing event
+ran into state an earlier member left behind that no check could see.
 """
 
 import json
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvparity.suites import arrivals
-from kvparity.suites.evidence import FAIL, ScheduleResult
+from kvparity.suites.evidence import FAIL, PASS, ScheduleResult
 from kvparity.suites.events import parse_event
+from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.schedule import ScheduleError, parse
 
 
@@ -145,3 +154,59 @@ def _named_only(doc, source):
     """The document without requests that no event names."""
     used = {rid for event in _events(doc, source) for rid in event.named}
     return {**doc, "requests": {rid: r for rid, r in doc["requests"].items() if rid in used}}
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """A failure that shows one event after its cause, in a shrunk schedule."""
+
+    cause: str  # the member the batch's hidden state came from
+    cause_event: str  # the label of the event that called it
+    exposed_by: str  # the member of the failing event
+    exposed_at: str  # the failing event's label
+
+    def sentence(self) -> str:
+        return (f"{self.cause} (event {self.cause_event}) left state no check sees; "
+                f"{self.exposed_by} exposed it at the next event ({self.exposed_at})")
+
+
+def rebuilt_before(schedule, index: int):
+    """``schedule`` with the batch made again just before event ``index``:
+    every row in the batch there extracted, then reinserted in its order.
+    None when no row is in the batch there."""
+    replay = Replay(schedule, dry_backend(schedule))
+    for event in schedule.events[:index]:
+        replay.apply(event)
+    rows = list(replay.rows)
+    if not rows:
+        return None
+    doc = schedule.to_json()
+    again = [{"extract": rid} for rid in rows] + [{"reinsert": rid} for rid in rows]
+    doc["events"] = doc["events"][:index] + again + doc["events"][index:]
+    try:
+        return parse(doc, source=schedule.path)
+    except ScheduleError:
+        return None
+
+
+def exposure(run: Callable, schedule) -> Optional[Exposure]:
+    """Whether the failure of ``schedule`` (best a shrunk one) shows one
+    event after its cause. ``run``: schedule -> its judged verdict, as for
+    ``Shrinker``. None when the failing event's own member is at fault as
+    far as this can tell (the rebuilt batch fails the same way, or there is
+    no earlier member, or the variant cannot run)."""
+    judged = run(schedule)
+    first = first_failure(judged)
+    if judged.verdict != FAIL or first is None or first.event_index <= 0:
+        return None
+    result = judged.evidence
+    exposer, earlier = result.last_called(first.event_index), result.last_called(first.event_index - 1)
+    if exposer is None or earlier is None or exposer[0] != first.event_index:
+        return None
+    variant = rebuilt_before(schedule, first.event_index)
+    if variant is None:
+        return None
+    if run(variant).verdict != PASS:
+        return None  # fails as well (the failing event's own member is at fault), or cannot be told
+    labels = [e.label for e in schedule.events]
+    return Exposure(earlier[1], labels[earlier[0]], exposer[1], labels[first.event_index])

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from kvparity.reports import verdicts
+from kvparity.reports import failures, verdicts
 from kvparity.reports.commands.base import (
     UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
     expectations_option, implementation, policy, run_options, use_device, writable_directory,
@@ -11,7 +11,7 @@ from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
 from kvparity.suites.schedule import atomic_write_json
-from kvparity.suites.shrink import ArrivalShrinker, Shrinker
+from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure
 
 NAME = "bisect"
 HELP = "find the first breaking event of a schedule and shrink it"
@@ -77,12 +77,18 @@ def handle(args):
     if level != "L3":
         print(f"first event after which parity breaks: {schedule.events[first.event_index].label}")
     print(f"  {first.message()}")
+    member = failures.failure_of(shrinker.original).member
+    if member:
+        print(f"  the last protocol member called before it: {member}")
     doc = shrinker.shrink(schedule)
     minimal = shrinker.parse(doc)
     atomic_write_json(doc, out)
     print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
           + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
+    found = exposure(shrinker.run, minimal) if level != "L3" else None
+    if found:
+        print(f"most likely at fault: {found.sentence()}")
     replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
               + (f" --expectations {args.expectations}" if args.expectations else "")
               + (f" --engine {args.engine}" if getattr(args, "engine", None) else ""))

@@ -2,7 +2,9 @@
 with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
 from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
-from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
+from kvparity.reports.commands.runs import (
+    print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
+)
 
 NAME = "check"
 HELP = "exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged (for git bisect run)"
@@ -17,6 +19,7 @@ def arguments(command):
     common_options(command)
     command.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
     expectations_option(command)
+    require_levels_option(command)
     shard_option(command)
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 

@@ -2,7 +2,7 @@
 
 from kvparity.reports import records, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
-from kvparity.reports.commands.runs import print_summary
+from kvparity.reports.commands.runs import print_summary, require_levels_option, required_levels
 from kvparity.reports.writer import write_report
 
 NAME = "merge"
@@ -18,9 +18,11 @@ def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
     command.add_argument("--out", metavar="DIR", default="reports/out",
                          help="where the merged report directory goes (default: %(default)s)")
+    require_levels_option(command)
 
 
 def handle(args):
+    required = required_levels(args)
     writable_directory(args.out, "--out")
     try:
         paths = records.report_files(args.directories)
@@ -32,7 +34,7 @@ def handle(args):
     policy, declared = records.policy_of(first), records.expectations_of(first)
     results = shards.in_plan_order([v for r in merged.records for v in records.judged(r)], merged.plan)
     verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog, expectations=declared,
-                                      policy=policy)
+                                      policy=policy, required_levels=required)
     verdict.gaps[:0] = merged.gaps()
     print_summary(results, verdict, policy, quiet=True)
     environment = {**first["environment"], **(first["probe_model"] or {})}

@@ -5,7 +5,9 @@ import sys
 from kvparity.reports.bench import BenchmarkFailed
 from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
 from kvparity.reports.commands.bench import benchmarks
-from kvparity.reports.commands.runs import print_summary, select_and_run, shard_of, shard_option, write_run_report
+from kvparity.reports.commands.runs import (
+    print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
+)
 from kvparity.reports.verdicts import EXIT_BROKEN
 
 NAME = "run"
@@ -22,6 +24,7 @@ def arguments(command):
                          help="where report directories go (default: %(default)s)")
     command.add_argument("--no-report", action="store_true", help="print the summary only")
     expectations_option(command)
+    require_levels_option(command)
     command.add_argument("--bench", action="store_true",
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from kvparity.oracle.models import ModelUnavailable
-from kvparity.reports import shards, verdicts
+from kvparity.reports import failures, shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
     load_model, model_or_default, policy, run_options, use_device,
@@ -17,6 +17,7 @@ from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.evidence import PASS
+from kvparity.suites.levels import LEVELS
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
@@ -43,6 +44,29 @@ class Progress:
 
 def levels_of(args):
     return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
+
+
+def require_levels_option(command):
+    command.add_argument("--require-levels", metavar="L1,L2,L3",
+                         help="levels that must be judged: a run in which one of them judged no schedule run "
+                         "(every one mlx-lm defect, not supported, oracle cannot run, ...) cannot be judged "
+                         "(exit 125) instead of passing on the other levels; a shard leaves it to kvparity merge")
+
+
+def required_levels(args) -> tuple:
+    """--require-levels as level names, each among those --level runs; a
+    usage error otherwise (before any work)."""
+    given = getattr(args, "require_levels", None)
+    if given is None:
+        return ()
+    named = tuple(v.strip() for v in given.split(",") if v.strip())
+    unknown = [v for v in named if v not in LEVELS]
+    if unknown or not named:
+        raise UsageError(f"--require-levels {given!r}: expected some of {', '.join(LEVELS)}")
+    outside = [v for v in named if hasattr(args, "level") and v not in levels_of(args)]
+    if outside:
+        raise UsageError(f"--require-levels {given}: --level {args.level} does not run {', '.join(outside)}")
+    return named
 
 
 def select(args, files=None):
@@ -133,6 +157,7 @@ def select_and_run(args, files, shard=None):
     share of the plan): (implementation, policy, results, run verdict,
     expectations, the shard block or None)."""
     declared = expectations(args)  # a bad file is refused before anything else
+    required = required_levels(args)
     chosen_policy, runs, chosen = prepare(args, files)
     plan = None
     if shard is not None:
@@ -146,8 +171,22 @@ def select_and_run(args, files, shard=None):
     progress.close()
     # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge.
     verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None, expectations=declared,
-                                      policy=chosen_policy)
+                                      policy=chosen_policy, required_levels=required if plan is None else ())
+    verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
     return chosen, chosen_policy, results, verdict, declared, plan
+
+
+def grouped_failures(args, results, implementation, policy, declared):
+    """The failing runs grouped by root cause; at L1, each group's example
+    shrunk to name an earlier member its failure exposed (cheap there)."""
+    groups = failures.group(results, failures.options_of(args))
+    options = run_options(args, use_cache=False)
+
+    def at(level):
+        return lambda s: verdicts.judge(RUNNERS[level].run(s, implementation, options), policy, declared)
+
+    failures.explain(groups, at)
+    return groups
 
 
 def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
@@ -179,6 +218,9 @@ def print_summary(results, verdict, policy, out=None, quiet=False):
     if verdict.cells:
         print(f"\ncoverage model (L1): {verdict.cells['reached']} of {verdict.cells['requirements']} "
               "requirements reached", file=out)
+    groups = verdict.failures if verdict.failures is not None else failures.group(results)
+    if groups:
+        print("", *failures.lines(groups), sep="\n", file=out)
     print(f"\n{verdict.headline}", file=out)
     for gap in verdict.gaps:
         print(f"no evidence: {gap}", file=out)

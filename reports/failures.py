@@ -1,0 +1,231 @@
+"""Failures grouped by root cause, each saying what to fix.
+
+One bug fails many schedules the same way. A failing schedule run is keyed
+by its first failing divergence: the level, the check, the tensor (keys or
+values, packed, scales or biases; which row and event it was seen at does
+not count) and the protocol member most likely at fault, the last one the
+replay called at or before that divergence (``ScheduleResult.called``). A
+run stopped by a member that raised is keyed by that member. Runs with the
+same key are one group: one root cause, with how many schedule runs and
+rows it explains, its first divergence in full (expected and got, never
+cut) and the ``kvparity bisect`` command that shrinks it.
+
+Where a failure shows one event after its cause (a trim that forgot the
+scales shows at the next write), ``explain`` shrinks the group's smallest
+schedule and asks ``suites.shrink.exposure`` which earlier member left the
+state that the failing event ran into; the group then names both.
+"""
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from kvparity.reports.verdicts import ScheduleVerdict
+from kvparity.suites.compare import Divergence
+from kvparity.suites.evidence import FAIL, REFUSED
+from kvparity.suites.schedule import load
+from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
+
+# keys.packed, values.scales, ... inside a tensor's name ("batch.keys.packed",
+# "resumed from stored entry ...: keys.scales")
+_TENSOR = re.compile(r"(keys|values)\.(packed|scales|biases)")
+
+
+@dataclass
+class Failure:
+    """One failing schedule run, as its group sees it."""
+
+    verdict: ScheduleVerdict
+    first: Optional[Divergence]  # its earliest failing divergence; None for a refusal
+    member: str  # the protocol member most likely at fault ("" when not known)
+    member_event: str  # the label of the event that called it
+
+    @property
+    def rows(self) -> int:
+        return sum(row.verdict in (FAIL, REFUSED) for row in self.verdict.rows)
+
+    @property
+    def message(self) -> str:
+        if self.first is not None:
+            return self.first.message()
+        return self.verdict.evidence.reason
+
+
+@dataclass
+class FailureGroup:
+    """Failing schedule runs with one root cause."""
+
+    level: str
+    check: str  # the check that diverged (or the outcome, for a refusal)
+    tensor: str  # keys.packed, values.scales, ...; "" when none
+    member: str  # the member at the failing event ("" when not known, as at L3)
+    failures: List[Failure] = field(default_factory=list)
+    exposure: Optional[Exposure] = None  # set by explain: an earlier member left what this one exposed
+    options: Dict[str, str] = field(default_factory=dict)  # what its bisect command repeats (options_of)
+    shrunk: List[str] = field(default_factory=list)  # the shrunk schedule's events, when explain shrank one
+
+    @property
+    def schedules(self) -> int:
+        return len({(f.verdict.evidence.schedule, f.verdict.evidence.path) for f in self.failures})
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.failures)
+
+    @property
+    def example(self) -> Failure:
+        """The member to read first: the shortest schedule, then the earliest."""
+        return min(self.failures, key=lambda f: (f.verdict.evidence.events, len(f.verdict.rows)))
+
+    @property
+    def at_fault(self) -> str:
+        """The member most likely at fault: the exposure's cause, else the failing event's member."""
+        return self.exposure.cause if self.exposure else self.member
+
+    def title(self) -> str:
+        what = f"{self.check}" + (f" on {self.tensor}" if self.tensor else "")
+        where = f"{self.at_fault}" if self.at_fault else "member not known"
+        if self.exposure:
+            where += f", exposed by {self.exposure.exposed_by} at the next event"
+        runs = f"{self.schedules} schedule run{'s' if self.schedules != 1 else ''}"
+        return f"{where}: {what} ({self.level}; {runs}, {self.rows} row{'s' if self.rows != 1 else ''})"
+
+    def bisect_command(self) -> Optional[str]:
+        """The command that shrinks the example; None when it is not from a file."""
+        return bisect_command(self.example.verdict.evidence, self.options)
+
+    def to_json(self) -> dict:
+        example = self.example
+        first = example.first
+        return {
+            "level": self.level, "check": self.check, "tensor": self.tensor, "member": self.member,
+            "at_fault": self.at_fault,
+            "exposure": None if self.exposure is None else {
+                "cause": self.exposure.cause, "cause_event": self.exposure.cause_event,
+                "exposed_by": self.exposure.exposed_by, "exposed_at": self.exposure.exposed_at,
+                "sentence": self.exposure.sentence()},
+            "shrunk_events": list(self.shrunk),
+            "schedules": self.schedules, "rows": self.rows,
+            "members": sorted({f.verdict.evidence.schedule for f in self.failures}),
+            "example": {
+                "schedule": example.verdict.evidence.schedule, "path": example.verdict.evidence.path,
+                "event": first.event if first is not None else example.member_event,
+                "request": first.request if first is not None else None,
+                "message": example.message,
+                "expected": None if first is None else repr(first.expected),
+                "actual": None if first is None else repr(first.actual),
+            },
+            "bisect": self.bisect_command(),
+        }
+
+
+def failure_of(verdict: ScheduleVerdict) -> Optional[Failure]:
+    """A failing schedule run's first failure, or None when it did not fail."""
+    if verdict.verdict not in (FAIL, REFUSED):
+        return None
+    result = verdict.evidence
+    first = first_failure(verdict)
+    if result.raised_by and (first is None or first.check == "raised"):
+        index = first.event_index if first is not None else max(result.called, default=-1)
+        return Failure(verdict, first, result.raised_by, _label(result, index))
+    last = None if first is None else result.last_called(first.event_index)
+    if last is None:
+        return Failure(verdict, first, "", "")
+    return Failure(verdict, first, last[1], _label(result, last[0]))
+
+
+def _label(result, index: int) -> str:
+    """An event as ``#3 leave``; "" for none."""
+    if 0 <= index < len(result.event_kinds):
+        return f"#{index} {result.event_kinds[index]}"
+    return ""
+
+
+def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> List[FailureGroup]:
+    """The failing schedule runs grouped by root cause, the largest group
+    first; ``options``: what their bisect commands repeat (``options_of``)."""
+    groups: Dict[Tuple, FailureGroup] = {}
+    for verdict in verdicts:
+        failure = failure_of(verdict)
+        if failure is None:
+            continue
+        first = failure.first
+        check = first.check if first is not None else verdict.verdict
+        found = _TENSOR.search(first.tensor) if first is not None and first.tensor else None
+        tensor = found.group(0) if found else (first.tensor if first is not None else "")
+        key = (verdict.evidence.level, check, tensor, failure.member)
+        groups.setdefault(key, FailureGroup(*key, options=dict(options or {}))).failures.append(failure)
+    return sorted(groups.values(), key=lambda g: (-g.schedules, -g.rows, g.level, g.check))
+
+
+def explain(groups: List[FailureGroup], run: Callable, levels=("L1",), most: int = 8) -> None:
+    """For up to ``most`` groups at ``levels`` (shrinking reruns the schedule
+    many times: cheap at L1), shrink the example and name the earlier
+    member when the failure shows one event after its cause. ``run(level)``:
+    a function schedule -> its judged verdict at that level (as the shrinker takes)."""
+    for chosen in [g for g in groups if g.level in levels and g.member][:most]:
+        result = chosen.example.verdict.evidence
+        if not result.path or not Path(result.path).is_file():
+            continue
+        at_level = run(chosen.level)
+        shrinker = Shrinker(at_level, load(result.path))
+        if shrinker.first is None:
+            continue
+        minimal = shrinker.parse(shrinker.shrink(load(result.path)))
+        chosen.shrunk = [e.label for e in minimal.events]
+        chosen.exposure = exposure(at_level, minimal)
+
+
+def bisect_command(result, options: Dict[str, str]) -> Optional[str]:
+    """``kvparity bisect`` for a schedule run from a file, with the options
+    (``--impl``, ``--model``, ...: name -> value) the run was given."""
+    if not result.path:
+        return None
+    words = ["kvparity", "bisect", _shown(result.path), "--level", result.level]
+    for name, value in options.items():
+        if value is not None:
+            words += [f"--{name}", str(value)]
+    return shlex.join(words)
+
+
+def _shown(path: str) -> str:
+    """A path as short as it reads: relative to the working directory when under it."""
+    try:
+        return os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd()) else path
+    except ValueError:
+        return path
+
+
+def options_of(args) -> Dict[str, str]:
+    """The options of a run that its bisect needs, from the parsed command line."""
+    names = ("impl", "model", "policy", "expectations", "engine", "device")
+    return {name.replace("_", "-"): getattr(args, name, None) for name in names}
+
+
+def lines(groups: List[FailureGroup]) -> List[str]:
+    """The groups as the console and report.md say them, nothing cut."""
+    if not groups:
+        return []
+    failing = sum(g.schedules for g in groups)
+    out = [f"{failing} failing schedule run(s), {len(groups)} root cause(s):"]
+    for number, g in enumerate(groups, 1):
+        doc = g.to_json()
+        example = doc["example"]
+        out.append(f"[{number}] {g.title()}")
+        if g.exposure:
+            out.append(f"    cause: {g.exposure.sentence()}")
+        if g.shrunk:
+            out.append(f"    shrunk schedule: {'; '.join(g.shrunk)}")
+        out.append(f"    first seen: {example['schedule']}: {example['message']}")
+        if example["expected"] is not None or example["actual"] is not None:
+            out.append(f"    expected: {example['expected']}")
+            out.append(f"    got:      {example['actual']}")
+        if doc["bisect"]:
+            out.append(f"    shrink it: {doc['bisect']}")
+        others = [m for m in doc["members"] if m != example["schedule"]]
+        if others:
+            out.append(f"    also: {', '.join(others)}")
+    return out

@@ -1,0 +1,160 @@
+"""Failures that say what to fix: the two realistic bugs of the negative
+controls each make one group at L1 that names the member at fault (for the
+trim, the trim and the write that exposed it), with the full expected and
+got values and a bisect command that works; no summary cuts a message; a
+level that judged nothing says so in the headline, and --require-levels
+makes such a run one that cannot be judged."""
+
+import json
+import shlex
+from collections import Counter
+
+import pytest
+
+from kvparity.reports import failures, verdicts
+from kvparity.reports.cli import main
+from kvparity.reports.policy import load_policy
+from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
+from kvparity.reports.writer import summary_rows, write_report
+from kvparity.suites.adapter import load_implementation
+from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import CATALOG, load
+
+CPU = load_policy("cpu")
+CONTROLS = "kvparity.impl.negative_controls"
+# Catalog schedules whose failures start at different events (a leave, an
+# extract, a spec round, a step, a store joined from) for the two bugs.
+SCHEDULES = ("leave-longest", "kv-heads-1", "extract-decode-reinsert", "bits-2", "spec-round-even",
+             "rollback-even", "trim-all-rows", "prefix-evict-by-bytes")
+
+
+def judged_runs(name):
+    spec = f"{CONTROLS}:{name}"
+    impl = load_implementation(spec)
+    run = lambda schedule: verdicts.judge(run_l1(schedule, impl), CPU)  # noqa: E731
+    results = [run(load(CATALOG / f"{s}.json")) for s in SCHEDULES]
+    groups = failures.group(results, {"impl": spec})
+    failures.explain(groups, lambda level: run)
+    return spec, results, groups
+
+
+@pytest.fixture(scope="module")
+def filter_bug():
+    return judged_runs("FilterSharedPaddingOffByOne")
+
+
+@pytest.fixture(scope="module")
+def trim_bug():
+    return judged_runs("TrimSlicesOnlyPackedWords")
+
+
+def one_group(results, groups):
+    failing = [r for r in results if r.verdict == FAIL]
+    assert len(failing) >= 4, [(r.evidence.schedule, r.verdict) for r in results]
+    assert len(groups) == 1, failures.lines(groups)
+    group = groups[0]
+    assert group.schedules == len(failing)
+    assert group.rows == sum(row.verdict == FAIL for r in failing for row in r.rows)
+    return group
+
+
+def test_an_off_by_one_in_filter_is_one_group_naming_filter(filter_bug):
+    spec, results, groups = filter_bug
+    group = one_group(results, groups)
+    # Seen after leave and extract events alike: the member, not the event, is what to fix.
+    kinds = {f.first.event.split()[1] for f in group.failures}
+    assert {"leave", "extract"} <= kinds, kinds
+    assert group.member == group.at_fault == "filter" and group.exposure is None
+    assert (group.check, group.tensor) == ("bytes", "keys.packed")
+
+
+def test_a_trim_that_forgets_the_scales_names_the_trim_and_the_write(trim_bug):
+    _, results, groups = trim_bug
+    group = one_group(results, groups)
+    assert group.member == "update_and_fetch"  # where it showed
+    assert group.exposure is not None and group.at_fault == "trim"
+    assert group.exposure.exposed_by == "update_and_fetch"
+    assert "trim" in group.title() and "exposed by update_and_fetch" in group.title()
+    assert (group.check, group.tensor) == ("bytes", "keys.scales")
+    # The shrunk schedule holds the trim's event just before the failing write.
+    assert group.shrunk[-1] == group.exposure.exposed_at and group.exposure.cause_event in group.shrunk
+
+
+@pytest.mark.parametrize("bug", ["filter_bug", "trim_bug"])
+def test_a_group_gives_the_full_values_and_a_bisect_command_that_shrinks_it(bug, request, tmp_path):
+    spec, _, groups = request.getfixturevalue(bug)
+    doc = groups[0].to_json()
+    example = doc["example"]
+    first = groups[0].example.first
+    assert example["expected"] == repr(first.expected) and example["actual"] == repr(first.actual)
+    assert example["expected"] != example["actual"]
+    text = "\n".join(failures.lines(groups))
+    assert f"expected: {example['expected']}" in text and f"got:      {example['actual']}" in text
+    assert example["message"] in text  # whole, however long
+    words = shlex.split(doc["bisect"])
+    assert words[:2] == ["kvparity", "bisect"] and "--impl" in words and spec in words
+    assert words[words.index("--level") + 1] == "L1"
+    out = tmp_path / "min.json"
+    assert main([*words[1:], "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["events"]
+
+
+def test_no_summary_cuts_a_message(trim_bug, tmp_path):
+    _, results, groups = trim_bug
+    verdict = verdicts.verdict_of_run(results, policy=CPU)
+    verdict.failures = groups
+    long = [r for r in results if r.verdict == FAIL]
+    messages = [failures.failure_of(r).message for r in long]
+    assert max(len(m) for m in messages) > 90, messages
+    _, rows = summary_rows(results, CPU)
+    shown = {row[-1] for row in rows}
+    path = write_report(results, {"implementation": "trim"}, tmp_path, policy=CPU, run_verdict=verdict)
+    markdown, page = (path / "report.md").read_text(), (path / "report.html").read_text()
+    record = json.loads((path / "report.json").read_text())
+    assert record["failures"][0]["at_fault"] == "trim"
+    assert 'id="failures"' in page and "Failures by root cause" in markdown
+    for r in long:
+        message = min((d for row in r.rows for d in row.failing), key=lambda d: d.order).message()
+        assert message in shown
+        assert message in markdown
+        assert message.replace("'", "&#x27;").replace('"', "&quot;") in page
+    assert "…" not in markdown
+
+
+def unjudged(level, outcome):
+    result = ScheduleResult("needs-rollback", level, "impl", ["join"])
+    result.row("a")
+    result.stop(outcome, "event #0 join: needs per_row_rollback")
+    return verdicts.judge(result, CPU)
+
+
+def test_a_level_that_judged_nothing_says_so_in_the_headline():
+    passed = verdicts.judge(run_l1(load(CATALOG / "leave-longest.json"),
+                                   load_implementation(None)), CPU)
+    runs = [passed, unjudged("L2", NOT_SUPPORTED), unjudged("L2", NOT_SUPPORTED)]
+    verdict = verdicts.verdict_of_run(runs, policy=CPU)
+    assert verdict.exit_status == EXIT_OK  # it judged L1, and L2 could not be: not a failure
+    assert verdict.unjudged_levels == {"L2": Counter({NOT_SUPPORTED: 2})}
+    assert "L2 not judged (2 not supported)" in verdict.headline
+    required = verdicts.verdict_of_run(runs, policy=CPU, required_levels=("L1", "L2"))
+    assert required.exit_status == EXIT_CANNOT_JUDGE
+    assert any("L2" in gap and "--require-levels" in gap for gap in required.gaps), required.gaps
+    assert verdicts.verdict_of_run(runs, policy=CPU, required_levels=("L1",)).exit_status == EXIT_OK
+    assert "not judged" not in verdicts.verdict_of_run([passed], policy=CPU).headline
+
+
+def test_require_levels_on_the_command_line(tmp_path, capsys):
+    """Not judged there is 125 with --require-levels, 0 without; a level the
+    run does not select, or an unknown one, is a usage error."""
+    rollback = str(CATALOG / "rollback-uneven.json")
+    plain = str(CATALOG / "leave-longest.json")
+    lacking = f"{CONTROLS}:WithoutPerRowRollback"
+    args = ["check", "--level", "L1", "--schedule", plain, "--schedule", rollback, "--impl", lacking]
+    assert main(args) == EXIT_OK  # rollback-uneven is not supported; leave-longest passes
+    assert main([*args, "--require-levels", "L1"]) == EXIT_OK
+    only = ["check", "--level", "L1", "--schedule", rollback, "--impl", lacking]
+    assert main(only) == EXIT_CANNOT_JUDGE
+    assert "L1 not judged (1 not supported)" in capsys.readouterr().out
+    assert main([*args, "--require-levels", "L2"]) == 2
+    assert main([*args, "--require-levels", "L9"]) == 2
