@@ -199,14 +199,30 @@ def test_batch_generator_refuses_mixed_bit_widths(implementation, judged):
 
 
 @pytest.mark.gqa_batched
-def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged):
+def test_mlx_lm_first_write_defect_is_never_a_pass(implementation, judged):
     # mlx-lm 0.32.2's QuantizedKVCache sizes its packed buffer as head_dim // (32 // bits):
     # wrong when bits does not divide 32 (6-bit, head_dim 128: 25 words for 24).
     doc = {"kind": "arrivals", "name": "six-bit-h128", "model": "llama-h128-f32", "kv": {"bits": 6, "group_size": 64},
            "requests": {"a": {"arrival": 0, "prompt_len": 4, "max_tokens": 2}}}
     calls_before = dict(implementation.calls)
     result = run_l3(parse(doc), implementation)
-    assert judged(result).verdict == ORACLE_CANNOT_RUN
+    if first_write_breaks(6, 64, 128):
+        assert judged(result).verdict == MLX_LM_DEFECT
+        assert "quantized-kv-first-write-width" in result.reason and "dims 128" in result.reason
+        # Where mlx-lm's own path cannot run, the engine is not asked (it rides the same path).
+        assert result.members == {} and implementation.calls_since(calls_before) == {}
+    else:  # an mlx-lm without the defect: the run is judged
+        assert judged(result).verdict == PASS
+
+
+def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged, monkeypatch):
+    def raises(model, request):
+        raise ValueError("no kernel for this shape")
+
+    monkeypatch.setattr(generation, "generate_alone", raises)
+    calls_before = dict(implementation.calls)
+    result = run_l3(small(), implementation, use_cache=False)
+    assert judged(result).verdict == ORACLE_CANNOT_RUN and "no kernel for this shape" in result.reason
     # The oracle runs first: where it cannot, the engine is not asked (it rides the same path).
     assert result.members == {} and implementation.calls_since(calls_before) == {}
 
