@@ -110,9 +110,12 @@ def member_calls(run_verdict: RunVerdict) -> dict:
 
 
 def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
-                 probes=None, capabilities=None, sections=(), expectations=None, shard=None) -> dict:
+                 probes=None, capabilities=None, sections=(), expectations=None, shard=None,
+                 configuration=None) -> dict:
     """report.json's content, as described by schema/report.schema.json.
-    ``shard``: a shard's plan (``reports/shards.py``), or a merge's."""
+    ``shard``: a shard's plan (``reports/shards.py``), or a merge's;
+    ``configuration``: the settings and where each came from
+    (``settings.Configuration.to_json()``, or a record's)."""
     unjudged = [str(getattr(v, "schedule", v)) for v in verdicts if not isinstance(v, ScheduleVerdict)]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
         raise ValueError(f"results not judged: {', '.join(unjudged)}")
@@ -134,6 +137,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
             "tiers": {f: sum(tier_family(row["tier"]) == f for row in rows) for f in TIER_FAMILIES},
         },
         "environment": env,
+        "configuration": configuration_doc(configuration),
         "models": models(verdicts),
         "probe_model": probe_model,
         "policy": {**dataclasses.asdict(policy), "name": policy.name},
@@ -155,6 +159,20 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "shard": shard,
     }
     return _json_safe(record)
+
+
+def configuration_doc(configuration) -> Optional[dict]:
+    """The settings of the run as report.json holds them; None where the
+    writer was given none (a report written without the command line)."""
+    if configuration is None or isinstance(configuration, dict):
+        return configuration
+    return configuration.to_json()
+
+
+def configuration_rows(doc: dict):
+    """Each setting, its value and where it came from."""
+    return ["setting", "value", "from"], [[name, "" if s["value"] is None else s["value"], s["from"]]
+                                          for name, s in doc["settings"].items()]
 
 
 def expectations_doc(run_verdict: RunVerdict, expectations) -> Optional[dict]:
@@ -365,12 +383,15 @@ CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, dive
 
 
 def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
-           sections=(), expectations=None):
+           sections=(), expectations=None, configuration=None):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(verdicts, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
-           ("Rows", *row_rows(verdicts, policy))]
+    doc = configuration_doc(configuration)
+    out = [(f"Settings (under test: {environment.get('implementation', '')}; an empty value is the default)",
+            *configuration_rows(doc))] if doc else []
+    out += [("Summary", *summary_rows(verdicts, policy)), (CHECKS_TITLE, *check_rows(run_verdict)),
+            ("Rows", *row_rows(verdicts, policy))]
     if expectations is not None:
         gating = "failing the run" if run_verdict.unexpected_passes_gate else "reported"
         out.append((f"Declared divergences ({expectations.path}; unexpectedly passing: {gating} "
@@ -425,7 +446,7 @@ def render_markdown(record: dict, report_tables) -> str:
 
 def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
-                 shard=None, extra: Optional[Callable[[Path], None]] = None) -> Path:
+                 shard=None, extra: Optional[Callable[[Path], None]] = None, configuration=None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
@@ -436,10 +457,12 @@ def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, po
     (title, headers, rows) tables, and ``extra(directory)`` adds files
     (benchmarks) before the directory appears. ``expectations`` is the
     expectations file the runs were judged with, if any; ``shard`` the
-    shard block of a shard's or a merge's report (``reports/shards.py``).
+    shard block of a shard's or a merge's report (``reports/shards.py``);
+    ``configuration`` the run's settings (``settings.Configuration``, or a
+    record's ``configuration``).
     """
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
-                   sections=sections, expectations=expectations)
+                   sections=sections, expectations=expectations, configuration=configuration)
     record = build_record(verdicts, environment, shard=shard, **options)
     report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)

@@ -1,7 +1,7 @@
 """``kvparity merge``: shard report directories into one report and one exit status."""
 
-from kvparity.reports import records, shards, verdicts
-from kvparity.reports.commands.base import UsageError, writable_directory
+from kvparity.reports import records, settings, shards, verdicts
+from kvparity.reports.commands.base import IMPL_HELP, UsageError, writable_directory
 from kvparity.reports.commands.runs import print_summary
 from kvparity.reports.writer import write_report
 
@@ -11,13 +11,26 @@ DESCRIPTION = ("Read the report directories that kvparity check --shard K/N wrot
                "folder of them), judge their evidence together and write one report directory under --out, in "
                "every format a run writes. The exit status is the whole run's: a shard missing from the plan is "
                "a gap (its schedule runs were not run), so the merge has no evidence (125), as a run without "
-               "those schedules would.")
+               "those schedules would. The class the shards gated must be the one --impl or [tool.kvparity] "
+               "names, where either names one.")
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("impl",)
+REQUIRED = ()
 
 
 def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
+    command.add_argument("--impl", metavar="MODULE:FACTORY", help="the class the shards must have gated "
+                         "(default: impl in [tool.kvparity] of pyproject.toml; without either, the shards' own)")
     command.add_argument("--out", metavar="DIR", default="reports/out",
                          help="where the merged report directory goes (default: %(default)s)")
+
+
+def shown_configuration(doc):
+    """The shards' settings as a run prints them (``settings.Configuration.lines``)."""
+    values = {name: settings.Value(s["value"], s["from"]) for name, s in doc["settings"].items()}
+    return settings.Configuration(values, doc["pyproject"]).lines()
 
 
 def handle(args):
@@ -29,6 +42,12 @@ def handle(args):
     except (records.RecordError, shards.ShardError) as error:
         raise UsageError(str(error))
     first = merged.records[0]
+    gated = first["environment"].get("implementation")
+    if args.impl is not None and gated != args.impl:
+        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not {args.configuration.shown('impl')}")
+    configuration = first.get("configuration")
+    print(f"under test: {gated} (as the shards ran it)" if configuration is None else
+          "\n".join(shown_configuration(configuration)))
     policy, declared = records.policy_of(first), records.expectations_of(first)
     results = shards.in_plan_order([v for r in merged.records for v in records.judged(r)], merged.plan)
     verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog, expectations=declared,
@@ -41,6 +60,7 @@ def handle(args):
     path = write_report(
         results, environment, args.out, policy=policy, run_verdict=verdict, probes=first["probes"],
         capabilities=first["capabilities"], expectations=declared, shard=shards.merged_doc(merged),
+        configuration=configuration,
         sections=[(f"Shards merged ({len(merged.records)} of {merged.count})",
                    ["shard", "report directory", "device", "its own exit status"], sorted(shown))])
     print(f"report: {path}")
