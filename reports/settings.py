@@ -173,18 +173,16 @@ def resolve(given: Mapping[str, Optional[str]], names=None, start=None) -> Confi
     (None where not given), else the pyproject.toml's, else the default."""
     names = tuple(names or SETTINGS)
     pyproject = find_pyproject(start)
-    table = read_table(pyproject) if pyproject is not None else {}
-    values = {}
-    for name in names:
-        setting = SETTINGS[name]
-        if given.get(name) is not None:
-            values[name] = Value(str(given[name]), COMMAND_LINE)
-        elif name in table:
-            values[name] = Value(from_file(setting, table[name], pyproject), str(pyproject))
-        else:
-            values[name] = Value(None, DEFAULT)
-        if name == "levels" and values[name].value is not None:
-            check_levels(values[name].value, values[name].source)
+    # The whole table is checked, also what the command line overrides: a bad file is bad input.
+    table = {} if pyproject is None else {
+        name: Value(from_file(SETTINGS[name], value, pyproject), str(pyproject))
+        for name, value in read_table(pyproject).items()}
+    if given.get("levels") is not None:
+        check_levels(str(given["levels"]), COMMAND_LINE)
+    if "levels" in table:
+        check_levels(table["levels"].value, table["levels"].source)
+    values = {name: Value(str(given[name]), COMMAND_LINE) if given.get(name) is not None
+              else table.get(name, Value(None, DEFAULT)) for name in names}
     return Configuration(values, pyproject)
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.impl.negative_controls import ExtractReturnsViews, TrimForgetsOffset
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
@@ -133,7 +133,7 @@ def test_check_exit_codes(capsys):
     assert main(["check", *one]) == 0
     assert main(["check", *one, "--impl", "kvparity.impl.negative_controls:RollbackByLargest"]) == 1
     assert main(["check", *one, "--impl", "nowhere:Cache"]) == 125
-    assert main(["check", *one, "--impl", "nowhere"]) == 2
+    assert main(["check", *one, "--impl", "nowhere"]) == EXIT_USAGE > 127  # aborts git bisect run
 
 
 def test_bisect_finds_the_first_event_and_writes_a_minimal_replayable_schedule(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """``kvparity merge``: shard report directories into one report and one exit status."""
 
 from kvparity.reports import records, settings, shards, verdicts
-from kvparity.reports.commands.base import IMPL_HELP, UsageError, writable_directory
+from kvparity.reports.commands.base import UsageError, writable_directory
 from kvparity.reports.commands.runs import print_summary
 from kvparity.reports.writer import write_report
 
@@ -11,18 +11,18 @@ DESCRIPTION = ("Read the report directories that kvparity check --shard K/N wrot
                "folder of them), judge their evidence together and write one report directory under --out, in "
                "every format a run writes. The exit status is the whole run's: a shard missing from the plan is "
                "a gap (its schedule runs were not run), so the merge has no evidence (125), as a run without "
-               "those schedules would. The class the shards gated must be the one --impl or [tool.kvparity] "
-               "names, where either names one.")
+               "those schedules would. It reads no setting of its own: the class under test and the settings "
+               "are the shards', as their reports record them (and where each came from); --impl makes sure "
+               "they gated that class.")
 
-# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
-SETTINGS = ("impl",)
-REQUIRED = ()
+# It reads no setting (reports/settings.py): what it merges carries the shards'.
+SETTINGS = REQUIRED = ()
 
 
 def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
-    command.add_argument("--impl", metavar="MODULE:FACTORY", help="the class the shards must have gated "
-                         "(default: impl in [tool.kvparity] of pyproject.toml; without either, the shards' own)")
+    command.add_argument("--impl", metavar="MODULE:FACTORY", help="refuse shards that gated another class "
+                         "(default: whichever class the shards gated, printed and reported)")
     command.add_argument("--out", metavar="DIR", default="reports/out",
                          help="where the merged report directory goes (default: %(default)s)")
 
@@ -44,7 +44,7 @@ def handle(args):
     first = merged.records[0]
     gated = first["environment"].get("implementation")
     if args.impl is not None and gated != args.impl:
-        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not {args.configuration.shown('impl')}")
+        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not --impl {args.impl}")
     configuration = first.get("configuration")
     print(f"under test: {gated} (as the shards ran it)" if configuration is None else
           "\n".join(shown_configuration(configuration)))
