@@ -68,8 +68,8 @@ def _suite(root, result, record):
                  policy=(record.get("policy") or {}).get("name"), schedule_file=result.get("path"))
     # Each setting of the run and where it came from (command line, a pyproject.toml, default).
     for name, setting in ((record.get("configuration") or {}).get("settings") or {}).items():
-        named[f"setting.{name}"] = setting["value"] if setting["value"] is not None else "(default)"
-        named[f"setting.{name}.from"] = setting["from"]
+        named[f"kvparity.{name}"] = setting["value"] if setting["value"] is not None else "(default)"
+        named[f"kvparity.{name}.from"] = setting["from"]
     for key, value in named.items():
         if value is not None:
             _set(ET.SubElement(properties, "property"), name=key, value=value)

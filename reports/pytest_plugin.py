@@ -56,8 +56,8 @@ SHOWN = 5  # divergences quoted in a failure
 DEFAULT_EXAMPLES = 300  # generated L1 schedules
 
 
-# The settings pytest takes as --kvparity-NAME: all of reports/settings.py's.
-SETTINGS = settings.SETTINGS
+# The settings pytest takes as --kvparity-NAME, declared in reports/settings.py.
+SETTINGS = {name: s for name, s in settings.SETTINGS.items() if s.plugin}
 CONFIGURATION = pytest.StashKey[settings.Configuration]()
 
 
@@ -73,7 +73,8 @@ def pytest_configure(config):
         config.addinivalue_line("markers", marker)
     try:  # bad settings are refused before anything is collected
         config.stash[CONFIGURATION] = settings.resolve(
-            {name: config.getoption(s.dest) for name, s in SETTINGS.items()}, start=config.invocation_params.dir)
+            {name: config.getoption(s.dest) for name, s in SETTINGS.items()}, SETTINGS,
+            start=config.invocation_params.dir)
     except settings.SettingsError as error:
         raise pytest.UsageError(str(error)) from None
     levels(config)

@@ -42,6 +42,7 @@ class Setting:
     default: str  # the default in words (its value is None: the command's own meaning)
     kind: str = TEXT  # how a value is read from the file: TEXT, LIST, PATH, PATHS or COUNT
     option: Optional[str] = None  # the kvparity commands' option; None: the plugin's alone
+    plugin: bool = True  # the pytest plugin reads it, as --kvparity-NAME
 
     @property
     def dest(self) -> str:  # pytest's dest; the commands' is the option's
@@ -54,8 +55,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("levels", "L1,L2,L3", "the levels that run: all, or some of L1, L2, L3", "all", LIST, "--level"),
     Setting("engine", "MODULE:FACTORY", "L3: the engine serving arrivals", "mlx-lm's BatchGenerator",
             option="--engine"),
-    Setting("model", "NAME", "the model L2 runs on", "each schedule's own", option="--model"),
-    Setting("device", "cpu|gpu", "the MLX device", "MLX's default", option="--device"),
+    Setting("model", "NAME", "the model L2 runs on", "each schedule's own", option="--model", plugin=False),
+    Setting("device", "cpu|gpu", "the MLX device", "MLX's default", option="--device", plugin=False),
     Setting("policy", "NAME|FILE", "verdict policy: cpu, gpu, strict or a policy file", "this backend's",
             PATH, "--policy"),
     Setting("expectations", "FILE", "declared divergences (JSON) of the implementation: they do not gate",

@@ -84,15 +84,17 @@ def test_in_kvparitys_own_checkout_its_pyproject_names_the_reference():
     assert found["impl"] == REFERENCE and found.source("impl").endswith("pyproject.toml")
 
 
-def test_a_fresh_repository_whose_pyproject_names_a_broken_cache_fails_check_naming_it(tmp_path):
+def test_a_fresh_repository_whose_pyproject_names_a_broken_cache_fails_check_naming_it(tmp_path, monkeypatch,
+                                                                                     capsys):
     repo = repository(tmp_path / "theirs", f'impl = "{BROKEN}"\npolicy = "cpu"\n')
-    done = subprocess.run([sys.executable, "-m", "kvparity", "check", *ONE_L1, "--out", "out"],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
-    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    monkeypatch.chdir(repo)  # kvparity check run there, no --impl
+    code = main(["check", *ONE_L1, "--out", "out"])
+    out = capsys.readouterr().out
+    assert code == EXIT_BROKEN, out
     pyproject = str(repo / "pyproject.toml")
-    assert f"under test: impl {BROKEN} (from {pyproject})" in done.stdout
-    assert f"policy cpu (from {pyproject})" in done.stdout and "levels L1 (command line)" in done.stdout
-    assert "engine mlx-lm's BatchGenerator (default)" in done.stdout
+    assert f"under test: impl {BROKEN} (from {pyproject})" in out
+    assert f"policy cpu (from {pyproject})" in out and "levels L1 (command line)" in out
+    assert "engine mlx-lm's BatchGenerator (default)" in out
     (report,) = (repo / "out").iterdir()
     record = json.loads((report / "report.json").read_text())
     jsonschema.validate(record, json.loads(SCHEMA_PATH.read_text()))
@@ -104,17 +106,27 @@ def test_a_fresh_repository_whose_pyproject_names_a_broken_cache_fails_check_nam
     assert any(line.split("|")[1:4] == [" impl ", f" {BROKEN} ", f" {pyproject} "]
                for line in (" ".join(x.split()) for x in markdown.splitlines()) if line.startswith("| impl")), markdown
     properties = {p.get("name"): p.get("value") for p in ET.parse(report / "junit.xml").iter("property")}
-    assert properties["implementation"] == properties["setting.impl"] == BROKEN
-    assert properties["setting.impl.from"] == pyproject
-    assert (properties["setting.engine"], properties["setting.engine.from"]) == ("(default)", "default")
-    assert properties["setting.policy.from"] == pyproject
+    assert properties["implementation"] == properties["kvparity.impl"] == BROKEN
+    assert properties["kvparity.impl.from"] == pyproject
+    assert (properties["kvparity.engine"], properties["kvparity.engine.from"]) == ("(default)", "default")
+    assert properties["kvparity.policy.from"] == pyproject
 
 
-def test_the_plugin_resolves_with_the_same_module(tmp_path):
-    assert pytest_plugin.SETTINGS is settings.SETTINGS
+def test_the_plugin_declares_no_setting_of_its_own():
+    assert all(pytest_plugin.SETTINGS[name] is settings.SETTINGS[name] for name in pytest_plugin.SETTINGS)
+    assert {"impl", "levels", "engine", "policy", "expectations"} <= set(pytest_plugin.SETTINGS)
+
+
+@pytest.mark.slow  # a pytest process running one catalog test
+def test_the_plugin_names_the_class_and_sources_in_its_header_and_junit(tmp_path):
     repo = repository(tmp_path, f'impl = "{BROKEN}"\nlevels = "L1"\n')
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only",
-                           "--pyargs", "kvparity.suites.test_l1_catalog"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--junitxml", "junit.xml",
+                           "--pyargs", "kvparity.suites.test_l1_catalog", "-k", "join-longer-joiner"],
                           cwd=repo, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"kvparity under test: impl {BROKEN} (from {repo / 'pyproject.toml'})" in done.stdout, done.stdout
+    assert done.returncode == 1 and "1 failed" in done.stdout, done.stdout + done.stderr
+    pyproject = str(repo / "pyproject.toml")
+    assert f"kvparity under test: impl {BROKEN} (from {pyproject})" in done.stdout, done.stdout
+    assert "policy this backend's (default)" in done.stdout
+    properties = {p.get("name"): p.get("value") for p in ET.parse(repo / "junit.xml").iter("property")}
+    assert (properties["kvparity.impl"], properties["kvparity.impl.from"]) == (BROKEN, pyproject)
+    assert (properties["kvparity.levels"], properties["kvparity.policy.from"]) == ("L1", "default")

@@ -80,7 +80,7 @@ def plan(args, selected, options=None):
 
 
 def prepare(args, files=None):
-    """Everything that can be refused before a schedule runs, usage (2)
+    """Everything that can be refused before a schedule runs, usage (129)
     before what cannot run here (125): (policy, runs, implementation)."""
     chosen_policy = policy(args)
     check_impl_spec(args.impl)
