@@ -172,7 +172,7 @@ def levels_of(value: Optional[str]) -> tuple:
 def resolve(given: Mapping[str, Optional[str]], names=None, start=None) -> Configuration:
     """The settings ``names`` (default: all): ``given`` on the command line
     (None where not given), else the pyproject.toml's, else the default."""
-    names = tuple(names or SETTINGS)
+    names = tuple(SETTINGS if names is None else names)
     pyproject = find_pyproject(start)
     # The whole table is checked, also what the command line overrides: a bad file is bad input.
     table = {} if pyproject is None else {

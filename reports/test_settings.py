@@ -130,3 +130,12 @@ def test_the_plugin_names_the_class_and_sources_in_its_header_and_junit(tmp_path
     properties = {p.get("name"): p.get("value") for p in ET.parse(repo / "junit.xml").iter("property")}
     assert (properties["kvparity.impl"], properties["kvparity.impl.from"]) == (BROKEN, pyproject)
     assert (properties["kvparity.levels"], properties["kvparity.policy.from"]) == ("L1", "default")
+
+
+def test_commands_that_read_no_setting_do_not_read_the_file(tmp_path, monkeypatch, capsys):
+    repo = repository(tmp_path / "repo", 'imp = "a typo"\n')
+    monkeypatch.chdir(repo)
+    (repo / "empty").mkdir()
+    assert main(["merge", "empty", "--out", "merged"]) == EXIT_USAGE  # nothing to merge: its own refusal
+    err = capsys.readouterr().err
+    assert "pyproject.toml" not in err and "empty" in err, err

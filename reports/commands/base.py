@@ -95,6 +95,8 @@ def configure(args, names, required=()):
     ``args``, where the rest of the command reads them, and keep the
     Configuration as ``args.configuration`` for what the run prints and
     writes. A required setting missing everywhere is a usage error."""
+    if not names:  # a command that reads none (merge, matrix) does not read the file either
+        return None
     try:
         configuration = settings.resolve({n: getattr(args, dest_of(n), None) for n in names}, names)
     except settings.SettingsError as error:
