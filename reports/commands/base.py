@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from kvparity.oracle.models import DEEP, DEFAULT_MODEL, MHA, ModelUnavailable, available_models, random_model
 from kvparity.oracle.models import load_model as load_registry_model
-from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports import git_bisect, settings
+from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.engines import EngineError, load_engine_factory
@@ -26,7 +26,8 @@ class CannotRun(Exception):
 
 
 class UsageError(Exception):
-    """Exit 2: the command line or an input file is wrong."""
+    """Exit 129 (EXIT_USAGE): the command line, a setting or an input file is
+    wrong; above 127, so that git bisect run aborts instead of blaming a commit."""
 
 
 # The settings of a run of schedules (reports/settings.py), each with its option below.
