@@ -158,7 +158,7 @@ def ecosystem(session, name):
     if row.expectations:
         command += ["--expectations", str(ROOT / row.expectations)]
     # A verdict (0 holds, 1 broken, 125 cannot judge) is the row's cell, in
-    # its report; usage errors (2) and kvparity's own bugs fail the session.
+    # its report; usage errors (129) and kvparity's own bugs fail the session.
     session.run(*command, *session.posargs, success_codes=[0, 1, 125], external=bin_dir is not None)
 
 

@@ -1,13 +1,15 @@
 """The kvparity command line: ``main`` and its exit status.
 
-Exit status, so that ``git bisect run kvparity check ...`` can trust it:
-0 parity holds (with evidence), 1 parity broken (a divergence or a refusal),
-2 bad usage or bad input (before any work), 125 cannot judge here (the
+Exit status, so that ``git bisect run kvparity check`` can trust it as it
+is, with no mode to remember: 0 parity holds (with evidence), 1 parity
+broken (a divergence or a refusal), 125 cannot judge here (the
 implementation's module does not import, a backend or model is missing, a
-golden comes from another machine, or the run gathered no evidence), 128
-for an error inside the harness itself, which aborts a bisection rather than
-blaming a commit, and 130 when interrupted. The commands themselves live in
-``kvparity.reports.commands``, one module each.
+golden comes from another machine, or the run gathered no evidence), and
+above 127, which git bisect run takes as "abort the bisection", for what no
+commit is to blame for: 128 an error inside the harness itself, 129 bad
+usage or bad input (before any work; argparse's own errors too), 130
+interrupted. The commands themselves live in ``kvparity.reports.commands``,
+one module each.
 """
 
 import sys
@@ -17,7 +19,7 @@ import traceback
 # import its own modules still exits 128 (see main), not Python's 1, which
 # git bisect run would read as "this commit is bad". verdicts.py defines the
 # same values; a test holds them equal.
-EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
 EXIT_HARNESS_ERROR = 128
 EXIT_INTERRUPTED = 130
 
@@ -30,20 +32,22 @@ def internal_error() -> int:
 
 def main(argv=None) -> int:
     try:  # a harness that cannot import itself is its own failure, never the commit's
-        from kvparity.reports.commands.base import CannotRun, UsageError
+        from kvparity.reports.commands.base import CannotRun, UsageError, configure
         from kvparity.reports.commands.parser import build_parser
+        from kvparity.reports.settings import SettingsError
         from kvparity.suites.schedule import ScheduleError
 
         parser = build_parser()
     except Exception:
         return internal_error()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a bad command line exits EXIT_USAGE (parser.py)
     try:
+        configure(args, args.reads_settings, args.requires_settings)
         return args.func(args)
     except CannotRun as error:
         print(f"kvparity: cannot judge here: {error}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE
-    except (ScheduleError, UsageError) as error:
+    except (ScheduleError, SettingsError, UsageError) as error:
         print(f"kvparity: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -66,6 +66,10 @@ def _suite(root, result, record):
     named = {key: environment.get(key) for key in PROPERTIES}
     named.update(model=result.get("model"), model_sha256=result.get("model_sha256"),
                  policy=(record.get("policy") or {}).get("name"), schedule_file=result.get("path"))
+    # Each setting of the run and where it came from (command line, a pyproject.toml, default).
+    for name, setting in ((record.get("configuration") or {}).get("settings") or {}).items():
+        named[f"kvparity.{name}"] = setting["value"] if setting["value"] is not None else "(default)"
+        named[f"kvparity.{name}.from"] = setting["from"]
     for key, value in named.items():
         if value is not None:
             _set(ET.SubElement(properties, "property"), name=key, value=value)

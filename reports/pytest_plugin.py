@@ -11,10 +11,11 @@ can run schedules through ``kvparity_run`` and gate them with
 ``kvparity`` marker.
 
 Each setting comes from the command line (``--kvparity-NAME``), else from
-``[tool.kvparity]`` in the root's pyproject.toml (``NAME``), else from an ini
-key (``kvparity_NAME`` in pytest.ini or ``[tool.pytest.ini_options]``).
-Relative paths in a file are read from the root, on the command line from
-the current directory.
+``[tool.kvparity]`` in the repository's pyproject.toml (``NAME``), else its
+default, resolved by ``reports/settings.py`` as the ``kvparity`` commands
+resolve theirs. Relative paths in the file are read from its folder, on the
+command line from the current directory. The header of the run and its
+junit properties name the class under test and where each setting came from.
 
 The plugin loads in every pytest run where kvparity is installed: the
 harness (and MLX with it) is imported only when a kvparity fixture runs.
@@ -22,7 +23,6 @@ harness (and MLX with it) is imported only when a kvparity fixture runs.
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -30,7 +30,7 @@ import pytest
 
 import kvparity.reports
 import kvparity.suites
-from kvparity.suites.levels import LEVELS
+from kvparity.reports import settings
 
 # The folders kvparity's tests are collected from.
 TEST_FOLDERS = tuple(Path(p.__file__).resolve().parent for p in (kvparity.suites, kvparity.reports))
@@ -60,87 +60,50 @@ SHOWN = 5  # divergences quoted in a failure
 DEFAULT_EXAMPLES = 300  # generated L1 schedules
 
 
-@dataclass(frozen=True)
-class Setting:
-    name: str  # --kvparity-NAME, [tool.kvparity] NAME, ini kvparity_NAME
-    metavar: str
-    help: str
-    is_path: bool = False
-
-    @property
-    def dest(self) -> str:
-        return f"kvparity_{self.name}"
-
-
-SETTINGS = {s.name: s for s in (
-    Setting("impl", "MODULE:FACTORY", "batch cache implementation under test (a class or a factory returning one)"),
-    Setting("engine", "MODULE:FACTORY", "L3: the engine serving arrivals (default: mlx-lm's BatchGenerator)"),
-    Setting("levels", "L1,L2,L3", "levels whose suites run (default: all)"),
-    Setting("policy", "NAME|FILE", "verdict policy (default: cpu, bit-exact)"),
-    Setting("expectations", "FILE", "declared divergences (JSON) of the implementation: they do not gate",
-            is_path=True),
-    Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", is_path=True),
-    Setting("examples", "N", f"generated L1 schedules (default: {DEFAULT_EXAMPLES})"),
-)}
+# The settings pytest takes as --kvparity-NAME, declared in reports/settings.py.
+SETTINGS = {name: s for name, s in settings.SETTINGS.items() if s.plugin}
+CONFIGURATION = pytest.StashKey[settings.Configuration]()
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("kvparity", "kvparity: parity of a batched quantized KV cache")
     for s in SETTINGS.values():
-        group.addoption(f"--kvparity-{s.name}", dest=s.dest, default=None, metavar=s.metavar, help=s.help)
-        parser.addini(s.dest, f"kvparity: {s.help}", default=None)
+        group.addoption(f"--kvparity-{s.name}", dest=s.dest, default=None, metavar=s.metavar,
+                        help=f"{s.help} (default: {s.default})")
 
 
 def pytest_configure(config):
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
-    levels(config)  # bad settings are refused before anything is collected
+    try:  # bad settings are refused before anything is collected
+        config.stash[CONFIGURATION] = settings.resolve(
+            {name: config.getoption(s.dest) for name, s in SETTINGS.items()}, SETTINGS,
+            start=config.invocation_params.dir)
+    except settings.SettingsError as error:
+        raise pytest.UsageError(str(error)) from None
+    levels(config)
     if setting(config, "schedules") is not None:
         config.stash[THEIR_SCHEDULES] = their_schedules(config)
 
 
-def tool_table(config) -> dict:
-    """``[tool.kvparity]`` of the root's pyproject.toml, or {}."""
-    path = config.rootpath / "pyproject.toml"
-    if not path.is_file():
-        return {}
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pytest itself needs tomli before 3.11
-        import tomli as tomllib
-    with path.open("rb") as file:
-        table = tomllib.load(file).get("tool", {}).get("kvparity", {})
-    unknown = sorted(set(table) - set(SETTINGS))
-    if unknown:
-        raise pytest.UsageError(f"{path}: [tool.kvparity]: unknown {', '.join(unknown)} "
-                                f"(known: {', '.join(SETTINGS)})")
-    return table
+def configuration(config) -> settings.Configuration:
+    return config.stash[CONFIGURATION]
 
 
 def setting(config, name: str):
-    """A setting's value: the command line, [tool.kvparity], the ini key, or None."""
-    s = SETTINGS[name]
-    given = config.getoption(s.dest)
-    if given is not None:
-        return given
-    value = tool_table(config).get(name)
-    if value is None:
-        value = config.getini(s.dest)
-    if value is None:
-        return None
-    if s.is_path:  # read from the root, as pytest reads paths in its ini file
-        values = value if isinstance(value, list) else str(value).split(",")
-        return ",".join(str(config.rootpath / v.strip()) for v in values)
-    return ",".join(value) if isinstance(value, list) else str(value)
+    """A setting's value (``settings.resolve``): the command line, [tool.kvparity], or None."""
+    return configuration(config)[name]
+
+
+def pytest_report_header(config):
+    """What is under test and where each setting came from, where kvparity is configured."""
+    if CONFIGURATION in config.stash and setting(config, "impl") is not None:
+        return [f"kvparity {line}" for line in configuration(config).lines()]
+    return None
 
 
 def levels(config):
-    value = setting(config, "levels")
-    chosen = tuple(LEVELS) if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
-    unknown = [v for v in chosen if v not in LEVELS]
-    if unknown or not chosen:
-        raise pytest.UsageError(f"--kvparity-levels {value!r}: expected some of {', '.join(LEVELS)}")
-    return chosen
+    return settings.levels_of(setting(config, "levels"))
 
 
 def in_package(path: Path) -> bool:
@@ -232,14 +195,17 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="session")
-def implementation(pytestconfig):
+def implementation(pytestconfig, record_testsuite_property):
     """The implementation under test (``suites.adapter.Implementation``)."""
     from kvparity.suites.adapter import ImplementationError, load_implementation
 
     spec = setting(pytestconfig, "impl")
     if spec is None:
-        pytest.exit("kvparity: no implementation under test: give --kvparity-impl MODULE:FACTORY "
-                    "(or impl in [tool.kvparity], kvparity_impl in the ini file)", returncode=4)
+        pytest.exit(f"kvparity: {settings.no_implementation(configuration(pytestconfig), '--kvparity-impl')}",
+                    returncode=4)
+    for name, value in configuration(pytestconfig).values.items():  # junit's <properties>
+        record_testsuite_property(f"kvparity.{name}", value.value if value.value is not None else "(default)")
+        record_testsuite_property(f"kvparity.{name}.from", value.source)
     # As on the command line, the repository under test can import its own modules.
     if str(pytestconfig.rootpath) not in sys.path:
         sys.path.insert(0, str(pytestconfig.rootpath))
@@ -259,8 +225,8 @@ def engine(pytestconfig) -> Optional[str]:
 def policy(pytestconfig):
     from kvparity.reports.policy import PolicyError, load_policy
 
-    try:
-        return load_policy(setting(pytestconfig, "policy") or "cpu")
+    try:  # as on the command line: by default, the backend's
+        return load_policy(setting(pytestconfig, "policy"))
     except PolicyError as error:
         pytest.exit(str(error), returncode=4)
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.impl.negative_controls import ExtractReturnsViews, TrimForgetsOffset
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
@@ -115,17 +115,99 @@ def test_a_harness_error_aborts_git_bisect_run(history, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_usage_error_under_git_bisect_run_is_never_a_silent_skip(history):
+def test_a_usage_error_under_git_bisect_run_aborts_it(history):
     repo, shas = history
     typo = [sys.executable, "-m", "kvparity", "check", "--impl", "mycache", "--level", "L1"]
     done, log = bisect_run(repo, shas["first"], shas["last"], typo)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    # exit 2 marks the commit bad: the bisection ends at once on the commit
-    # after the good one, with the one-line reason in its output
-    assert f"{shas['faster']} is the first bad commit" in output
+    # git aborts on the first commit it tries, blaming none, with the one-line reason in its output
+    assert done.returncode != 0 and "first bad commit" not in output, output
+    assert f"exit code {EXIT_USAGE}" in output, output
     assert "kvparity: --impl 'mycache': expected 'package.module:factory'" in output
-    assert not _skipped(log)
+    assert log.count("# bad:") == 1 and log.count("# good:") == 1 and not _skipped(log), log
+
+
+def new_repository(path):
+    path.mkdir(parents=True)
+    git(path, "init", "-q")
+    git(path, "config", "user.email", "dev@example.com")
+    git(path, "config", "user.name", "dev")
+    return path
+
+
+def commit_files(repo, files, message):
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    git(repo, "add", *files)
+    git(repo, "commit", "-qm", message)
+    return git(repo, "rev-parse", "HEAD").strip()
+
+
+def pyproject(impl):
+    return f'[project]\nname = "server"\n\n[tool.kvparity]\nimpl = "{impl}"\n'
+
+
+# The one documented command: the class under test from the repository's pyproject.toml.
+CHECK_FROM_PYPROJECT = [sys.executable, "-m", "kvparity", "check", "--level", "L1",
+                        "--schedule", str(CATALOG / "join-longer-joiner.json")]
+
+
+@pytest.mark.slow
+def test_git_bisect_run_aborts_on_a_class_name_typo_instead_of_blaming_a_commit(tmp_path):
+    repo = new_repository(tmp_path / "server")
+    typo = pyproject("mycache:Cahce")  # the class is Cache
+    first = commit_files(repo, {"mycache.py": GOOD, "pyproject.toml": typo}, "cache: first version")
+    commit_files(repo, {"mycache.py": GOOD + "# faster extend\n"}, "cache: faster extend")
+    commit_files(repo, {"mycache.py": BAD}, "cache: simpler mask")
+    last = commit_files(repo, {"mycache.py": BAD + "# docs\n"}, "cache: docs")
+    done, log = bisect_run(repo, first, last, CHECK_FROM_PYPROJECT)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "first bad commit" not in output, output
+    assert f"exit code {EXIT_USAGE}" in output and "mycache has no Cahce" in output, output
+    assert log.count("# bad:") == 1 and log.count("# good:") == 1 and not _skipped(log), log
+
+
+@pytest.mark.slow
+def test_git_bisect_run_skips_the_commits_before_the_module_exists(tmp_path):
+    repo = new_repository(tmp_path / "server")
+    settings = {"pyproject.toml": pyproject("mycache:Cache")}
+    shas = [commit_files(repo, {**settings, "README.md": "a server\n"}, "the server, its cache to come")]
+    shas += [commit_files(repo, {"README.md": f"a server\n{'.' * i}\n"}, f"docs {i}") for i in range(3)]
+    module_first = len(shas)
+    shas += [commit_files(repo, {"mycache.py": GOOD}, "cache: first version")]
+    breaking = len(shas)
+    shas += [commit_files(repo, {"mycache.py": BAD + "#\n" * i}, f"cache: change {i}") for i in range(3)]
+    done, log = bisect_run(repo, shas[0], shas[-1], CHECK_FROM_PYPROJECT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert f"{shas[breaking]} is the first bad commit" in done.stdout, output
+    skipped = _skipped(log)
+    assert skipped and skipped <= set(shas[1:module_first]), log  # 125: never "bad", never "good"
+    assert "cannot judge here" in output and "cannot import mycache" in output
+
+
+def test_under_a_bisection_a_module_in_no_commit_is_a_usage_error_not_a_skip(tmp_path, monkeypatch, capsys):
+    """A module typo: not importable here, and not in the bisection's bad
+    commit either, so no commit can be judged: abort (a usage error), where
+    a module the bad commit has is only not there yet (125, skipped)."""
+    repo = new_repository(tmp_path / "server")
+    good = commit_files(repo, {"README.md": "a server\n"}, "the server")
+    commit_files(repo, {"README.md": "a server\n.\n"}, "docs")
+    bad = commit_files(repo, {"mycache.py": BAD}, "cache")
+    git(repo, "bisect", "start", bad, good)  # checks out the commit between: no mycache.py there
+    monkeypatch.chdir(repo)
+    one = ["check", "--level", "L1", "--schedule", str(CATALOG / "join-longer-joiner.json")]
+    try:
+        assert not (repo / "mycache.py").exists()
+        assert main([*one, "--impl", "mycache:Cache"]) == EXIT_CANNOT_JUDGE
+        assert "cannot import mycache" in capsys.readouterr().err
+        assert main([*one, "--impl", "mycahce:Cache"]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert f"the bisection's bad commit {bad[:12]} has no mycahce either: a typo" in err, err
+    finally:
+        git(repo, "bisect", "reset")
+    # No bisection running: a module that does not import cannot be judged here, as before.
+    assert main([*one, "--impl", "mycahce:Cache"]) == EXIT_CANNOT_JUDGE
 
 
 def test_check_exit_codes(capsys):
@@ -133,7 +215,7 @@ def test_check_exit_codes(capsys):
     assert main(["check", *one]) == 0
     assert main(["check", *one, "--impl", "kvparity.impl.negative_controls:RollbackByLargest"]) == 1
     assert main(["check", *one, "--impl", "nowhere:Cache"]) == 125
-    assert main(["check", *one, "--impl", "nowhere"]) == 2
+    assert main(["check", *one, "--impl", "nowhere"]) == EXIT_USAGE > 127  # aborts git bisect run
 
 
 def test_bisect_finds_the_first_event_and_writes_a_minimal_replayable_schedule(tmp_path, capsys):

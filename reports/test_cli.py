@@ -1,8 +1,8 @@
 """The kvparity command: exit codes, summary, reports.
 
 Exit codes are what `git bisect run` and CI act on: 0 parity holds, 1 parity
-broken, 2 usage (refused before any work), 125 cannot judge here, 128 the
-harness itself failed. Each class is checked here in-process; test_bisection.py
+broken, 125 cannot judge here, and above 127 (git aborts a bisection) 128 the
+harness itself failed, 129 usage (refused before any work). Each class is checked here in-process; test_bisection.py
 checks them under a real `git bisect run`.
 """
 
@@ -137,7 +137,7 @@ USAGE = {
 
 
 @pytest.mark.parametrize("case", USAGE, ids=list(USAGE))
-def test_usage_errors_exit_2_before_any_work(case, tmp_path, no_work, capsys):
+def test_usage_errors_exit_129_before_any_work(case, tmp_path, no_work, capsys):
     (tmp_path / "file").write_text("a file, not a folder\n")
     argv, message = USAGE[case]
     code = main(argv(tmp_path))
@@ -146,6 +146,15 @@ def test_usage_errors_exit_2_before_any_work(case, tmp_path, no_work, capsys):
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not any(p.name.startswith(".kvparity-probe-") for p in tmp_path.iterdir())
+
+
+def test_argparses_own_errors_exit_as_usage_errors_do(capsys):
+    for argv in (["check", "--no-such-option"], ["nosuchcommand"], ["bisect"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == EXIT_USAGE > 127, argv  # argparse's 2 would read as "bad" to git bisect run
+    assert main(["check", "--level", "L4"]) == EXIT_USAGE
+    assert "levels 'L4': expected some of L1, L2, L3, or all" in outcome(capsys)[1]
 
 
 def test_calibrate_refuses_unknown_phases_and_an_unwritable_out_before_any_work(tmp_path, no_work, capsys):
@@ -312,6 +321,6 @@ def test_l3_bisect_shrinks_an_arrivals_schedule_that_replays(tmp_path, capsys):
     (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "nocolon"], "expected 'package.module:factory'"),
     (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "kvparity.suites.engines:nothing"], "has no"),
 ])
-def test_l3_usage_errors_exit_2(argv, message, capsys):
+def test_l3_usage_errors_exit_129(argv, message, capsys):
     assert main(argv) == EXIT_USAGE
     assert message in outcome(capsys)[1]

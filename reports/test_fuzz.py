@@ -31,7 +31,7 @@ def no_campaign(monkeypatch):
     (["--examples", "5", "--database", "FILE/db"], "is not a directory"),
     (["--examples", "5", "--impl", "no_colon"], "expected 'package.module:factory'"),
 ])
-def test_usage_errors_exit_2_before_any_worker_starts(argv, message, tmp_path, no_campaign, capsys):
+def test_usage_errors_exit_129_before_any_worker_starts(argv, message, tmp_path, no_campaign, capsys):
     (tmp_path / "FILE").write_text("")
     argv = [arg.replace("FILE", str(tmp_path / "FILE")) for arg in argv]
     assert main(["fuzz", "--out", str(tmp_path), *argv]) == EXIT_USAGE

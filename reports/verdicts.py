@@ -29,7 +29,7 @@ from kvparity.suites.evidence import (
 from kvparity.suites.levels import LEVELS, Level
 from kvparity.suites.schedule import load
 
-EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 2, 125
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
 # What each exit status of a run means, as the report header says it.
 STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
           EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}

@@ -111,11 +111,13 @@ def member_calls(run_verdict: RunVerdict) -> dict:
 
 def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: Policy, run_verdict: RunVerdict,
                  probes=None, capabilities=None, sections=(), expectations=None, shard=None,
-                 failures=None) -> dict:
+                 failures=None, configuration=None) -> dict:
     """report.json's content, as described by schema/report.schema.json.
     ``shard``: a shard's plan (``reports/shards.py``), or a merge's.
     ``failures``: the failing runs grouped by root cause (``reports/failures.py``;
-    default: the run verdict's, else grouped here without shrinking)."""
+    default: the run verdict's, else grouped here without shrinking).
+    ``configuration``: the settings and where each came from
+    (``settings.Configuration.to_json()``, or a record's)."""
     unjudged = [str(getattr(v, "schedule", v)) for v in verdicts if not isinstance(v, ScheduleVerdict)]
     if unjudged:  # a wiring bug: writers report verdicts, they do not make them
         raise ValueError(f"results not judged: {', '.join(unjudged)}")
@@ -137,6 +139,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
             "tiers": {f: sum(tier_family(row["tier"]) == f for row in rows) for f in TIER_FAMILIES},
         },
         "environment": env,
+        "configuration": configuration_doc(configuration),
         "models": models(verdicts),
         "probe_model": probe_model,
         "policy": {**dataclasses.asdict(policy), "name": policy.name},
@@ -159,6 +162,20 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "shard": shard,
     }
     return _json_safe(record)
+
+
+def configuration_doc(configuration) -> Optional[dict]:
+    """The settings of the run as report.json holds them; None where the
+    writer was given none (a report written without the command line)."""
+    if configuration is None or isinstance(configuration, dict):
+        return configuration
+    return configuration.to_json()
+
+
+def configuration_rows(doc: dict):
+    """Each setting, its value and where it came from."""
+    return ["setting", "value", "from"], [[name, "" if s["value"] is None else s["value"], s["from"]]
+                                          for name, s in doc["settings"].items()]
 
 
 def expectations_doc(run_verdict: RunVerdict, expectations) -> Optional[dict]:
@@ -396,11 +413,14 @@ CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, dive
 
 
 def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, probes=None, capabilities=None,
-           sections=(), expectations=None, failures=None):
+           sections=(), expectations=None, failures=None, configuration=None):
     """Every (title, headers, rows) table of a report, in order."""
     if capabilities is None:
         capabilities = environment.get("capabilities") or {}
-    out = [("Summary", *summary_rows(verdicts, policy))]
+    doc = configuration_doc(configuration)
+    out = [(f"Settings (under test: {environment.get('implementation', '')}; an empty value is the default)",
+            *configuration_rows(doc))] if doc else []
+    out.append(("Summary", *summary_rows(verdicts, policy)))
     groups = _groups(verdicts, failures, run_verdict)
     if groups:
         out.append((FAILURES_TITLE, *failure_rows(groups)))
@@ -454,7 +474,8 @@ def render_markdown(record: dict, report_tables) -> str:
 
 def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
-                 shard=None, extra: Optional[Callable[[Path], None]] = None, failures=None) -> Path:
+                 shard=None, extra: Optional[Callable[[Path], None]] = None, failures=None,
+                 configuration=None) -> Path:
     """Write report.md, report.json, junit.xml and report.html into a new
     directory under ``root``; returns that directory.
 
@@ -466,11 +487,12 @@ def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, po
     (benchmarks) before the directory appears. ``expectations`` is the
     expectations file the runs were judged with, if any; ``shard`` the
     shard block of a shard's or a merge's report (``reports/shards.py``).
-    ``failures``: as for ``build_record``.
+    ``failures``: as for ``build_record``; ``configuration`` the run's
+    settings (``settings.Configuration``, or a record's ``configuration``).
     """
     options = dict(policy=policy, run_verdict=run_verdict, probes=probes, capabilities=capabilities,
                    sections=sections, expectations=expectations,
-                   failures=_groups(verdicts, failures, run_verdict))
+                   failures=_groups(verdicts, failures, run_verdict), configuration=configuration)
     record = build_record(verdicts, environment, shard=shard, **options)
     report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)

@@ -67,7 +67,12 @@ class ImplementationError(Exception):
 
 class ImplementationUnavailable(ImplementationError):
     """The implementation's module cannot be imported here: this commit or
-    machine cannot be judged."""
+    machine cannot be judged. ``missing_module``: the module the spec names,
+    where it is not there at all (rather than failing as it imports)."""
+
+    def __init__(self, message: str, missing_module: Optional[str] = None):
+        super().__init__(message)
+        self.missing_module = missing_module
 
 
 class MemberRaised(Exception):
@@ -348,7 +353,10 @@ def resolve(option: str, spec: str):
     try:
         target = importlib.import_module(module_name)
     except ImportError as error:
-        raise ImplementationUnavailable(f"{option} {spec!r}: cannot import {module_name}: {error}")
+        absent = isinstance(error, ModuleNotFoundError) and error.name is not None and (
+            module_name == error.name or module_name.startswith(error.name + "."))
+        raise ImplementationUnavailable(f"{option} {spec!r}: cannot import {module_name}: {error}",
+                                        module_name if absent else None)
     except Exception as error:  # a module whose own code fails: this commit cannot be judged
         raise ImplementationUnavailable(f"{option} {spec!r}: importing {module_name} raised "
                                         f"{type(error).__name__}: {error}")

@@ -341,8 +341,8 @@ JUNIT_WITH_A_FAILURE = """<?xml version="1.0" encoding="utf-8"?>
 
 def test_summary_of_a_report_and_a_failing_junit(tmp_path):
     reports = tmp_path / "reports"
-    done = subprocess.run([sys.executable, "-m", "kvparity", "run", "--level", "L1", "--schedule",
-                           str(ROOT / "suites" / "catalog" / "join-empty.json"), "--out", str(reports)],
+    done = subprocess.run([sys.executable, "-m", "kvparity", "run", "--impl", REFERENCE_IMPL, "--level", "L1",
+                           "--schedule", str(ROOT / "suites" / "catalog" / "join-empty.json"), "--out", str(reports)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     (report,) = reports.glob("*/report.md")

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from kvparity.oracle.models import DEEP, DEFAULT_MODEL, MHA, ModelUnavailable, available_models, random_model
 from kvparity.oracle.models import load_model as load_registry_model
+from kvparity.reports import git_bisect, settings
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
@@ -25,13 +26,20 @@ class CannotRun(Exception):
 
 
 class UsageError(Exception):
-    """Exit 2: the command line or an input file is wrong."""
+    """Exit 129 (EXIT_USAGE): the command line, a setting or an input file is
+    wrong; above 127, so that git bisect run aborts instead of blaming a commit."""
 
+
+# The settings of a run of schedules (reports/settings.py), each with its option below.
+RUN_SETTINGS = ("impl", "levels", "engine", "model", "device", "policy", "expectations")
 
 # -- options ---------------------------------------------------------------------------
 
-IMPL_HELP = "implementation under test as package.module:factory (default: the reference)"
+IMPL_HELP = ("implementation under test as package.module:factory (default: impl in [tool.kvparity] of "
+             "pyproject.toml; required)")
 LEVEL_HELP = "L1 cache bytes, L2 model per row, L3 a real engine serving arrivals (default: %(default)s)"
+LEVELS_HELP = ("levels that run: L1 cache bytes, L2 model per row, L3 a real engine serving arrivals; all, one, "
+               "or a comma list (default: levels in [tool.kvparity], else all)")
 DEVICE_HELP = "MLX device (default: MLX's default)"
 
 
@@ -41,11 +49,15 @@ def model_help() -> str:
             "a seeded random model")
 
 
-def common_options(command, levels=("L1", "L2", "L3", "all"), default_level="all"):
+def common_options(command, levels=("L1", "L2", "L3", "all"), default_level=None):
     """--impl, --level, --repeat-oracle, --engine, --model, --device and
-    --policy, as far as the command's levels use them."""
+    --policy, as far as the command's levels use them. Without a
+    ``default_level``, --level is the ``levels`` setting (checked in
+    ``configure``); with one, the command's own choice of one level."""
     command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
-    if levels:
+    if levels and default_level is None:
+        command.add_argument("--level", metavar="LEVELS", help=LEVELS_HELP)
+    elif levels:
         command.add_argument("--level", choices=levels, default=default_level, help=LEVEL_HELP)
     if levels is None or "L2" in levels:
         command.add_argument("--repeat-oracle", action=argparse.BooleanOptionalAction, default=None,
@@ -88,6 +100,42 @@ def models_of(args):
         raise UsageError(str(error))
 
 
+# -- the settings: command line, else [tool.kvparity], else the default -----------------
+
+
+def dest_of(name: str) -> str:
+    """The argparse dest of a setting's option: --level is ``level``."""
+    return settings.SETTINGS[name].option.lstrip("-").replace("-", "_")
+
+
+def configure(args, names, required=()):
+    """Resolve the settings a command reads (``settings.resolve``) into
+    ``args``, where the rest of the command reads them, and keep the
+    Configuration as ``args.configuration`` for what the run prints and
+    writes. A required setting missing everywhere is a usage error."""
+    if not names:  # a command that reads none (merge, matrix) does not read the file either
+        return None
+    try:
+        configuration = settings.resolve({n: getattr(args, dest_of(n), None) for n in names}, names)
+    except settings.SettingsError as error:
+        raise UsageError(str(error))
+    for name in names:
+        setattr(args, dest_of(name), configuration[name])
+    if "levels" in names and args.level is None:
+        args.level = settings.ALL_LEVELS
+    args.configuration = configuration
+    if "impl" in required and args.impl is None:
+        raise UsageError(settings.no_implementation(configuration))
+    return configuration
+
+
+def print_configuration(args, out=None, **resolved):
+    """What is under test and where each setting came from, before the verdict."""
+    configuration = getattr(args, "configuration", None)
+    if configuration is not None:
+        print("\n".join(configuration.lines(resolved)), file=out or sys.stdout)
+
+
 # -- what the options name ---------------------------------------------------------------
 
 
@@ -101,6 +149,13 @@ def check_impl_spec(spec):
 
 
 def implementation(spec):
+    """The implementation under test, or a refusal: a module that does not
+    import here cannot be judged (125), unless a git bisection is running
+    whose bad commit does not hold that module either: then it is a typo
+    (or a package not installed) at every commit, a usage error that aborts
+    the bisection rather than skipping every commit."""
+    if spec is None:
+        raise UsageError(settings.no_implementation(settings.resolve({}, ("impl",))))
     check_impl_spec(spec)
     # The repository under test is the working directory (as under git bisect run).
     if os.getcwd() not in sys.path:
@@ -108,6 +163,10 @@ def implementation(spec):
     try:
         return load_implementation(spec)
     except ImplementationUnavailable as error:
+        bad = git_bisect.bad_commit() if error.missing_module else None
+        if bad is not None and not git_bisect.holds_module(bad, error.missing_module):
+            raise UsageError(f"{error}; the bisection's bad commit {bad[:12]} has no {error.missing_module} "
+                             "either: a typo in the module, or a package not installed")
         raise CannotRun(str(error))
     except ImplementationError as error:
         raise UsageError(str(error))

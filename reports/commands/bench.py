@@ -5,7 +5,9 @@ import sys
 from tabulate import tabulate
 
 from kvparity.reports import bench
-from kvparity.reports.commands.base import IMPL_HELP, check_impl_spec, implementation, writable_directory
+from kvparity.reports.commands.base import (
+    IMPL_HELP, check_impl_spec, implementation, print_configuration, writable_directory,
+)
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
 from kvparity.reports.writer import ReportDirectory
 
@@ -13,6 +15,10 @@ NAME = "bench"
 HELP = "run the benchmarks and write their ratios to a report directory"
 DESCRIPTION = ("Run the pytest-benchmark suite (join, leave, decode throughput, memory, the harness itself) and "
                "write benchmark.json and a table of ratios measured in one run into a new report directory.")
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("impl",)
+REQUIRED = ("impl",)
 
 
 def arguments(command):
@@ -43,6 +49,7 @@ def handle(args):
     check_impl_spec(args.impl)
     writable_directory(args.out, "--out")
     implementation(args.impl)  # refuse an unusable one before minutes of benchmarks
+    print_configuration(args)
     report = ReportDirectory(args.out)
     try:
         with report as directory:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from kvparity.reports import failures, verdicts
 from kvparity.reports.commands.base import (
-    UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
-    expectations_option, implementation, policy, run_options, use_device, writable_directory,
+    RUN_SETTINGS, UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
+    expectations_option, implementation, policy, print_configuration, run_options, use_device, writable_directory,
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
@@ -17,6 +17,10 @@ NAME = "bisect"
 HELP = "find the first breaking event of a schedule and shrink it"
 DESCRIPTION = ("For a failing schedule: find the first event after which parity breaks, then shrink the schedule "
                "to a minimal one that fails the same way and write it out.")
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = tuple(s for s in RUN_SETTINGS if s != "levels")  # it bisects at one --level of its own
+REQUIRED = ("impl",)
 
 
 def arguments(command):
@@ -67,6 +71,7 @@ def handle(args):
         check_engine(args.engine)
     plan(args, [(level, schedule)])  # an L2 or L3 schedule must fit its model
     chosen = implementation(args.impl)
+    print_configuration(args, policy=chosen_policy.name)
     # The variants the shrinker tries run fresh at L2: none is stored as a golden.
     runner, options = RUNNERS[level], run_options(args, use_cache=False)
     shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(

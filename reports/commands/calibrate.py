@@ -13,6 +13,10 @@ DESCRIPTION = ("Sweep batch sizes 1-16 and batch compositions of the reference a
                "this device, measure the RoPE and mask negative controls, and propose a kl tier with its margin, "
                "or none where no setting qualifies.")
 
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("device",)
+REQUIRED = ()
+
 
 def arguments(command):
     command.add_argument("--out", required=True, metavar="FILE", help="JSON file to write (rewritten after each phase)")

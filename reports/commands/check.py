@@ -1,7 +1,7 @@
 """``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run);
 with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
-from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
+from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option, writable_directory
 from kvparity.reports.commands.runs import (
     print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
 )
@@ -9,10 +9,15 @@ from kvparity.reports.commands.runs import (
 NAME = "check"
 HELP = "exit 0 if parity holds, 1 if it breaks, 125 if it cannot be judged (for git bisect run)"
 DESCRIPTION = ("Run the catalog quietly and answer with the exit status: 0 parity holds, 1 parity broken, "
-               "2 usage error (found before any work), 125 cannot judge here (git bisect run skips the commit), "
-               "128 kvparity itself failed (aborts the bisection), 130 interrupted. Made for `git bisect run kvparity check ...`. "
+               "125 cannot judge here (git bisect run skips the commit), and above 127, which aborts a bisection "
+               "rather than blaming a commit: 128 kvparity itself failed, 129 usage error (found before any work), "
+               "130 interrupted. Made for `git bisect run kvparity check`, as it is. "
                "With --shard K/N it runs the K-th of N shares of the planned schedule runs (balanced by measured "
                "cost) and writes a report that kvparity merge combines with the other shards' into one verdict.")
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = RUN_SETTINGS
+REQUIRED = ("impl",)
 
 
 def arguments(command):

@@ -12,6 +12,10 @@ HELP = "compare a candidate trace directory with a golden one"
 DESCRIPTION = ("Compare two trace directories (from `kvparity record` or any engine writing the same format) with "
                "the L2 metrics. Traces from another device, backend or MLX version are refused.")
 
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("policy",)
+REQUIRED = ()
+
 
 def arguments(command):
     command.add_argument("golden", metavar="GOLDEN", help="the golden trace directory")

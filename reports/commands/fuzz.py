@@ -11,7 +11,7 @@ from pathlib import Path
 from kvparity.reports import verdicts
 from kvparity.reports.commands.base import (
     DEVICE_HELP, IMPL_HELP, CannotRun, UsageError, check_impl_spec, implementation, model_or_default, policy,
-    use_device, writable_directory,
+    print_configuration, use_device, writable_directory,
 )
 from kvparity.reports.environment import describe
 from kvparity.reports.verdicts import EXIT_OK
@@ -31,6 +31,10 @@ DESCRIPTION = ("A fuzz campaign: the generated-schedule state machine of a level
                "workers on several machines), so a failure one worker found is replayed first by every later "
                "run. Each failure is shrunk, written as a schedule file and replayed into a report directory.")
 DEFAULT_DATABASE = ".hypothesis/examples"
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("impl", "device", "policy")  # it generates at one --level of its own
+REQUIRED = ("impl",)
 
 
 def arguments(command):
@@ -91,6 +95,7 @@ def handle(args):
     use_device(args.device)
     chosen = implementation(args.impl)  # refused here, before any worker starts
     seed = args.seed if args.seed is not None else random.randrange(2**32)
+    print_configuration(args, policy=chosen_policy.name)
     print(f"fuzz {args.level} on {chosen.spec}: {args.workers} worker(s), seed {seed}, "
           f"database {database or 'none'}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvparity-fuzz-") as found_dir:
@@ -153,7 +158,7 @@ def report_failures(args, result, chosen, chosen_policy) -> int:
 
     path = write_report(results, describe(chosen, model_or_default(None)), args.out, policy=chosen_policy,
                         run_verdict=run_verdict, capabilities=chosen.capabilities, extra=found_files,
-                        sections=[campaign_section(result)])
+                        sections=[campaign_section(result)], configuration=args.configuration)
     for name, judged in zip(names, results):
         replay = f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
         print(f"{name}: {judged.verdict}; replay with: {replay}")

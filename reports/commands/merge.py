@@ -1,6 +1,6 @@
 """``kvparity merge``: shard report directories into one report and one exit status."""
 
-from kvparity.reports import records, shards, verdicts
+from kvparity.reports import records, settings, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
 from kvparity.reports.commands.runs import print_summary, require_levels_option, required_levels
 from kvparity.reports.writer import write_report
@@ -11,14 +11,27 @@ DESCRIPTION = ("Read the report directories that kvparity check --shard K/N wrot
                "folder of them), judge their evidence together and write one report directory under --out, in "
                "every format a run writes. The exit status is the whole run's: a shard missing from the plan is "
                "a gap (its schedule runs were not run), so the merge has no evidence (125), as a run without "
-               "those schedules would.")
+               "those schedules would. It reads no setting of its own: the class under test and the settings "
+               "are the shards', as their reports record them (and where each came from); --impl makes sure "
+               "they gated that class.")
+
+# It reads no setting (reports/settings.py): what it merges carries the shards'.
+SETTINGS = REQUIRED = ()
 
 
 def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
+    command.add_argument("--impl", metavar="MODULE:FACTORY", help="refuse shards that gated another class "
+                         "(default: whichever class the shards gated, printed and reported)")
     command.add_argument("--out", metavar="DIR", default="reports/out",
                          help="where the merged report directory goes (default: %(default)s)")
     require_levels_option(command)
+
+
+def shown_configuration(doc):
+    """The shards' settings as a run prints them (``settings.Configuration.lines``)."""
+    values = {name: settings.Value(s["value"], s["from"]) for name, s in doc["settings"].items()}
+    return settings.Configuration(values, doc["pyproject"]).lines()
 
 
 def handle(args):
@@ -31,6 +44,12 @@ def handle(args):
     except (records.RecordError, shards.ShardError) as error:
         raise UsageError(str(error))
     first = merged.records[0]
+    gated = first["environment"].get("implementation")
+    if args.impl is not None and gated != args.impl:
+        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not --impl {args.impl}")
+    configuration = first.get("configuration")
+    print(f"under test: {gated} (as the shards ran it)" if configuration is None else
+          "\n".join(shown_configuration(configuration)))
     policy, declared = records.policy_of(first), records.expectations_of(first)
     results = shards.in_plan_order([v for r in merged.records for v in records.judged(r)], merged.plan)
     verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog, expectations=declared,
@@ -43,6 +62,7 @@ def handle(args):
     path = write_report(
         results, environment, args.out, policy=policy, run_verdict=verdict, probes=first["probes"],
         capabilities=first["capabilities"], expectations=declared, shard=shards.merged_doc(merged),
+        configuration=configuration,
         sections=[(f"Shards merged ({len(merged.records)} of {merged.count})",
                    ["shard", "report directory", "device", "its own exit status"], sorted(shown))])
     print(f"report: {path}")

@@ -17,6 +17,10 @@ DESCRIPTION = ("For the model's shapes on the chosen device, check whether each 
                "quantize, fast.rope with per-row offsets, quantized SDPA with a left-padding mask) gives row i "
                "of a batch byte-identical to row i alone.")
 
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("model", "device")
+REQUIRED = ()
+
 
 def batch_sizes(text):
     try:

@@ -16,6 +16,10 @@ DESCRIPTION = ("Write traces (safetensors + JSON manifest with the sha256 of eve
                "the L2 schedules into a new directory: the oracle's solo runs by default, or the engine's batched "
                "run with --engine.")
 
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = ("impl", "model", "device", "policy")
+REQUIRED = ()  # impl only with --engine
+
 
 def arguments(command):
     command.add_argument("out", metavar="DIR", help="new directory for the traces (never overwritten)")

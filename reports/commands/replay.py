@@ -1,11 +1,15 @@
 """``kvparity replay``: one schedule file, row by row, with each row's first divergences."""
 
-from kvparity.reports.commands.base import common_options, expectations_option
+from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option
 from kvparity.reports.commands.runs import print_summary, select_and_run
 
 NAME = "replay"
 HELP = "replay one schedule file and show each row's first divergences"
 DESCRIPTION = "Replay one schedule file row by row."
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = RUN_SETTINGS
+REQUIRED = ("impl",)
 
 
 def arguments(command):

@@ -3,7 +3,7 @@
 import sys
 
 from kvparity.reports.bench import BenchmarkFailed
-from kvparity.reports.commands.base import common_options, expectations_option, writable_directory
+from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option, writable_directory
 from kvparity.reports.commands.bench import benchmarks
 from kvparity.reports.commands.runs import (
     print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
@@ -14,6 +14,10 @@ NAME = "run"
 HELP = "run the schedule catalog and write a report"
 DESCRIPTION = ("Run the schedule catalog (L1 cache bytes and L2 per-row model parity) against an implementation, "
                "print a summary and write a report directory.")
+
+# The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
+SETTINGS = RUN_SETTINGS
+REQUIRED = ("impl",)
 
 
 def arguments(command):

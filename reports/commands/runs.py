@@ -8,10 +8,12 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from kvparity.oracle.models import ModelUnavailable
-from kvparity.reports import failures, shards, verdicts
+import mlx.core as mx
+
+from kvparity.reports import failures, settings, shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    load_model, model_or_default, policy, run_options, use_device,
+    load_model, model_or_default, policy, print_configuration, run_options, use_device,
 )
 from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
@@ -43,7 +45,7 @@ class Progress:
 
 
 def levels_of(args):
-    return ("L1", "L2", "L3") if args.level == "all" else (args.level,)
+    return settings.levels_of(args.level)
 
 
 def require_levels_option(command):
@@ -80,7 +82,7 @@ def select(args, files=None):
               for s in (loaded if files else RUNNERS[level].catalog(options)) if RUNNERS[level].takes(s)]
     if not chosen:
         what = ", ".join(str(f) for f in files) if files else "the catalog"
-        raise UsageError(f"--level {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
+        raise UsageError(f"levels {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
                          "nothing would be compared")
     return chosen
 
@@ -104,7 +106,7 @@ def plan(args, selected, options=None):
 
 
 def prepare(args, files=None):
-    """Everything that can be refused before a schedule runs, usage (2)
+    """Everything that can be refused before a schedule runs, usage (129)
     before what cannot run here (125): (policy, runs, implementation)."""
     chosen_policy = policy(args)
     check_impl_spec(args.impl)
@@ -166,6 +168,7 @@ def select_and_run(args, files, shard=None):
         except shards.ShardError as error:
             raise UsageError(str(error))
         runs = shards.share(runs, plan)
+    print_configuration(args, policy=chosen_policy.name, device=mx.default_device().type.name)
     progress = Progress(len(runs))
     results = run_all(runs, chosen, chosen_policy, progress, declared)
     progress.close()
@@ -195,7 +198,7 @@ def write_run_report(args, implementation, policy, results, verdict, declared, s
     return write_report(
         results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
         probes=probes(model, args.device), capabilities=implementation.capabilities,
-        expectations=declared, shard=shard, extra=extra,
+        expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
     )
 
 
