@@ -34,11 +34,12 @@ from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .plan import CachePlan, plan_for
+from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -58,15 +59,11 @@ __all__ = [
 ]
 
 FAMILIES = {"llama": llama, "qwen3": qwen3}
-# A random model's name ends in its dtype (weights and activations).
-DTYPES = {"bf16": mx.bfloat16, "f32": mx.float32}
 # A schedule's synthetic dtype -> the random model's suffix that matches it.
 SCHEDULE_DTYPES = {"bfloat16": "bf16", "float32": "f32"}
 MHA = "-mha"
 LAYERS = 2  # every random model's depth
 DEEP, DEEP_LAYERS = "-3layers", 3  # the deeper variant's suffix and depth
-SEED = 0
-VOCAB_SIZE = 512
 
 # mlx-lm config.json fields. Hidden sizes 128-256, two layers, GQA; head_dim is
 # what the quantized KV cache packs along, so both 64 and 128 are covered.
@@ -227,33 +224,6 @@ def zoo_models() -> list[str]:
 
 def available_models() -> list[str]:
     return list(RANDOM_MODELS) + [SMOLLM2] + zoo_models()
-
-
-def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
-    """Replace every parameter with a draw from its own key (sorted names).
-
-    Scales keep activations O(1) through the blocks so attention and the MLP
-    matter: embeddings N(0, 1), matrices N(0, 1/fan_in), norm weights
-    1 + N(0, 0.1^2). The head is 3x larger so next-token distributions are
-    peaked like a trained model's (entropy about 3 nats, top-1 about 0.3)
-    rather than nearly uniform, which would make every argmax a near tie.
-    """
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    new = []
-    # On the CPU whatever the default device, so a GPU does not change the draws.
-    with mx.stream(mx.cpu):
-        keys = mx.random.split(mx.random.key(seed), len(params))
-        for (name, p), key in zip(params, keys):
-            x = mx.random.normal(p.shape, dtype=mx.float32, key=key)
-            if p.ndim == 1:
-                x = 1.0 + 0.1 * x
-            elif name.endswith("lm_head.weight"):
-                x = x * 3.0 * p.shape[-1] ** -0.5
-            elif not name.endswith("embed_tokens.weight"):
-                x = x * p.shape[-1] ** -0.5
-            new.append((name, x.astype(dtype)))
-        mx.eval(new)
-    model.update(tree_unflatten(new))
 
 
 def build_random_model(config: dict, dtype: mx.Dtype, seed: int = SEED) -> nn.Module:

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from .models import DTYPES, SEED, VOCAB_SIZE, _init_parameters
+from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
 __all__ = [
     "KV_GROUP_SIZE",

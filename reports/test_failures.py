@@ -14,7 +14,7 @@ import pytest
 from kvparity.reports import failures, verdicts
 from kvparity.reports.cli import main
 from kvparity.reports.policy import load_policy
-from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
+from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.reports.writer import summary_rows, write_report
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
@@ -156,5 +156,5 @@ def test_require_levels_on_the_command_line(tmp_path, capsys):
     only = ["check", "--level", "L1", "--schedule", rollback, "--impl", lacking]
     assert main(only) == EXIT_CANNOT_JUDGE
     assert "L1 not judged (1 not supported)" in capsys.readouterr().out
-    assert main([*args, "--require-levels", "L2"]) == 2
-    assert main([*args, "--require-levels", "L9"]) == 2
+    assert main([*args, "--require-levels", "L2"]) == EXIT_USAGE
+    assert main([*args, "--require-levels", "L9"]) == EXIT_USAGE

@@ -16,7 +16,9 @@ from mlx_lm.models.cache import KVCache
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.checks import CHECKS
-from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
+from kvparity.oracle import generation
+from kvparity.oracle.mlx_lm_versions import first_write_breaks
+from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 from kvparity.suites.arrivals import catalog_paths, load, parse
 from kvparity.suites.schedule import ScheduleError
 from kvparity.suites.arrivals_strategy import arrival_documents, check_document, conversation_documents

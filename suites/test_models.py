@@ -15,6 +15,7 @@ from kvparity.oracle import gguf
 from kvparity.oracle.models import (
     DEFAULT_MODEL,
     RANDOM_CONFIGS,
+    RANDOM_MODELS,
     ChecksumMismatch,
     ModelUnavailable,
     available_models,
@@ -27,7 +28,7 @@ from kvparity.oracle.models import (
 # `mlx_lm.generate` the module, not the function the package re-exports.
 generate_step = importlib.import_module("mlx_lm.generate").generate_step
 
-RANDOM = [n for n in available_models() if n != "smollm2"]
+RANDOM = list(RANDOM_MODELS)
 PROMPT = [(7 * i + 3) % 512 for i in range(24)]
 
 
