@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     except Exception:
         return internal_error()
     args = parser.parse_args(argv)  # a bad command line exits EXIT_USAGE (parser.py)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: run --workers hands it on
     try:
         configure(args, args.reads_settings, args.requires_settings)
         return args.func(args)

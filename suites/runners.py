@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
-from kvparity.oracle.models import SMOLLM2, zoo_models
+from kvparity.oracle.models import SMOLLM2, load_model, zoo_models
 from kvparity.suites import arrivals, l1, l2, l3
+from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
 
 # A label for the progress line and a run: implementation -> ScheduleResult.
@@ -129,10 +130,27 @@ class Runner:
             out += [(f" on {model}", replace(options, model=model, models=())) for model in options.models]
         return out
 
+    def unfit_on_axis(self, schedule, variant: RunOptions) -> Optional[str]:
+        """Why an axis run cannot run the schedule on its architecture (its
+        group size does not divide the model's dims), or None: not the
+        user's input, so that run is "not supported", never left out."""
+        return self.unfit(schedule, load_model(self.model_name(schedule, variant)))
+
+    def not_supported(self, schedule, name: str, model: str, why: str, implementation):
+        result = ScheduleResult(name, self.level, implementation.name, [], path=schedule.path, model=model)
+        for rid in schedule.requests:
+            result.row(rid)
+        result.stop(NOT_SUPPORTED, why)
+        return result
+
     def runs(self, schedule, options: RunOptions) -> List[Run]:
         out = []
         for suffix, variant in self.variants(schedule, options):
-            def run(impl, variant=variant, suffix=suffix):
+            unfit = self.unfit_on_axis(schedule, variant) if suffix else None
+
+            def run(impl, variant=variant, suffix=suffix, unfit=unfit):
+                if unfit:
+                    return self.not_supported(schedule, schedule.name + suffix, variant.model, unfit, impl)
                 result = self.run(schedule, impl, variant)
                 result.schedule += suffix
                 return result
@@ -196,8 +214,11 @@ class L3Runner(Runner):
     def runs(self, schedule, options):
         out = []
         for suffix, chosen in self.variants(schedule, options):
+            unfit = self.unfit_on_axis(schedule, chosen) if suffix else None
             for mode, variant in l3.prefill_modes(schedule).items():
-                def serve(impl, s=variant, mode=mode, chosen=chosen, suffix=suffix):
+                def serve(impl, s=variant, mode=mode, chosen=chosen, suffix=suffix, unfit=unfit):
+                    if unfit:
+                        return self.not_supported(s, f"{s.name} ({mode}){suffix}", chosen.model, unfit, impl)
                     result = self.run(s, impl, chosen)
                     result.schedule = f"{s.name} ({mode}){suffix}"
                     return result

@@ -1,14 +1,22 @@
 """``kvparity run``: the catalog (or given schedules), a summary and a report directory."""
 
+import argparse
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from kvparity.reports.bench import BenchmarkFailed
-from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option, writable_directory
+from kvparity.reports.commands import merge
+from kvparity.reports.commands.base import (
+    RUN_SETTINGS, CannotRun, UsageError, common_options, expectations_option, writable_directory,
+)
 from kvparity.reports.commands.bench import benchmarks
 from kvparity.reports.commands.runs import (
     print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
 )
-from kvparity.reports.verdicts import EXIT_BROKEN
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_USAGE
 
 NAME = "run"
 HELP = "run the schedule catalog and write a report"
@@ -33,9 +41,74 @@ def arguments(command):
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
     shard_option(command)
+    command.add_argument("--workers", type=int, default=1, metavar="N",
+                         help="run the plan on N worker processes (N shards of it, merged into one report as "
+                         "kvparity merge merges them; default: %(default)s)")
+
+
+# What a worker is not given of the run's own command line: it runs a shard into a folder of its own.
+NOT_FORWARDED = {"--workers": 1, "--out": 1, "--shard": 1, "--no-report": 0, "--bench": 0, "--quick": 0}
+
+
+def forwarded(argv):
+    """``argv`` without the options a worker does not take (``--out DIR`` and ``--out=DIR`` alike)."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in NOT_FORWARDED:
+            skip = NOT_FORWARDED[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
+
+
+def in_workers(args) -> int:
+    """The run on ``args.workers`` processes, each a shard of the plan, then
+    their reports merged into one under ``args.out``."""
+    if args.no_report or args.shard or args.bench:
+        raise UsageError("--workers: each worker writes a shard's report that the run merges into --out "
+                         "(not with --no-report, --shard or --bench)")
+    argv = forwarded(args.argv[1:] if args.argv[:1] == ["run"] else args.argv)
+    with tempfile.TemporaryDirectory(prefix="kvparity-workers-") as folder:
+        workers = []
+        for k in range(1, args.workers + 1):
+            log = open(Path(folder) / f"worker-{k}.log", "w")
+            command = [sys.executable, "-m", "kvparity", "run", *argv, "--shard", f"{k}/{args.workers}",
+                       "--out", str(Path(folder) / f"shard-{k}")]
+            workers.append((k, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+        for k, worker, log in workers:
+            worker.wait()
+            log.close()
+        broken = [(k, w.returncode) for k, w, _ in workers if w.returncode not in (0, 1, 125)]
+        if broken:
+            k, status = broken[0]
+            tail = (Path(folder) / f"worker-{k}.log").read_text().splitlines()[-12:]
+            why = f"worker {k} of {args.workers} ended with exit status {status}; its last lines:\n" + "\n".join(tail)
+            raise UsageError(why) if status == EXIT_USAGE else CannotRun(why)
+        shards_run = [str(Path(folder) / f"shard-{k}") for k in range(1, args.workers + 1)]
+        return merge.handle(argparse.Namespace(directories=shards_run, out=args.out, impl=None,
+                                               require_levels=getattr(args, "require_levels", None)))
 
 
 def handle(args):
+    started = time.perf_counter()
+    try:
+        return run(args)
+    finally:
+        workers = getattr(args, "workers", 1)
+        print(f"wall time: {time.perf_counter() - started:.1f} s on {workers} worker process"
+              f"{'es' if workers > 1 else ''}")
+
+
+def run(args):
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: expected 1 or more")
+    if args.workers > 1:
+        writable_directory(args.out, "--out")
+        return in_workers(args)
     shard = shard_of(args, writes_report=not args.no_report)
     if not args.no_report:
         writable_directory(args.out, "--out")

@@ -95,13 +95,12 @@ def plan(args, selected, options=None):
     runs = []
     for level, schedule in selected:
         runner = RUNNERS[level]
-        for _, variant in runner.variants(schedule, options):
-            name = runner.model_name(schedule, variant)
-            if name is not None:
-                unfit = runner.unfit(schedule, load_model(name))
-                if unfit:
-                    raise UsageError(unfit)
-        runs += runner.runs(schedule, options)
+        name = runner.model_name(schedule, options)
+        if name is not None:
+            unfit = runner.unfit(schedule, load_model(name))
+            if unfit:
+                raise UsageError(unfit)
+        runs += runner.runs(schedule, options)  # an axis run that does not fit is "not supported" there
     return runs
 
 
