@@ -12,6 +12,7 @@ import json
 import pytest
 from mlx_lm.models import cache as mlx_lm_cache
 
+from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_OK, EXIT_USAGE
@@ -130,3 +131,21 @@ def test_model_sets():
     assert model_set("none") == () and len(model_set("all")) >= 35
     with pytest.raises(ValueError, match="not-a-model"):
         model_set("qwen3_5,not-a-model")
+
+
+@pytest.mark.slow
+def test_the_whole_zoo_on_two_workers(tmp_path):
+    """L2 and L3 on every architecture: none fails, and none passes where
+    mlx-lm's solo kv_bits run cannot exist or mlx-lm cannot batch it."""
+    assert main(["run", "--level", "L2,L3", "--models", "all", "--workers", "2", "--out", str(tmp_path)]) == EXIT_OK
+    (report,) = tmp_path.glob("*/report.json")
+    results = json.loads(report.read_text())["results"]
+    on_axis = [r for r in results if " on " in r["schedule"]]
+    assert {r["model"] for r in on_axis} == set(model_set("all"))
+    for r in on_axis:
+        limit = defect_for_model(load_model(r["model"]))
+        assert r["verdict"] != FAIL, r["schedule"]
+        if limit is not None:
+            assert r["verdict"] in (MLX_LM_DEFECT, NOT_SUPPORTED), r["schedule"]
+            assert r["verdict"] == NOT_SUPPORTED or limit.name in r["reason"], r["schedule"]
+    assert sum(r["verdict"] == PASS for r in on_axis) > len(on_axis) // 2
