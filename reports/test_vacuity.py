@@ -18,6 +18,7 @@ from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_U
 from kvparity.suites.adapter import REQUIRED_MEMBERS, load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
 from kvparity.suites.events import EVENT_KINDS
+from kvparity.suites.runners import architecture_axis
 from kvparity.suites.levels import LEVELS
 from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
@@ -120,6 +121,7 @@ def test_the_default_check_on_the_reference_exercises_every_member_and_event_kin
     evidence = [r.evidence for r in results]
     levels = {r.level for r in evidence}
     assert levels == {"L1", "L2", "L3"}  # the default selection is every level
+    assert set(architecture_axis().default) <= {r.model for r in evidence}  # and the architecture axis
     for level in levels:  # every check a row needs to pass was made somewhere
         made = Counter()
         for r in evidence:
