@@ -433,3 +433,24 @@ def test_the_run_report_shows_the_architecture_axis(arch_rows):
     assert cells["gemma3_text"]["mlx-lm defect"] == ["oracle", "2"]  # coloured as mlx-lm's, never as a pass
     assert cells["gemma3_text"]["pass"] == ["", ""] and cells["qwen3_5"]["pass"] == ["pass", "1"]
     assert cells["qwen3_5"]["not supported"] == ["muted", "1"]
+
+
+@pytest.mark.slow  # a browser start, seconds
+def test_the_architecture_table_in_a_headless_browser(arch_rows, tmp_path, capsys):
+    binary = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if binary is None:
+        pytest.skip("no chromium binary found (CI installs Debian's chromium)")
+    _, doc, out = render(arch_rows, tmp_path)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([binary, *flags, "--dump-dom", (out / "matrix.html").as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = ArchitecturePage()
+    page.feed(dom.stdout)
+    assert len(page.cells) == len(doc["rows"]) * len(doc["architectures"])
+    reference = str(next(i for i, r in enumerate(doc["rows"]) if r["implementation"] == REFERENCE))
+    classes = {c["data-architecture"]: c["class"].split() for c in page.cells if c["data-row"] == reference}
+    assert ("pass" in classes["llama-h64-bf16"] and "partial" in classes["qwen3_5"]
+            and "defect" in classes["gemma3_text"])
+    assert {limit["data-limit"] for limit in page.limits} == {"solo-kv-bits-raises"}

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from importlib.resources import files
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from tabulate import tabulate
 
@@ -109,7 +109,7 @@ class Architecture:
 
     model: str
     outcomes: Counter
-    limits: dict
+    limits: Dict[str, str]
 
 
 UNNAMED = "unnamed"  # an mlx-lm defect whose reason names none (a report written before names)
@@ -117,8 +117,8 @@ UNNAMED = "unnamed"  # an mlx-lm defect whose reason names none (a report writte
 
 def architectures(verdicts: List[ScheduleVerdict]) -> List[Architecture]:
     """Per model the schedule runs ran on (a catalog default and a zoo
-    architecture alike), in the order they first ran, read from each run's
-    judged verdict and its evidence; runs without a model (L1) have none."""
+    architecture alike), in ``model_order``, read from each run's judged
+    verdict and its evidence; runs without a model (L1) have none."""
     found = {}
     for v in verdicts:
         model = v.evidence.model
