@@ -9,6 +9,7 @@ A defect is found by running the installed mlx-lm's code, never by reading
 its version number: a patched or backported mlx-lm is judged by what it does.
 """
 
+import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -52,6 +53,16 @@ class MlxLmDefect:
         fixed = f"fixed in mlx-lm {self.fixed_in}" if self.fixed_in else "not fixed in mlx-lm"
         return (f"mlx-lm {mlx_lm_version()} defect ({self.name}): {self.what} [{self.source}; "
                 f"{fixed}]: {self.consequence}")
+
+
+# What ``attribution`` writes before the defect's text; ``defect_named`` reads its name back.
+_ATTRIBUTED = re.compile(r"^mlx-lm \S+ defect \(([^()\s]+)\): ")
+
+
+def defect_named(text: str) -> Optional[str]:
+    """The defect's name in a report's reason that ``attribution`` wrote, or None."""
+    found = _ATTRIBUTED.match(text or "")
+    return found and found.group(1)
 
 
 class MlxLmDefectFound(Exception):

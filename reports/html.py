@@ -115,7 +115,7 @@ def render(record: dict, tables) -> str:
 def _anchor(title, index) -> str:
     """Stable ids for the sections tests and readers link to."""
     for name in ("Coverage gaps", "Coverage model", "Coverage", "Protocol members", "Hygiene", "Rows", "Logits", "Checks",
-                 "Declared divergences"):
+                 "Declared divergences", "Architectures"):
         if title.startswith(name):
             return _slug(name.lower()).replace("_", "-")
     return f"table-{index}"
@@ -139,6 +139,8 @@ def _cell(header, value) -> str:
     css = ""
     if header == "verdict":
         css = OUTCOME.get(text, ("",))[0]
+    elif header in OUTCOME:  # a count of schedule runs with that outcome: coloured where not none
+        css = OUTCOME[header][0] if text.split(" ")[0] not in ("", "0") else ""
     elif header in CHECK_CLASS and not text.startswith("0 "):
         css = CHECK_CLASS[header]
     elif header == "status" and text == UNEXPECTEDLY_PASSING:

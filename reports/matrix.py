@@ -12,8 +12,11 @@ folders that per-row sessions write (one environment each), in this layout
 Columns are the levels (``suites/levels.py``) and the checks
 (``suites/checks.py``). A level's cell counts its schedule runs by outcome;
 a check's cell counts, per schedule run where the check applies, what
-became of it. The runs are judged again from their evidence by the
-verdicts' own code (``reports/records.py``), never read from a summary.
+became of it. The architecture table counts, per model a row's runs ran on
+(its results' ``model``), schedule runs by outcome with the mlx-lm limits
+that stopped them, by the run report's own code (``writer.architectures``).
+The runs are judged again from their evidence by the verdicts' own code
+(``reports/records.py``), never read from a summary.
 """
 
 import html
@@ -33,10 +36,11 @@ from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.reports import records
 from kvparity.reports.ecosystem_rows import CANNOT_INSTALL
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, ScheduleVerdict, gates
+from kvparity.reports.writer import Architecture, architectures, model_order
 from kvparity.suites.checks import BY_TIER, CHECKS
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, FAILURES, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-    OUTCOMES, PASS,
+    EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, OUTCOMES, PASS,
 )
 from kvparity.suites.levels import LEVELS
 from kvparity.suites.shrink import first_failure
@@ -67,6 +71,8 @@ class Row:
     cannot_install: Optional[dict] = None  # cannot-install.json
     cells: Dict[str, Optional[Counter]] = field(default_factory=dict)  # column -> outcome -> schedule runs
     failing: List[dict] = field(default_factory=list)
+    # model -> its schedule runs; None where the row ran none on a model (L1 only, or cannot install)
+    architectures: Optional[Dict[str, Architecture]] = None
 
     @property
     def key(self):
@@ -152,6 +158,7 @@ def _report_row(file: Path) -> Row:
     row.cells = {c: _level_cell(verdicts, c) for c in LEVELS}
     row.cells.update({c: _check_cell(verdicts, c, policy) for c in CHECKS})
     row.failing = [_failing(row, v) for v in verdicts if v.verdict in FAILURES]
+    row.architectures = {a.model: a for a in architectures(verdicts)} or None
     return row
 
 
@@ -280,10 +287,23 @@ def build(rows: List[Row], out: Path, gate: bool) -> dict:
                                                     "command": r.cannot_install.get("command")},
             "cells": {c: None if n is None else {o: n[o] for o in CELL_OUTCOMES} for c, n in r.cells.items()},
             "failing": [{**f, "link": _link(f["file"], out) if f["file"] else None} for f in r.failing],
+            "architectures": r.architectures and {m: _architecture_doc(a) for m, a in r.architectures.items()},
         })
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "columns": [{"name": c, "kind": "level" if c in LEVELS else "check"} for c in columns()],
-            "outcomes": list(CELL_OUTCOMES), "gate": gate, "exit_status": status, "rows": docs}
+            "outcomes": list(CELL_OUTCOMES), "architectures": architecture_names(rows),
+            "architecture_outcomes": list(OUTCOMES), "gate": gate, "exit_status": status, "rows": docs}
+
+
+def architecture_names(rows: List[Row]) -> List[str]:
+    """Every model some row's runs ran on, as kvparity lists its models."""
+    names = {m: None for r in rows for m in (r.architectures or {})}
+    return sorted(names, key=model_order)
+
+
+def _architecture_doc(entry: Architecture) -> dict:
+    return {"cell": {o: entry.outcomes[o] for o in OUTCOMES},
+            "limits": [{"name": n, "attribution": a} for n, a in entry.limits.items()]}
 
 
 def cell_text(cell: Optional[dict], cannot_install: Optional[dict] = None) -> str:
@@ -293,6 +313,87 @@ def cell_text(cell: Optional[dict], cannot_install: Optional[dict] = None) -> st
         return "—"
     parts = [f"{cell[o]} {o}" for o in CELL_OUTCOMES if cell[o] or o in SHOWN[:2]]
     return ", ".join(parts)
+
+
+# -- the architecture table: a row per model, a column per row of the matrix -----------
+
+
+def architecture_cell(row: dict, model: str) -> Optional[dict]:
+    """A matrix row's entry for ``model``: None where its report ran nothing on it."""
+    return (row.get("architectures") or {}).get(model)
+
+
+def architecture_text(entry: Optional[dict], cannot_install, footnote=lambda limit: "") -> str:
+    if cannot_install is not None:
+        return "cannot install"
+    if entry is None:
+        return "—"
+    text = ", ".join(f"{n} {o}" for o, n in entry["cell"].items() if n)
+    limits = ", ".join(f"{limit['name']}{footnote(limit)}" for limit in entry["limits"])
+    return f"{text} ({limits})" if limits else text
+
+
+def architecture_class(entry: Optional[dict], cannot_install) -> str:
+    """A cell's colour: FAIL where a run failed; pass only where every run
+    passed; no evidence, an mlx-lm defect or limit, and not supported each
+    their own, never a pass; runs that passed beside runs that stopped, partial."""
+    if cannot_install is not None:
+        return "cannot"
+    if entry is None:
+        return "nothing"
+    ran = {o for o, n in entry["cell"].items() if n}
+    judged = ran & {PASS, EXPECTED_DIVERGENCE}
+    if ran & set(FAILURES):
+        return "FAIL"
+    if NO_EVIDENCE in ran:
+        return "noevidence"
+    if judged and ran == judged:
+        return "expected" if EXPECTED_DIVERGENCE in ran else "pass"
+    if judged:
+        return "partial"
+    if ran & {MLX_LM_DEFECT, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC}:
+        return "defect"
+    return "muted"
+
+
+def limit_notes(doc: dict) -> List[dict]:
+    """Each distinct mlx-lm limit on the page, numbered from 1, with the
+    architectures it stopped: the footnotes the cells point to."""
+    notes = {}
+    for row in doc["rows"]:
+        for model, entry in (row.get("architectures") or {}).items():
+            for limit in entry["limits"]:
+                note = notes.setdefault((limit["name"], limit["attribution"]), {**limit, "architectures": []})
+                if model not in note["architectures"]:
+                    note["architectures"].append(model)
+    return [{**note, "number": i} for i, note in enumerate(notes.values(), 1)]
+
+
+def _numbering(notes):
+    number = {(n["name"], n["attribution"]): n["number"] for n in notes}
+    return lambda limit: f" [{number[limit['name'], limit['attribution']]}]"
+
+
+def _row_label(row: dict) -> str:
+    return f"{row['implementation']} @ {row['version'] or 'unknown version'}"
+
+
+ARCHITECTURES_NOTE = ("Each cell counts a row's schedule runs on the model by outcome, with the mlx-lm limits that "
+                      "stopped them (numbered below; — : the row ran nothing on it).")
+
+
+def _architectures_markdown(doc: dict) -> List[str]:
+    lines = ["## Architectures", "", ARCHITECTURES_NOTE, ""]
+    if not doc["architectures"]:
+        return lines + ["(no row ran a schedule on a model)", ""]
+    notes = limit_notes(doc)
+    footnote = _numbering(notes)
+    table = [[model] + [architecture_text(architecture_cell(row, model), row["cannot_install"], footnote)
+                        for row in doc["rows"]] for model in doc["architectures"]]
+    headers = ["architecture"] + [f"{_row_label(row)} x mlx-lm {row['mlx_lm'] or ''}" for row in doc["rows"]]
+    lines += [tabulate(table, headers, tablefmt="github"), ""]
+    lines += [f"{n['number']}. `{n['name']}` ({', '.join(n['architectures'])}): {n['attribution']}" for n in notes]
+    return lines + ([""] if notes else [])
 
 
 def render_markdown(doc: dict) -> str:
@@ -309,6 +410,7 @@ def render_markdown(doc: dict) -> str:
                           report] + [cell_text(row["cells"][c], row["cannot_install"]) for c in shown])
         lines += [f"## {title}", "", tabulate(table, ["implementation", "mlx-lm", "report", *shown],
                                                tablefmt="github"), ""]
+    lines += _architectures_markdown(doc)
     failing = [(row, f) for row in doc["rows"] for f in row["failing"]]
     lines += ["## Failing schedules", ""]
     if not failing:
@@ -331,6 +433,9 @@ th { background: #f3f3f3; }
 td.cell { min-width: 6em; }
 .pass { background: #e3f4e1; } .FAIL { background: #f8d7d5; } .expected { background: #fdf1d0; }
 .nothing { background: #eeeeee; } .cannot { background: #e5e5f5; }
+.noevidence { background: #fbe0c0; } .defect { background: #d6e4f2; } .muted { background: #eeeeee; color: #555; }
+.partial { background: repeating-linear-gradient(135deg, #e3f4e1 0 6px, #eeeeee 6px 12px); }
+abbr.limit { text-decoration: underline dotted; cursor: help; }
 code { font-size: 12px; }
 """
 
@@ -377,10 +482,43 @@ def render_html(doc: dict) -> str:
             f"<p>Written {e(doc['created'])}. Each cell counts schedule runs: a level's by outcome, a check's by "
             "what became of it where it applies (— : not run, or does not apply).</p>"
             f'<table id="matrix"><thead><tr><th>implementation</th><th>mlx-lm</th><th>report</th>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<tbody>{''.join(body)}</tbody></table>{_architectures_html(doc)}"
             f"<h2>Failing schedules</h2><ul id=\"failing\">{''.join(failing) or '<li>none</li>'}</ul>"
             f"<p>Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'}).</p>"
             "</body></html>\n")
+
+
+def _architectures_html(doc: dict) -> str:
+    """The architecture table: a row per model, a cell per matrix row, each
+    limit named with its attribution on hover and in the list below."""
+    e = html.escape
+    intro = f"<h2>Architectures</h2><p>{e(ARCHITECTURES_NOTE)}</p>"
+    if not doc["architectures"]:
+        return intro + '<p id="architectures">(no row ran a schedule on a model)</p>'
+    notes = limit_notes(doc)
+    number = _numbering(notes)
+
+    head = "".join(f"<th>{e(_row_label(row))}<br>mlx-lm {e(row['mlx_lm'] or '')}</th>" for row in doc["rows"])
+    body = []
+    for model in doc["architectures"]:
+        cells = []
+        for i, row in enumerate(doc["rows"]):
+            entry = architecture_cell(row, model)
+            counts = "".join(f' data-{o.replace(" ", "-")}="{n}"' for o, n in (entry or {}).get("cell", {}).items())
+            text = e(architecture_text(entry, row["cannot_install"]))
+            if entry and entry["limits"] and row["cannot_install"] is None:
+                counts_text = e(", ".join(f"{n} {o}" for o, n in entry["cell"].items() if n))
+                limits = ", ".join(
+                    f'<abbr class="limit" data-limit="{e(limit["name"])}" title="{e(limit["attribution"])}">'
+                    f'{e(limit["name"])}</abbr><sup>{e(number(limit).strip())}</sup>' for limit in entry["limits"])
+                text = f"{counts_text} ({limits})"
+            cells.append(f'<td class="cell {architecture_class(entry, row["cannot_install"])}" data-row="{i}" '
+                         f'data-architecture="{e(model)}"{counts}>{text}</td>')
+        body.append(f'<tr data-architecture="{e(model)}"><th scope="row">{e(model)}</th>{"".join(cells)}</tr>')
+    items = "".join(f'<li data-limit="{e(n["name"])}" value="{n["number"]}"><code>{e(n["name"])}</code> '
+                    f'({e(", ".join(n["architectures"]))}): {e(n["attribution"])}</li>' for n in notes)
+    return (intro + f'<table id="architectures"><thead><tr><th>architecture</th>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>" + (f'<ol id="limits">{items}</ol>' if items else ""))
 
 
 class MatrixDirectory(AtomicDirectory):

@@ -251,3 +251,206 @@ def test_an_adapters_row_carries_the_version_of_the_package_it_adapts():
     adapter = type("Adapter", (QuantizedKVCache,), {"__module__": "kvparity.impl.ecosystem.some_package"})
     assert implementation_version("kvparity.impl.ecosystem.some_package:Adapter", adapter) == version("mlx-lm")
     assert implementation_version("kvparity.impl.batch_quantized:BatchQuantizedKVCache") == version("kvparity")
+
+
+# -- the architecture table ------------------------------------------------------------
+
+ARCH_SCHEDULES = ("join-longer-joiner", "spec-round-even")  # of the axis's L2 schedules: a pass, a not supported
+ARCH_MODELS = "qwen3_5,gemma3_text"  # a hybrid that mlx-lm batches; one where its solo kv_bits run cannot exist
+
+
+@pytest.fixture(scope="module")
+def arch_rows(rows, tmp_path_factory):
+    """Rows whose reports ran L2 on the architecture axis (the reference and
+    a control that fails), beside an L1 row (no architecture runs) and a row
+    that cannot be installed, copied from ``rows``."""
+    from kvparity.suites import runners
+
+    root = tmp_path_factory.mktemp("arch-rows")
+    whole = runners.catalog_paths
+    with pytest.MonkeyPatch.context() as patch:  # two of the axis's schedules keep the runs few
+        patch.setattr(runs, "probes", lambda model, device: [])
+        patch.setattr(runners, "catalog_paths", lambda level=None, folder=CATALOG: [
+            p for p in whole(level, folder) if p.stem in ARCH_SCHEDULES])
+        statuses = {name: main(["check", "--level", "L2", "--models", ARCH_MODELS, "--impl", impl,
+                                "--out", str(root / name)])
+                    for name, impl in (("reference", REFERENCE), ("control", CONTROL))}
+    assert statuses == {"reference": EXIT_OK, "control": EXIT_BROKEN}
+    for name in ("second", "vlm"):
+        shutil.copytree(rows / name, root / name)
+    return root
+
+
+def runs_on(record, model):
+    return [r for r in record["results"] if r["model"] == model]
+
+
+def test_architecture_cells_from_real_reports(arch_rows, tmp_path, capsys):
+    _, doc, out = render(arch_rows, tmp_path)
+    jsonschema.validate(doc, json.loads((matrix.SCHEMAS / "matrix.schema.json").read_text()))
+    assert doc["architectures"] == ["llama-h64-bf16", "qwen3_5", "gemma3_text"]  # as kvparity models lists them
+    found = by_implementation(doc)
+    reference = found[REFERENCE]
+    record = json.loads((out / reference["report"]).with_name("report.json").read_text())
+    for model in doc["architectures"]:
+        ran = runs_on(record, model)
+        assert {o: n for o, n in reference["architectures"][model]["cell"].items() if n} == {
+            o: sum(r["verdict"] == o for r in ran) for o in {r["verdict"] for r in ran}}
+    assert reference["architectures"]["qwen3_5"]["cell"]["pass"] == 1  # join; rollback is not supported on SSM layers
+    assert reference["architectures"]["qwen3_5"]["cell"]["not supported"] == 1
+    (limit,) = reference["architectures"]["gemma3_text"]["limits"]
+    defect = runs_on(record, "gemma3_text")[0]
+    assert limit == {"name": "solo-kv-bits-raises", "attribution": defect["reason"]}
+    assert "RotatingKVCache Quantization NYI" in limit["attribution"]
+    assert reference["architectures"]["gemma3_text"]["cell"]["mlx-lm defect"] == 2
+    assert found[CONTROL]["architectures"]["qwen3_5"]["cell"]["FAIL"] == 2
+    # A report without architecture runs (L1 only) and a row that cannot be installed have no cells.
+    assert found[SECOND]["architectures"] is None and found[CANNOT["implementation"]]["architectures"] is None
+    markdown = (out / "matrix.md").read_text()
+    table = markdown.split("## Architectures")[1].split("## Failing schedules")[0]
+    line = next(line for line in table.splitlines() if line.startswith("| gemma3_text "))
+    assert "2 mlx-lm defect (solo-kv-bits-raises [1])" in line and "cannot install" in line
+    assert line.count("—") == 1  # the L1 row's cell: not run, never a count
+    assert f"1. `solo-kv-bits-raises` (gemma3_text): {defect['reason']}" in table
+
+
+class ArchitecturePage(HTMLParser):
+    """The architecture table's cells and the limits named in them."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self.limits, self.notes, self._cell = [], [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "td" and "data-architecture" in attrs:
+            self._cell = {**attrs, "text": ""}
+            self.cells.append(self._cell)
+        if tag == "abbr" and "data-limit" in attrs:
+            self.limits.append(attrs)
+        if tag == "li" and "data-limit" in attrs:
+            self.notes.append(attrs)
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._cell = None
+
+
+def test_architecture_page_colours_each_cell_by_its_outcomes(arch_rows, tmp_path, capsys):
+    _, doc, out = render(arch_rows, tmp_path)
+    page = ArchitecturePage()
+    page.feed((out / "matrix.html").read_text())
+    assert len(page.cells) == len(doc["rows"]) * len(doc["architectures"])
+    index = {r["implementation"]: str(i) for i, r in enumerate(doc["rows"])}
+    cell = {(c["data-row"], c["data-architecture"]): c for c in page.cells}
+    reference = lambda model: cell[index[REFERENCE], model]
+    assert "pass" in reference("llama-h64-bf16")["class"].split()
+    assert "partial" in reference("qwen3_5")["class"].split()  # a pass beside a not supported
+    defect = reference("gemma3_text")
+    assert "defect" in defect["class"].split() and defect["data-mlx-lm-defect"] == "2" and defect["data-pass"] == "0"
+    assert "FAIL" in cell[index[CONTROL], "qwen3_5"]["class"].split()
+    for model in doc["architectures"]:  # no false cells: not run, or cannot install
+        second, vlm = cell[index[SECOND], model], cell[index[CANNOT["implementation"]], model]
+        assert (second["class"], second["text"]) == ("cell nothing", "—") and "data-pass" not in second
+        assert (vlm["class"], vlm["text"]) == ("cell cannot", "cannot install") and "data-pass" not in vlm
+    named = {limit["data-limit"]: limit["title"] for limit in page.limits}
+    attribution = doc["rows"][int(index[REFERENCE])]["architectures"]["gemma3_text"]["limits"][0]["attribution"]
+    assert named == {"solo-kv-bits-raises": attribution}  # the attribution on hover
+    assert [n["data-limit"] for n in page.notes] == ["solo-kv-bits-raises"]  # the same text once in the list
+
+
+@pytest.mark.parametrize("counts, css", [
+    ({"pass": 3}, "pass"), ({"pass": 2, "expected divergence": 1}, "expected"),
+    ({"pass": 2, "not supported": 1}, "partial"), ({"pass": 2, "mlx-lm defect": 1}, "partial"),
+    ({"pass": 2, "FAIL": 1}, "FAIL"), ({"refused": 1}, "FAIL"), ({"pass": 2, "no evidence": 1}, "noevidence"),
+    ({"no evidence": 1}, "noevidence"), ({"mlx-lm defect": 2}, "defect"), ({"oracle cannot run": 1}, "defect"),
+    ({"not supported": 1}, "muted"), ({"not supported": 1, "mlx-lm defect": 1}, "defect"),
+])
+def test_an_architecture_cell_reads_pass_only_where_every_run_passed(counts, css):
+    from kvparity.suites.evidence import OUTCOMES
+
+    entry = {"cell": {o: counts.get(o, 0) for o in OUTCOMES}, "limits": []}
+    assert matrix.architecture_class(entry, None) == css
+    assert matrix.architecture_class(None, None) == "nothing" and matrix.architecture_class(entry, CANNOT) == "cannot"
+
+
+def test_a_tampered_verdict_is_judged_again_from_its_evidence(arch_rows, tmp_path, capsys):
+    """The cells come from the evidence: a report.json whose gemma3_text
+    runs claim to pass still shows mlx-lm's limit."""
+    row = tmp_path / "rows" / "reference"
+    shutil.copytree(arch_rows / "reference", row)
+    (path,) = row.rglob("report.json")
+    record = json.loads(path.read_text())
+    for result in runs_on(record, "gemma3_text"):
+        result["verdict"] = "pass"
+    path.write_text(json.dumps(record))
+    _, doc, _ = render(tmp_path / "rows", tmp_path / "m")
+    (entry,) = doc["rows"]
+    assert entry["architectures"]["gemma3_text"]["cell"]["mlx-lm defect"] == 2
+    assert entry["architectures"]["gemma3_text"]["cell"]["pass"] == 0
+
+
+def test_the_run_report_shows_the_architecture_axis(arch_rows):
+    """report.md and report.html: a table of model x outcome counts with
+    mlx-lm's limits, from the same code as the matrix's (writer.architectures)."""
+    (report,) = (arch_rows / "reference").glob("*/report.md")
+    markdown = report.read_text()
+    table = markdown.split("## Architectures")[1].split("\n## ")[0]
+    header = next(line for line in table.splitlines() if line.startswith("| model"))
+    assert [h.strip() for h in header.strip("|").split("|")] == [
+        "model", "schedule runs", "pass", "FAIL", "not supported", "mlx-lm defect", "mlx-lm limits", "attribution"]
+    gemma = next(line for line in table.splitlines() if line.startswith("| gemma3_text "))
+    assert [c.strip() for c in gemma.strip("|").split("|")][:7] == [
+        "gemma3_text", "2", "", "", "", "2", "solo-kv-bits-raises"]
+
+    class Section(HTMLParser):
+        """The architectures section's rows: (class, text) per cell."""
+        inside, rows = False, []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.inside = self.inside or (tag == "section" and attrs.get("id") == "architectures")
+            if self.inside and tag == "tr":
+                self.rows.append([])
+            if self.inside and tag == "td":
+                self.rows[-1].append([attrs.get("class", ""), ""])
+
+        def handle_data(self, data):
+            if self.inside and self.rows and self.rows[-1]:
+                self.rows[-1][-1][1] += data
+
+        def handle_endtag(self, tag):
+            self.inside = self.inside and tag != "section"
+
+    page = Section()
+    page.feed(report.with_name("report.html").read_text())
+    cells = {row[0][1]: dict(zip(["model", "runs", "pass", "FAIL", "not supported", "mlx-lm defect"], row))
+             for row in page.rows if row}
+    assert cells["gemma3_text"]["mlx-lm defect"] == ["oracle", "2"]  # coloured as mlx-lm's, never as a pass
+    assert cells["gemma3_text"]["pass"] == ["", ""] and cells["qwen3_5"]["pass"] == ["pass", "1"]
+    assert cells["qwen3_5"]["not supported"] == ["muted", "1"]
+
+
+@pytest.mark.slow  # a browser start, seconds
+def test_the_architecture_table_in_a_headless_browser(arch_rows, tmp_path, capsys):
+    binary = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+    if binary is None:
+        pytest.skip("no chromium binary found (CI installs Debian's chromium)")
+    _, doc, out = render(arch_rows, tmp_path)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([binary, *flags, "--dump-dom", (out / "matrix.html").as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = ArchitecturePage()
+    page.feed(dom.stdout)
+    assert len(page.cells) == len(doc["rows"]) * len(doc["architectures"])
+    reference = str(next(i for i, r in enumerate(doc["rows"]) if r["implementation"] == REFERENCE))
+    classes = {c["data-architecture"]: c["class"].split() for c in page.cells if c["data-row"] == reference}
+    assert ("pass" in classes["llama-h64-bf16"] and "partial" in classes["qwen3_5"]
+            and "defect" in classes["gemma3_text"])
+    assert {limit["data-limit"] for limit in page.limits} == {"solo-kv-bits-raises"}

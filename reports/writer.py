@@ -16,11 +16,13 @@ import time
 from collections import Counter
 from importlib.resources import files
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.mlx_lm_versions import defect_named
+from kvparity.oracle.models import available_models
 from kvparity.reports import failures as failures_of, html, junit
 from kvparity.reports.environment import flatten, split_environment
 from kvparity.reports.policy import TIER_FAMILIES, Policy, tier_family
@@ -28,7 +30,7 @@ from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict,
 from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
 from kvparity.suites.checks import ALIAS, CHECKS, HYGIENE_CHECKS
 from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import OUTCOMES
+from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS
 
 SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(files(__package__) / "schema" / "report.schema.json")  # package data
@@ -98,6 +100,53 @@ def models(verdicts: List[ScheduleVerdict]) -> List[dict]:
     """Each model the schedules ran, with its hash and how many schedule runs used it."""
     runs = Counter((v.evidence.model, v.evidence.model_sha256) for v in verdicts if v.evidence.model)
     return [{"model": m, "model_sha256": sha, "schedules": n} for (m, sha), n in runs.items()]
+
+
+@dataclasses.dataclass
+class Architecture:
+    """The schedule runs of one model: how many per outcome, and the mlx-lm
+    defects or limits that stopped them (name -> its attribution)."""
+
+    model: str
+    outcomes: Counter
+    limits: Dict[str, str]
+
+
+UNNAMED = "unnamed"  # an mlx-lm defect whose reason names none (a report written before names)
+
+
+def architectures(verdicts: List[ScheduleVerdict]) -> List[Architecture]:
+    """Per model the schedule runs ran on (a catalog default and a zoo
+    architecture alike), in ``model_order``, read from each run's judged
+    verdict and its evidence; runs without a model (L1) have none."""
+    found = {}
+    for v in verdicts:
+        model = v.evidence.model
+        if not model:
+            continue
+        entry = found.setdefault(model, Architecture(model, Counter(), {}))
+        entry.outcomes[v.verdict] += 1
+        if v.verdict == MLX_LM_DEFECT:
+            reason = v.evidence.reason
+            entry.limits.setdefault(defect_named(reason) or UNNAMED, reason)
+    return sorted(found.values(), key=lambda a: model_order(a.model))
+
+
+def model_order(name: str) -> int:
+    """Where a model sorts: as kvparity lists its models (the catalog's,
+    then the zoo's), a name it does not know (another version's) after them."""
+    known = available_models()
+    return known.index(name) if name in known else len(known)
+
+
+def architecture_rows(verdicts: List[ScheduleVerdict]):
+    """Per model: schedule runs by outcome (pass and FAIL always, the others
+    where some model has them; empty for none) and mlx-lm's limits met."""
+    entries = architectures(verdicts)
+    shown = [o for o in OUTCOMES if o in (PASS, FAIL) or any(a.outcomes[o] for a in entries)]
+    headers = ["model", "schedule runs", *shown, "mlx-lm limits", "attribution"]
+    return headers, [[a.model, sum(a.outcomes.values()), *(a.outcomes[o] or "" for o in shown),
+                      ", ".join(a.limits), "; ".join(a.limits.values())] for a in entries]
 
 
 def member_calls(run_verdict: RunVerdict) -> dict:
@@ -408,6 +457,7 @@ def probe_rows(probes):
 
 
 FAILURES_TITLE = "Failures by root cause: the member most likely at fault, and how to shrink each"
+ARCHITECTURES_TITLE = "Architectures: schedule runs per model by outcome, and mlx-lm's limits met"
 CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, diverged only as declared, "
                 "or compared nothing")
 
@@ -435,6 +485,9 @@ def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, pr
     used = model_rows(verdicts)
     if used[1]:
         out.append(("Models (each L2 schedule ran its own)", *used))
+    archs = architecture_rows(verdicts)
+    if archs[1]:
+        out.append((ARCHITECTURES_TITLE, *archs))
     timeline = timeline_rows(verdicts)
     if timeline[1]:
         out.append(("L3 timeline: what the engine did per step (widths: prompt/generation batch)", *timeline))
