@@ -57,6 +57,20 @@ def layer_shapes(kv_heads):
                                                      max_size=1)).map(lambda t: (t[0], *t[1]))
 
 
+def shape_features(shapes) -> list:
+    """What real models' shapes a schedule has, in words."""
+    features = []
+    if any(shape.key_dim != shape.value_dim for shape in shapes):
+        features.append("keys != values")
+    if any(max(shape.key_dim, shape.value_dim) >= 256 for shape in shapes):
+        features.append("head_dim 256 or 512")
+    if any(shape.kv_heads == 1 for shape in shapes):
+        features.append("one kv head")
+    if len(shapes) > 1:
+        features.append("several layers")
+    return features
+
+
 # Mostly short prompts, some long enough to cross the 256-token buffer step.
 prompt_lengths = st.one_of(st.integers(1, 24), st.integers(240, 300))
 prefill_steps = st.sampled_from((2048, 64, 7))
@@ -73,6 +87,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     schedules_started = 0
     outcomes: dict = None
     row_outcomes: dict = None
+    shapes_drawn: dict = None  # schedules per feature of their shapes (``shape_features``)
 
     @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
     def start(self, data, bits, kv_heads):
@@ -100,6 +115,8 @@ class ScheduleMachine(RuleBasedStateMachine):
             self.run = None
             self.replay = Replay(self.schedule, dry_backend(self.schedule))
         type(self).schedules_started += 1
+        for feature in shape_features(shapes):
+            self.shapes_drawn[feature] = self.shapes_drawn.get(feature, 0) + 1
 
     # -- what the schedule so far allows -------------------------------------
 
@@ -308,7 +325,7 @@ def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None,
     found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
-                 "outcomes": {}, "row_outcomes": {}, "resumed": 0}
+                 "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0}
     if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
         namespace["_hypothesis_internal_add_digest"] = database_key
     if level == "L2":

@@ -25,6 +25,7 @@ Hygiene, what no request can observe (reported; gating under ``strict``):
 """
 
 import time
+from contextlib import contextmanager
 from typing import Dict
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.oracle.arrays import arrays_in, handles, owned_arrays, start_evaluating
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.adapter import Implementation
+from kvparity.suites.adapter import Implementation, MemberRaised
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1_checks import check_event
 from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
@@ -82,9 +83,21 @@ class SyntheticBackend:
 
     def forward(self, layers, rows, n, calls):
         drawn = zip(*(self.draw(rid, n) for rid in rows))  # per layer: each row's (keys, values)
-        fetched = [batch.update_and_fetch(*(mx.concatenate(xs) for xs in zip(*layer)))
-                   for batch, layer in zip(layers, drawn)]
+        fetched = []
+        for i, (batch, layer) in enumerate(zip(layers, drawn)):
+            with self.in_layer(i):
+                fetched.append(batch.update_and_fetch(*(mx.concatenate(xs) for xs in zip(*layer))))
         self.fetched = (self.replay.version, fetched)
+
+    @contextmanager
+    def in_layer(self, layer: int):
+        """A member that raises in a schedule of several layers is named with its layer."""
+        try:
+            yield
+        except MemberRaised as raised:
+            if len(self.schedule.shapes) > 1 and raised.layer is None:
+                raised.layer = layer
+            raise
 
     def computed(self) -> list:
         """Arrays the implementation computed in this event that the checks
@@ -107,13 +120,14 @@ class SyntheticBackend:
                    for own, junk in zip(self.draw(r.id, r.prompt_len), self.kv.padding(width - r.prompt_len))]
                   for r in requests]
         layers = []
-        for layer in zip(*padded):
-            empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
-            batch = self.implementation.batch_class.merge(empty)
-            batch.prepare(right_padding=[width - r.prompt_len for r in requests])
-            keys, values = (mx.concatenate(xs) for xs in zip(*layer))
-            start_evaluating(arrays_in(batch.update_and_fetch(keys, values)))
-            batch.finalize()
+        for i, layer in enumerate(zip(*padded)):
+            with self.in_layer(i):
+                empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
+                batch = self.implementation.batch_class.merge(empty)
+                batch.prepare(right_padding=[width - r.prompt_len for r in requests])
+                keys, values = (mx.concatenate(xs) for xs in zip(*layer))
+                start_evaluating(arrays_in(batch.update_and_fetch(keys, values)))
+                batch.finalize()
             layers.append(batch)
         return layers
 
