@@ -275,6 +275,18 @@ class TrimSlicesOnlyPackedWords(BatchQuantizedKVCache):
         return n
 
 
+class EmptyBatchSizesValuesLikeKeys(BatchQuantizedKVCache):
+    """The first buffers of an empty batch are shaped from the keys, the
+    values' too, as caches written when keys and values had one head_dim:
+    right wherever they do, while at keys 192 / values 128 (DeepSeek-V2) or
+    96 / 64 (MiniCPM3) the first write of the values raises."""
+
+    caught_by = "raised"
+
+    def _grow(self, keys, values, num_steps):
+        super()._grow(keys, keys if self.keys is None else values, num_steps)
+
+
 VARIANTS = [
     LeftPaddingOffByOne,
     FilterKeepsSharedPadding,
@@ -292,6 +304,7 @@ VARIANTS = [
     EmptyBatchPacksWholeElementsPerWord,
     FilterSharedPaddingOffByOne,
     TrimSlicesOnlyPackedWords,
+    EmptyBatchSizesValuesLikeKeys,
 ]
 
 

@@ -5,7 +5,11 @@ is the quantization and the synthetic keys' shape and dtype. A cell is one
 path at one setting, and a schedule reaches the cells of what its dry run
 does (never of its name). The model asks for every path at every bits value
 and head_dim, and for every pair of values of any two of (path, bits,
-head_dim, group_size, dtype) that can meet (all-pairs).
+head_dim, group_size, dtype, kv_heads, kv_dims) that can meet (all-pairs).
+
+head_dim is the dim a triple quantizes: a layer whose keys and values have
+dims of their own (DeepSeek-V2's 192 and 128) reaches cells at both, with
+kv_dims "differ"; a schedule of several layers reaches each layer's cells.
 
 Only L1 schedules reach cells: head_dim and dtype describe the synthetic
 keys and values; at L2 the model decides them. At L2 the model asks for
@@ -22,7 +26,9 @@ from kvparity.suites.l2 import model_for
 from kvparity.suites.replay import NoRow, Replay, dry_backend
 from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES
 
-HEAD_DIMS = (64, 96, 128)
+HEAD_DIMS = (64, 96, 128, 256, 512)  # 256: Gemma, Qwen3-Next; 512: Gemma 4's global layers
+KV_HEADS = (1, 2)
+KV_DIMS = ("equal", "differ")  # a layer's key dim and value dim
 STEP = 256  # mlx-lm's caches grow their buffers in steps of 256 tokens
 
 PATHS = {
@@ -41,7 +47,7 @@ GROWTH_BOUNDARIES = {"growth-past-256": STEP, "growth-past-512": 2 * STEP}
 MODEL_FAMILIES = tuple(sorted({model.family for model in RANDOM_MODELS.values()})) + (SMOLLM2,)
 
 # The factors of a cell, in the order cells are named.
-FACTORS = ("path", "bits", "head_dim", "group_size", "dtype")
+FACTORS = ("path", "bits", "head_dim", "group_size", "dtype", "kv_heads", "kv_dims")
 # Every path at every one of these is required, not only their pairs.
 FULL = ("path", "bits", "head_dim")
 
@@ -53,6 +59,8 @@ class Cell:
     head_dim: int
     group_size: int
     dtype: str
+    kv_heads: int
+    kv_dims: str
 
 
 def fits(values: Dict[str, object]) -> bool:
@@ -71,7 +79,7 @@ def requirements() -> List[Dict[str, object]]:
     must match: every path at every (bits, head_dim), then every pair of
     values of two factors not already asked for within a full one."""
     each = {"path": tuple(PATHS), "bits": BITS, "head_dim": HEAD_DIMS, "group_size": GROUP_SIZES,
-            "dtype": DTYPES}
+            "dtype": DTYPES, "kv_heads": KV_HEADS, "kv_dims": KV_DIMS}
     asked = [dict(zip(FULL, values)) for values in product(*(each[f] for f in FULL))]
     for a, b in combinations(FACTORS, 2):
         if {a, b} <= set(FULL):
@@ -198,11 +206,18 @@ def paths_of(schedule) -> Tuple[str, ...]:
 
 
 def cells_of(schedule) -> List[Cell]:
-    """The cells an L1 schedule reaches; none for a schedule without L1."""
+    """The cells an L1 schedule reaches, at every dim of every layer; none
+    for a schedule without L1."""
     if "L1" not in schedule.levels:
         return []
-    return [Cell(path, schedule.bits, schedule.head_dim, schedule.group_size, schedule.dtype)
-            for path in paths_of(schedule)]
+    paths = paths_of(schedule)
+    cells = []
+    for shape in schedule.shapes:
+        kv_dims = "equal" if shape.key_dim == shape.value_dim else "differ"
+        for dim in sorted({shape.key_dim, shape.value_dim}):
+            cells += [Cell(path, schedule.bits, dim, schedule.group_size, schedule.dtype, shape.kv_heads, kv_dims)
+                      for path in paths]
+    return list(dict.fromkeys(cells))
 
 
 def family_of(schedule) -> str:

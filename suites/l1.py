@@ -25,6 +25,7 @@ Hygiene, what no request can observe (reported; gating under ``strict``):
 """
 
 import time
+from contextlib import contextmanager
 from typing import Dict
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.oracle.arrays import arrays_in, handles, owned_arrays, start_evaluating
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.adapter import Implementation
+from kvparity.suites.adapter import Implementation, MemberRaised
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1_checks import check_event
 from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
@@ -41,7 +42,8 @@ from kvparity.suites.replay import Replay, drive
 
 
 class SyntheticBackend:
-    """Tokens are synthetic keys and values per (request, token); one layer."""
+    """Tokens are synthetic keys and values per (request, token), in every
+    layer of the schedule's shapes."""
 
     def __init__(self, implementation: Implementation, schedule, kv: SyntheticKV):
         self.implementation = implementation
@@ -71,52 +73,66 @@ class SyntheticBackend:
 
     def prefill_from(self, rid, cache, rest, j):
         self.written[rid] = self.replay.drawn[rid]
-        solo = prefilled_from(self.kv, self.schedule, self.schedule.requests[rid],
-                              None if cache is None else cache[0], rest)
+        solo = prefilled_from(self.kv, self.schedule, self.schedule.requests[rid], cache, rest)
         self.resumed[rid] = solo
         return solo
 
     def resume(self, rid, caches):
         start = self.schedule.requests[rid].quantized_kv_start
-        return SoloCache(self.schedule.bits, self.schedule.group_size, start, caches[0])
+        return SoloCache(self.schedule.bits, self.schedule.group_size, start, caches)
 
     def forward(self, layers, rows, n, calls):
-        keys, values = zip(*(self.draw(rid, n) for rid in rows))
-        fetched = layers[0].update_and_fetch(mx.concatenate(keys), mx.concatenate(values))
+        drawn = zip(*(self.draw(rid, n) for rid in rows))  # per layer: each row's (keys, values)
+        fetched = []
+        for i, (batch, layer) in enumerate(zip(layers, drawn)):
+            with self.in_layer(i):
+                fetched.append(batch.update_and_fetch(*(mx.concatenate(xs) for xs in zip(*layer))))
         self.fetched = (self.replay.version, fetched)
+
+    @contextmanager
+    def in_layer(self, layer: int):
+        """A member that raises in a schedule of several layers is named with its layer."""
+        try:
+            yield
+        except MemberRaised as raised:
+            if len(self.schedule.shapes) > 1 and raised.layer is None:
+                raised.layer = layer
+            raise
 
     def computed(self) -> list:
         """Arrays the implementation computed in this event that the checks
         read, taken without calling a member: what ``update_and_fetch``
-        returned, and the batch's offsets and left padding."""
+        returned, and each layer's offsets and left padding."""
         arrays = arrays_in(self.fetched[1]) if self.fetched is not None else []
-        if self.replay.layers:
-            batch = self.replay.layers[0]
+        for batch in self.replay.layers or ():
             arrays += arrays_in((getattr(batch, "offset", None), getattr(batch, "left_padding", None)))
         return arrays
 
     def append_alone(self, rid, solo, n, j):
-        solo.append(*self.draw(rid, n))
+        solo.append(self.draw(rid, n))
 
     def untrimmable(self) -> str:
         return ""  # synthetic layers are quantized caches: every one trims
 
     def batched_prefill(self, rids):
-        """Several prompts in one right-padded call: prepare/finalize."""
+        """Several prompts in one right-padded call: prepare/finalize, in every layer."""
         requests = [self.schedule.requests[rid] for rid in rids]
         width = max(r.prompt_len for r in requests)
-        empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
-        batch = self.implementation.batch_class.merge(empty)
-        batch.prepare(right_padding=[width - r.prompt_len for r in requests])
-        keys, values = [], []
-        for r in requests:
-            k, v = self.draw(r.id, r.prompt_len)
-            pad_k, pad_v = self.kv.padding(width - r.prompt_len)
-            keys.append(mx.concatenate([k, pad_k], axis=2))
-            values.append(mx.concatenate([v, pad_v], axis=2))
-        start_evaluating(arrays_in(batch.update_and_fetch(mx.concatenate(keys), mx.concatenate(values))))
-        batch.finalize()
-        return [batch]
+        # Per request, per layer: its prompt's keys and values, then junk to the width.
+        padded = [[tuple(mx.concatenate([x, pad], axis=2) for x, pad in zip(own, junk))
+                   for own, junk in zip(self.draw(r.id, r.prompt_len), self.kv.padding(width - r.prompt_len))]
+                  for r in requests]
+        layers = []
+        for i, layer in enumerate(zip(*padded)):
+            with self.in_layer(i):
+                empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
+                batch = self.implementation.batch_class.merge(empty)
+                batch.prepare(right_padding=[width - r.prompt_len for r in requests])
+                keys, values = (mx.concatenate(xs) for xs in zip(*layer))
+                start_evaluating(arrays_in(batch.update_and_fetch(keys, values)))
+                batch.finalize()
+            layers.append(batch)
+        return layers
 
 
 class L1Run:
@@ -128,7 +144,7 @@ class L1Run:
 
     def __init__(self, schedule, implementation: Implementation):
         self.implementation = implementation
-        self.kv = SyntheticKV(schedule.kv_heads, schedule.head_dim, schedule.dtype)
+        self.kv = SyntheticKV(schedule.shapes, schedule.dtype)
         self.backend = SyntheticBackend(implementation, schedule, self.kv)
         self.replay = Replay(schedule, self.backend)
         self.backend.replay = self.replay

@@ -94,28 +94,42 @@ def check_event(replay: Replay, backend, solo: SoloCaches, result: ScheduleResul
 
 def _check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
     """``backend``: the run's SyntheticBackend (its sources and what update_and_fetch returned)."""
-    batch_known = {}  # the batch's arrays as taken before any extract
+    batch_known = {}  # every layer's arrays as taken before any extract
     check_stored(replay, backend, solo, checks, event)
     check_sources(replay, backend, checks, event, batch_known)
     check_preempted(replay, solo, checks, event)
-    batch = replay.layers[0] if replay.layers else None
-    if batch is None:
+    if replay.layers is None:
         checks.flush()
         return
+    fetched = None
+    if backend.fetched is not None and backend.fetched[0] == replay.version:
+        fetched = backend.fetched[1]
+    for layer, batch in enumerate(replay.layers):
+        check_layer(replay, solo, checks, event, layer, batch,
+                    None if fetched is None else fetched[layer], batch_known)
+
+
+def check_layer(replay: Replay, solo: SoloCaches, checks: EventChecks, event, layer, batch, fetched, batch_known):
+    """One layer's batch: its layout, every row against the row alone in
+    that layer, its pads, nbytes and mask."""
+    named = layer_named(solo, layer)
     before = checks.reading.take(owned_arrays(batch), batch_known)
-    layout = check_layout(batch, replay.rows, checks, event)
+    layout = check_layout(batch, replay.rows, checks, event, named)
     if layout is None:
         return
     size, _, pads, triples = layout
-    fetched = None
-    if backend.fetched is not None and backend.fetched[0] == replay.version:
-        fetched = state_triples(backend.fetched[1])
-    pad_slices = check_rows(replay.rows, solo, checks, event, batch, layout, fetched, batch_known)
+    fetched = None if fetched is None else state_triples(fetched)
+    pad_slices = check_rows(replay.rows, solo, checks, event, batch, layout, fetched, batch_known, layer)
     checks.flush()
     check_pad(pad_slices, checks)
-    check_unchanged(before, owned_arrays(batch), checks, replay.rows, event.label)
-    check_nbytes(batch, triples, checks, replay.rows, event.label)
-    check_mask(batch, replay.rows, size, pads, checks, event)
+    check_unchanged(before, owned_arrays(batch), checks, replay.rows, event.label, named)
+    check_nbytes(batch, triples, checks, replay.rows, event.label, named)
+    check_mask(batch, replay.rows, size, pads, checks, event, named)
+
+
+def layer_named(solo: SoloCaches, layer: int) -> dict:
+    """The layer as a divergence names it: only in a schedule of several layers."""
+    return {"layer": layer} if len(solo.schedule.shapes) > 1 else {}
 
 
 def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
@@ -127,19 +141,22 @@ def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
     label = event.label
     jobs = []  # (check, request, (expected, actual, prefix, where))
     for entry in check_entries(replay, backend.stored_digests, checks.note, event):
-        rid, expected = entry.request, solo.expected(entry.request, checks.reading)
-        unquantized = _not_triples(entry.caches[0], "extract", triples_of(expected))
-        if unquantized:  # said once, as for an extracted row
-            checks.note(checks.at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor=entry.name,
-                                                                  detail=unquantized)])
-            continue
-        jobs.append((EXTRACT, rid, (expected, layer_parts(checks.reading, entry.caches[0]), f"{entry.name}: ",
-                                    dict(event=label, request=rid))))
+        rid = entry.request
+        for layer, (expected, stored) in enumerate(zip(solo.expected(rid, checks.reading), entry.caches)):
+            where = dict(event=label, request=rid, **layer_named(solo, layer))
+            unquantized = _not_triples(stored, "extract", triples_of(expected))
+            if unquantized:  # said once, as for an extracted row
+                checks.note(checks.at, EXTRACT, [rid], 1, [Divergence(EXTRACT, tensor=entry.name,
+                                                                      detail=unquantized, **where)])
+                continue
+            jobs.append((EXTRACT, rid, (expected, layer_parts(checks.reading, stored), f"{entry.name}: ", where)))
     for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
         if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event):
-            jobs.append((STORED, rid, (solo.expected(rid, checks.reading),
-                                       layer_parts(checks.reading, backend.resumed[rid].cache),
-                                       f"resumed from {entry_name(entry)}: ", dict(event=label, request=rid))))
+            for layer, (expected, resumed) in enumerate(zip(solo.expected(rid, checks.reading),
+                                                            backend.resumed[rid].layers)):
+                jobs.append((STORED, rid, (expected, layer_parts(checks.reading, resumed),
+                                           f"resumed from {entry_name(entry)}: ",
+                                           dict(event=label, request=rid, **layer_named(solo, layer)))))
     compared = compare_later(checks.reading, [job for _, _, job in jobs])
 
     def note():
@@ -155,23 +172,25 @@ def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event
     waiting ones mlx-lm's own (compared, but no evidence)."""
     label, at = event.label, event.index
     for rid, alone in replay.preempted.items():
-        expected = solo.cache(rid)
         made = 1 if rid in replay.extracted else 0
-        checks.note(at, OFFSET, [rid], made, [] if alone.cache.offset == expected.offset else [
-            Divergence(OFFSET, label, rid, expected=expected.offset, actual=alone.cache.offset)])
-        if made and hasattr(expected, "bits") and not alone.quantized:
-            # What extract returned is not quantized: said once, not per missing array.
-            unquantized = _not_triples(alone.cache, "extract", triples_of(solo.expected(rid, checks.reading)))
-            checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, label, rid, tensor="extracted",
-                                                           detail=unquantized)])
-            continue
-        checks.named(rid, solo.expected(rid, checks.reading), layer_parts(checks.reading, alone.cache),
-                     "extracted.", dict(event=label, request=rid), made)
+        for layer, (expected, cache, parts) in enumerate(zip(solo.caches(rid), alone.layers,
+                                                             solo.expected(rid, checks.reading))):
+            where = dict(event=label, request=rid, **layer_named(solo, layer))
+            checks.note(at, OFFSET, [rid], made, [] if cache.offset == expected.offset else [
+                Divergence(OFFSET, expected=expected.offset, actual=cache.offset, **where)])
+            if made and hasattr(expected, "bits") and not hasattr(cache, "bits"):
+                # What extract returned is not quantized: said once, not per missing array.
+                unquantized = _not_triples(cache, "extract", triples_of(parts))
+                checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, tensor="extracted", detail=unquantized,
+                                                               **where)])
+                continue
+            checks.named(rid, parts, layer_parts(checks.reading, cache), "extracted.", where, made)
 
 
-def check_layout(batch, rows, checks: EventChecks, event):
+def check_layout(batch, rows, checks: EventChecks, event, named):
     """Per-row offsets and pads, and a state of two triples: (size, offsets,
-    pads, triples), or None when the batch cannot be read row by row (noted)."""
+    pads, triples), or None when the batch cannot be read row by row (noted).
+    ``named``: the layer, as divergences name it."""
     label, at = event.label, event.index
     size = batch.size()
     offset, left_padding = batch.offset, batch.left_padding
@@ -179,22 +198,25 @@ def check_layout(batch, rows, checks: EventChecks, event):
     offsets, pads = _ints(offset), _ints(left_padding)
     if len(offsets) != len(rows) or len(pads) != len(rows):
         checks.note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
-                                                     f"left_padding {len(pads)} entries for {len(rows)} rows")])
+                                                     f"left_padding {len(pads)} entries for {len(rows)} rows",
+                                                     **named)])
         return None
     triples = state_triples(batch.state)
     if triples is None:
         checks.note(at, LAYOUT, rows, 1, [Divergence(
             LAYOUT, label, tensor="state", detail=f"state returned {in_words(batch.state)}, expected the keys' "
-                                                    "and the values' (packed, scales, biases) triples first")])
+                                                    "and the values' (packed, scales, biases) triples first",
+            **named)])
         return None
     checks.note(at, SHARED_PADDING, rows, 1,
-                [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns")]
+                [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns", **named)]
                 if min(pads) > 0 else [])
     return size, offsets, pads, triples
 
 
-def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout, fetched, batch_known) -> list:
-    """Each row's offset, left padding, bytes (in the state, in what
+def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout, fetched, batch_known,
+               layer) -> list:
+    """Each row's offset, left padding, bytes in ``layer`` (in the state, in what
     update_and_fetch returned, in extract) against its solo cache; returns
     the pad columns' parts for the pad check. Every array is read once per
     event: the batch before any extract (a later in-place change is caught
@@ -204,8 +226,8 @@ def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout
     label, at, reading = event.label, event.index, checks.reading
     pad_slices, fetched_known = [], {}
     for i, rid in enumerate(rows):
-        expected_cache = solo.cache(rid)
-        where = dict(event=label, request=rid)
+        expected_cache = solo.caches(rid)[layer]
+        where = dict(event=label, request=rid, **layer_named(solo, layer))
         if not hasattr(expected_cache, "bits"):
             checks.note(at, LAYOUT, [rid], 1, [Divergence(LAYOUT, detail="an unquantized row is in the batch",
                                                           **where)])
@@ -218,7 +240,7 @@ def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout
             continue  # the row's columns are unknown: bytes would only echo this
         checks.note(at, LEFT_PADDING, [rid], 1)
         lp = pads[i]
-        expected = triples_of(solo.expected(rid, reading))
+        expected = triples_of(solo.expected(rid, reading)[layer])
         row = (slice(i, i + 1), slice(None))
         for name, triple in triples.items():
             checks.triples(rid, expected[name], _parts(reading, triple, row + (slice(lp, size),), batch_known),
@@ -250,13 +272,13 @@ def check_pad(pad_slices, checks: EventChecks):
     checks.later(lambda: checks.note_per_row(PAD, entries()))
 
 
-def check_nbytes(batch, triples, checks: EventChecks, rows, label):
+def check_nbytes(batch, triples, checks: EventChecks, rows, label, named):
     """``nbytes`` counts at least the bytes the rows' own columns occupy."""
     live = sum(x.nbytes for triple in triples.values() for x in triple)
     held = batch.nbytes
     ok = isinstance(held, int) and not isinstance(held, bool) and held >= live
     checks.note(checks.at, NBYTES, rows, 1, [] if ok else [Divergence(
-        NBYTES, label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays")])
+        NBYTES, label, expected=f">= {live}", actual=held, detail="bytes of the state's arrays", **named)])
 
 
 def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_known):
@@ -302,11 +324,11 @@ def _not_triples(extracted, call: str, expected) -> str:
     return ""
 
 
-def check_unchanged(before, after, checks: EventChecks, rows, label):
+def check_unchanged(before, after, checks: EventChecks, rows, label, named):
     """``extract`` left the batch as it was: ``before``, the ticket of its
     arrays taken before the extracts, against ``after`` by bytes (an array
     written in place is still the same object)."""
-    changed = [Divergence(EXTRACT, label, detail="extract changed the batch")]
+    changed = [Divergence(EXTRACT, label, detail="extract changed the batch", **named)]
     if len(before) != len(after):
         checks.note(checks.at, EXTRACT, rows, 0, changed)
         return
@@ -339,7 +361,7 @@ def check_sources(replay: Replay, backend, checks: EventChecks, event, batch_kno
     """merge/extend left their sources' bytes unchanged (parity); merge keeps
     none of their buffers (hygiene)."""
     label, at = event.label, event.index
-    batch_arrays = owned_arrays(replay.layers[0]) if replay.layers else []
+    batch_arrays = [x for batch in replay.layers or () for x in owned_arrays(batch)]
     rows = replay.rows or list(replay.running())
     named = lambda arrays: {str(k): x for k, x in enumerate(arrays)}
     for member, caches, before in backend.sources:
@@ -356,14 +378,15 @@ def check_sources(replay: Replay, backend, checks: EventChecks, event, batch_kno
                                                            dict(event=label, tensor="merge"), "source buffer"))
 
 
-def check_mask(batch, rows, size, pads, checks: EventChecks, event):
+def check_mask(batch, rows, size, pads, checks: EventChecks, event, named):
     label = event.label
     for N in MASK_WIDTHS:
         mask = _boolean_mask_later(checks.reading, batch.make_mask(N, return_array=True), len(rows), N, size + N)
-        checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask()))
+        checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask(),
+                                                       named))
 
 
-def _note_mask(checks, rows, size, pads, label, at, N, mask):
+def _note_mask(checks, rows, size, pads, label, at, N, mask, named):
     columns = np.arange(size + N)[None, :]
     queries = np.arange(N)[:, None]
     # Row i may see column c for query q when c >= pads[i] and c <= size + q.
@@ -381,7 +404,7 @@ def _note_mask(checks, rows, size, pads, label, at, N, mask):
                 MASK, label, rid, tensor=f"make_mask({N})", index=index,
                 expected=None if index is None else bool(expected.reshape(-1)[index]),
                 actual=None if index is None else bool(got.reshape(-1)[index]),
-                detail=f"row has {pads[i]} pad columns of {size}"))
+                detail=f"row has {pads[i]} pad columns of {size}", **named))
         checks.result.note(at, MASK, [rid], 1, found)
 
 

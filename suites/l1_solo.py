@@ -19,26 +19,27 @@ class SoloState:
     """One request alone after some of its calls: mlx-lm's cache, never
     written (a further call works on a fork), and its bytes once read."""
 
-    __slots__ = ("key", "solo", "layer")
+    __slots__ = ("key", "solo", "layers")
 
     def __init__(self, key: tuple, solo: SoloCache):
         self.key, self.solo = key, solo
-        self.layer = None  # its parts on [0, offset), once read
+        self.layers = None  # its parts on [0, offset), one dict per layer, once read
 
-    def parts(self, reading: Reading) -> dict:
-        """The cache on ``[0, offset)`` as ``layer_parts`` gives it, taken
+    def parts(self, reading: Reading) -> List[dict]:
+        """Each layer on ``[0, offset)`` as ``layer_parts`` gives it, taken
         into ``reading`` the first time and the same parts after."""
-        if self.layer is None:
-            self.layer = layer_parts(reading, self.solo.cache)
-        return self.layer
+        if self.layers is None:
+            self.layers = [layer_parts(reading, cache) for cache in self.solo.layers]
+        return self.layers
 
     def keep(self):
         """The parts read, evaluated, no longer holding their reading; parts
         of a reading that was never evaluated (its checks raised) are
         dropped, to be read again."""
-        if self.layer is not None:
-            evaluated = all(part.evaluated for part in self.layer.values())
-            self.layer = {name: part.kept() for name, part in self.layer.items()} if evaluated else None
+        if self.layers is not None:
+            evaluated = all(part.evaluated for layer in self.layers for part in layer.values())
+            self.layers = [{name: part.kept() for name, part in layer.items()} for layer in self.layers] \
+                if evaluated else None
 
 
 class SoloStates:
@@ -66,7 +67,8 @@ class SoloStates:
                bits, group_size, start, n)
         drawn = {request.id: start}
         return self._state(key, lambda: SoloCache.prefilled(request, bits, group_size,
-                                                            lambda m: kv.draw(drawn, request, m), n))
+                                                            lambda m: kv.draw(drawn, request, m), n,
+                                                            layers=len(kv.shapes)))
 
     def after(self, state: SoloState, kv: SyntheticKV, written: Dict[str, int], request, op: str,
               n: int) -> SoloState:
@@ -77,7 +79,7 @@ class SoloStates:
         def compute():
             solo = state.solo.fork()
             if op == "append":
-                solo.append(*kv.tokens(request.id, start, n, seed=request.seed))
+                solo.append(kv.tokens(request.id, start, n, seed=request.seed))
             else:
                 solo.trim(n)
             return solo
@@ -103,14 +105,16 @@ SOLO_STATES = SoloStates()
 _RESUMED = itertools.count()
 
 
-def prefilled_from(kv: SyntheticKV, schedule, request, cache, rest) -> SoloCache:
-    """``request`` alone from ``cache`` (a stored prefix, or None): the rest
-    of its prompt, tokens named (stream, index), in generate_step's chunks."""
-    solo = SoloCache(schedule.bits, schedule.group_size, request.quantized_kv_start, cache)
+def prefilled_from(kv: SyntheticKV, schedule, request, caches, rest) -> SoloCache:
+    """``request`` alone from ``caches`` (a stored prefix, one cache per
+    layer, or None): the rest of its prompt, tokens named (stream, index),
+    in generate_step's chunks."""
+    solo = SoloCache(schedule.bits, schedule.group_size, request.quantized_kv_start, caches,
+                     layers=len(kv.shapes))
     seeds = {rid: r.seed for rid, r in schedule.requests.items()}
     done = 0
     for n in request.prefill_chunks(len(rest)):
-        solo.append(*kv.named(rest[done : done + n], seeds))
+        solo.append(kv.named(rest[done : done + n], seeds))
         done += n
     return solo
 
@@ -131,13 +135,17 @@ class SoloCaches:
         self.reused: Dict[str, int] = {}  # prompt tokens each resumed request took from a store
 
     def cache(self, rid):
+        """The row's first layer (its offset and conversion are every layer's)."""
         return self.states[rid].solo.cache
 
-    def expected(self, rid, reading: Reading) -> dict:
-        """The row's cache on ``[0, offset)`` as ``layer_parts`` gives it,
-        taken into ``reading``; read again only after a call changed the row."""
+    def caches(self, rid) -> list:
+        return self.states[rid].solo.layers
+
+    def expected(self, rid, reading: Reading) -> List[dict]:
+        """Each layer of the row on ``[0, offset)`` as ``layer_parts`` gives
+        it, taken into ``reading``; read again only after a call changed the row."""
         state = self.states[rid]
-        if state.layer is None:
+        if state.layers is None:
             self.taken.append(state)
         return state.parts(reading)
 
@@ -164,14 +172,13 @@ class SoloCaches:
                     state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
                 elif call.op == "store":
                     self.store(call.store).insert_cache(MODEL_KEY, list(call.tokens),
-                                                         [stored_copy(self.cache(rid))])
+                                                         [stored_copy(c) for c in self.caches(rid)])
                     continue
                 elif call.op == "resume":
                     cache, rest = fetch_nearest(self.store(call.store), call.tokens)
                     self.reused[rid] = len(call.tokens) - len(rest)
                     self.written[rid] = sum(1 for stream, _ in call.tokens if stream == rid)
-                    state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request,
-                                                               None if cache is None else cache[0], rest))
+                    state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request, cache, rest))
                 else:
                     state = SOLO_STATES.after(self.states[rid], self.kv, self.written, request, call.op, call.n)
                 self.states[rid] = state

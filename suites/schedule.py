@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
+from kvparity.oracle.synthetic import LayerShape
 from kvparity.suites.events import Event, parse_event
 from kvparity.suites.replay import ScheduledCall, ScheduleError, dry_run
 
@@ -85,6 +86,9 @@ class StoreLimits:
 # -- schedules ----------------------------------------------------------------------
 
 
+DEFAULT_SHAPE = LayerShape(kv_heads=2, key_dim=64, value_dim=64)
+
+
 @dataclass
 class Schedule:
     name: str
@@ -94,8 +98,7 @@ class Schedule:
     group_size: int
     requests: Dict[str, Request]
     events: List[Event]
-    kv_heads: int = 2
-    head_dim: int = 64
+    shapes: Tuple[LayerShape, ...] = (DEFAULT_SHAPE,)  # L1: one per layer
     dtype: str = "bfloat16"
     model: Optional[str] = None
     path: Optional[str] = None
@@ -103,6 +106,16 @@ class Schedule:
     needs: Tuple[str, ...] = ()  # optional capabilities, from the dry run
     calls: Dict[str, List[ScheduledCall]] = field(default_factory=dict)  # per request, in order
     order: List[Tuple[str, int]] = field(default_factory=list)  # (request, call index), as the calls come
+
+    @property
+    def kv_heads(self) -> int:
+        return self.shapes[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """The first layer's key dim: what one-shape readers (L2's choice
+        of model) take."""
+        return self.shapes[0].key_dim
 
     def to_json(self) -> dict:
         requests = {}
@@ -127,7 +140,7 @@ class Schedule:
             "description": self.description,
             "levels": list(self.levels),
             "kv": {"bits": self.bits, "group_size": self.group_size},
-            "synthetic": {"kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype},
+            "synthetic": synthetic_json(self.shapes, self.dtype),
             "requests": requests,
             "events": [e.to_json() for e in self.events],
         }
@@ -136,6 +149,18 @@ class Schedule:
         if self.stores:
             doc["stores"] = {name: limits.to_json() for name, limits in self.stores.items()}
         return doc
+
+
+def shape_json(shape: LayerShape) -> dict:
+    if shape.key_dim == shape.value_dim:
+        return {"kv_heads": shape.kv_heads, "head_dim": shape.key_dim}
+    return {"kv_heads": shape.kv_heads, "key_dim": shape.key_dim, "value_dim": shape.value_dim}
+
+
+def synthetic_json(shapes, dtype) -> dict:
+    if len(shapes) == 1:
+        return {**shape_json(shapes[0]), "dtype": dtype}
+    return {"layers": [shape_json(shape) for shape in shapes], "dtype": dtype}
 
 
 def read_document(path) -> dict:
@@ -191,13 +216,77 @@ def check_fields(source, where, doc, allowed, required=()):
             reject(source, where, f"missing field {key!r}")
 
 
-def check_kv(source, bits, group_size, head_dim=None):
+def check_kv(source, bits, group_size, dims=()):
+    """``dims``: (where, name, dim) of every dim the group size must divide."""
     if bits not in BITS:
         reject(source, "kv.bits", f"bits={bits} is not supported (choose from {BITS})")
     if group_size not in GROUP_SIZES:
         reject(source, "kv.group_size", f"group_size={group_size} is not supported (choose from {GROUP_SIZES})")
-    if head_dim is not None and head_dim % group_size:
-        reject(source, "kv.group_size", f"group_size={group_size} does not divide head_dim={head_dim}")
+    for where, dim_name, dim in dims:
+        if dim % group_size:
+            reject(source, "kv.group_size", f"group_size={group_size} does not divide {dim_name}={dim} ({where})")
+
+
+SHAPE_FIELDS = ("kv_heads", "head_dim", "key_dim", "value_dim")
+
+
+def parse_shape(source, where, doc) -> LayerShape:
+    """One layer's shape: kv_heads, and head_dim (keys and values alike) or
+    key_dim and value_dim."""
+    kv_heads = check_int(source, f"{where}.kv_heads", doc.get("kv_heads", DEFAULT_SHAPE.kv_heads), 1)
+    if "head_dim" in doc:
+        apart = [key for key in ("key_dim", "value_dim") if key in doc]
+        if apart:
+            reject(source, f"{where}.{apart[0]}", "give head_dim (keys and values alike) or key_dim and "
+                                                  "value_dim, not both")
+        dim = check_int(source, f"{where}.head_dim", doc["head_dim"], 1)
+        return LayerShape(kv_heads, dim, dim)
+    if "key_dim" in doc or "value_dim" in doc:
+        for key in ("key_dim", "value_dim"):
+            if key not in doc:
+                reject(source, where, f"missing field {key!r}: key_dim and value_dim come together")
+        return LayerShape(kv_heads, check_int(source, f"{where}.key_dim", doc["key_dim"], 1),
+                          check_int(source, f"{where}.value_dim", doc["value_dim"], 1))
+    return LayerShape(kv_heads, DEFAULT_SHAPE.key_dim, DEFAULT_SHAPE.value_dim)
+
+
+def parse_synthetic(source, doc, levels) -> Tuple[Tuple[LayerShape, ...], str]:
+    """The synthetic keys' and values' shapes (one per layer) and dtype."""
+    check_fields(source, "synthetic", doc, SHAPE_FIELDS + ("layers", "dtype"))
+    dtype = doc.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        reject(source, "synthetic.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    if "layers" not in doc:
+        shapes = (parse_shape(source, "synthetic", doc),)
+    else:
+        given = [key for key in SHAPE_FIELDS if key in doc]
+        if given:
+            reject(source, f"synthetic.{given[0]}", "with layers, each layer gives its own shape")
+        layers = doc["layers"]
+        if not isinstance(layers, list) or not layers:
+            reject(source, "synthetic.layers", "expected a non-empty list of layer shapes")
+        shapes = []
+        for i, layer in enumerate(layers):
+            where = f"synthetic.layers[{i}]"
+            check_fields(source, where, layer, SHAPE_FIELDS)
+            shapes.append(parse_shape(source, where, layer))
+        shapes = tuple(shapes)
+    if "L2" in levels and (len(shapes) > 1 or shapes[0].key_dim != shapes[0].value_dim):
+        reject(source, "synthetic", "layers and key_dim != value_dim are L1 shapes: at L2 the model has its own")
+    return shapes, dtype
+
+
+def dims_of(shapes) -> list:
+    """(where, name, dim) of every dim of ``shapes``, for ``check_kv``."""
+    one = len(shapes) == 1
+    dims = []
+    for i, shape in enumerate(shapes):
+        where = "synthetic" if one else f"synthetic.layers[{i}]"
+        if shape.key_dim == shape.value_dim:
+            dims.append((where, "head_dim", shape.key_dim))
+        else:
+            dims += [(where, "key_dim", shape.key_dim), (where, "value_dim", shape.value_dim)]
+    return dims
 
 
 def parse(doc, source="<schedule>") -> Schedule:
@@ -214,14 +303,8 @@ def parse(doc, source="<schedule>") -> Schedule:
     check_fields(source, "kv", kv, ("bits", "group_size"))
     bits = check_int(source, "kv.bits", kv.get("bits", 4), 1)
     group_size = check_int(source, "kv.group_size", kv.get("group_size", 64), 1)
-    synthetic = doc.get("synthetic", {})
-    check_fields(source, "synthetic", synthetic, ("kv_heads", "head_dim", "dtype"))
-    kv_heads = check_int(source, "synthetic.kv_heads", synthetic.get("kv_heads", 2), 1)
-    head_dim = check_int(source, "synthetic.head_dim", synthetic.get("head_dim", 64), 1)
-    dtype = synthetic.get("dtype", "bfloat16")
-    if dtype not in DTYPES:
-        reject(source, "synthetic.dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
-    check_kv(source, bits, group_size, head_dim if "L1" in levels else None)
+    shapes, dtype = parse_synthetic(source, doc.get("synthetic", {}), levels)
+    check_kv(source, bits, group_size, dims_of(shapes) if "L1" in levels else ())
     model = doc.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         reject(source, "model", f"expected a model name, got {model!r}")
@@ -238,8 +321,7 @@ def parse(doc, source="<schedule>") -> Schedule:
     events = [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
     schedule = Schedule(
         name=str(doc["name"]), description=str(doc.get("description", "")), levels=tuple(levels),
-        bits=bits, group_size=group_size, requests=requests, events=events, kv_heads=kv_heads,
-        head_dim=head_dim, dtype=dtype, model=model, path=source, stores=stores,
+        bits=bits, group_size=group_size, requests=requests, events=events, shapes=shapes, dtype=dtype, model=model, path=source, stores=stores,
     )
     schedule.needs, schedule.calls, schedule.order = dry_run(schedule)
     silent = [rid for rid, calls in schedule.calls.items() if not calls]

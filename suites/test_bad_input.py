@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.oracle.arrays import digest, owned_arrays
-from kvparity.suites.schedule import ScheduleError, load
+from kvparity.suites.schedule import ScheduleError, load, save
 
 
 def solo(length, bits=4, group_size=64, heads=2, head_dim=64, dtype=mx.bfloat16, seed=0):
@@ -141,6 +141,21 @@ def with_changes(**changes):
         (with_changes(requests={"a": {"prompt_len": 0}}), "request 'a' prompt_len", "expected an integer >= 1"),
         (with_changes(requests={"a": {"prompt_len": 3, "kv_bits": 4}}), "request 'a'", "unknown field 'kv_bits'"),
         (with_changes(synthetic={"dtype": "int8"}), "synthetic.dtype", "'int8' is not one of"),
+        # layer shapes: keys and values apart, several layers
+        (with_changes(synthetic={"key_dim": 192}), "synthetic", "missing field 'value_dim'"),
+        (with_changes(synthetic={"head_dim": 128, "value_dim": 64}), "synthetic.value_dim", "not both"),
+        (with_changes(synthetic={"key_dim": 192, "value_dim": 96}), "kv.group_size",
+         "group_size=64 does not divide value_dim=96 (synthetic)"),
+        (with_changes(synthetic={"layers": [{"head_dim": 256}, {"key_dim": 128, "value_dim": 96}]}), "kv.group_size",
+         "group_size=64 does not divide value_dim=96 (synthetic.layers[1])"),
+        (with_changes(synthetic={"layers": [{"head_dim": 256}], "kv_heads": 2}), "synthetic.kv_heads",
+         "with layers, each layer gives its own shape"),
+        (with_changes(synthetic={"layers": []}), "synthetic.layers", "expected a non-empty list"),
+        (with_changes(synthetic={"layers": [{"head_dim": 64, "dtype": "float16"}]}), "synthetic.layers[0]",
+         "unknown field 'dtype'"),
+        (with_changes(synthetic={"layers": [{"kv_heads": 0}]}), "synthetic.layers[0].kv_heads", "expected an integer >= 1"),
+        (with_changes(levels=["L1", "L2"], synthetic={"key_dim": 192, "value_dim": 128}), "synthetic",
+         "are L1 shapes: at L2 the model has its own"),
         (with_changes(requests={"a": {"prompt_len": 3, "quantized_kv_start": 5}}, events=[{"batched_join": ["a"]}]),
          "event #0 batched_join", "quantized_kv_start must be <= prompt_len"),
         # prompt-cache stores and chat turns
@@ -177,6 +192,21 @@ def test_bad_schedule_is_refused_naming_file_event_and_reason(tmp_path, doc, whe
     message = str(error.value)
     assert message.startswith(f"{path}: ")
     assert where in message and reason in message, message
+
+
+def test_layer_shapes_round_trip(tmp_path):
+    """A schedule written out reads back with the same shapes: one, keys
+    apart from values, several layers."""
+    for synthetic in ({"kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"},
+                      {"kv_heads": 1, "key_dim": 192, "value_dim": 128, "dtype": "float16"},
+                      {"layers": [{"kv_heads": 2, "head_dim": 256}, {"kv_heads": 1, "key_dim": 512, "value_dim": 256}],
+                       "dtype": "float32"}):
+        path = tmp_path / "shapes.json"
+        path.write_text(json.dumps(with_changes(synthetic=synthetic, requests={"a": {"prompt_len": 4}})))
+        schedule = load(path)
+        assert schedule.to_json()["synthetic"] == synthetic
+        save(schedule, path)
+        assert load(path).shapes == schedule.shapes
 
 
 def test_unreadable_schedule_files(tmp_path):

@@ -61,9 +61,35 @@ def test_removing_a_cells_schedules_leaves_it_uncovered():
     assert reaching
     rest = [s for s in schedules if s not in reaching]
     assert name(EMPTY_BATCH_CELL) in uncovered(rest)
-    # By name: the one schedule that walks every path at 6 bits, head_dim 128.
-    rest = [s for s in schedules if s.name != "paths-bits-6-h128"]
-    assert "path=batched-prefill-into-empty bits=6 head_dim=128" in uncovered(rest)
+    # By name: the schedules that reach it at 6 bits, head_dim 128: the walk
+    # of every path, and two whose values are at 128 beside keys at 192.
+    cell = "path=batched-prefill-into-empty bits=6 head_dim=128"
+    walks = {"paths-bits-6-h128", "paths-bits-6-h256-h512-k192-v128", "batched-join-empty-k192-v128"}
+    assert {s.name for s in schedules if cell not in uncovered([s])} == walks
+    assert cell in uncovered([s for s in schedules if s.name not in walks])
+
+
+def test_the_model_asks_for_the_shapes_real_models_have():
+    """Keys and values of dims of their own, head_dim 256 and 512, one kv
+    head: every path at each, and each with every bits value."""
+    asked = requirements()
+    for path in coverage.PATHS:
+        assert {"path": path, "kv_dims": "differ"} in asked
+        assert {"path": path, "kv_heads": 1} in asked
+        for bits in BITS:
+            assert {"path": path, "bits": bits, "head_dim": 256} in asked
+            assert {"path": path, "bits": bits, "head_dim": 512} in asked
+    assert {"bits": 3, "kv_dims": "differ"} in asked and {"head_dim": 512, "kv_heads": 1} in asked
+
+
+def test_keys_apart_from_values_are_reached_only_by_layers_that_have_them():
+    schedules = capability_free()
+    differ = [s for s in schedules if any(shape.key_dim != shape.value_dim for shape in s.shapes)]
+    assert differ
+    rest = [s for s in schedules if s not in differ]
+    gaps = uncovered(rest)
+    for path in coverage.PATHS:
+        assert f"path={path} kv_dims=differ" in gaps
 
 
 def test_the_model_asks_for_every_path_at_every_bits_and_head_dim_and_pairs_that_can_meet():
@@ -135,4 +161,12 @@ def test_empty_batch_paths_follow_leaves_and_extracts(tmp_path):
 def test_cells_carry_the_schedules_settings(tmp_path):
     schedule = probe(tmp_path, [{"join": ["a"]}, {"step": 1}], {"a": {"prompt_len": 3}},
                      kv={"bits": 5, "group_size": 32}, synthetic={"head_dim": 96, "dtype": "float16"})
-    assert cells_of(schedule) == [coverage.Cell("join-into-empty", 5, 96, 32, "float16")]
+    assert cells_of(schedule) == [coverage.Cell("join-into-empty", 5, 96, 32, "float16", 2, "equal")]
+
+
+def test_cells_of_every_layer_at_its_key_dim_and_its_value_dim(tmp_path):
+    layers = [{"kv_heads": 1, "key_dim": 192, "value_dim": 128}, {"head_dim": 512}]
+    schedule = probe(tmp_path, [{"join": ["a"]}, {"step": 1}], {"a": {"prompt_len": 3}},
+                     kv={"bits": 3, "group_size": 64}, synthetic={"layers": layers, "dtype": "float32"})
+    cell = lambda dim, heads, kv_dims: coverage.Cell("join-into-empty", 3, dim, 64, "float32", heads, kv_dims)
+    assert cells_of(schedule) == [cell(128, 1, "differ"), cell(192, 1, "differ"), cell(512, 2, "equal")]

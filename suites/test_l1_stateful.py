@@ -33,6 +33,9 @@ def test_generated_schedules(implementation, policy, judged, generated_examples,
     assert machine.schedules_started >= generated_examples
     # Most generated rows go through the batch; waiting-only ones have no evidence.
     assert machine.row_outcomes.get(PASS, 0) >= generated_examples, machine.row_outcomes
+    # The shapes of real models are drawn: keys apart from values, wide heads, one kv head, several layers.
+    for feature in ("keys != values", "head_dim 256 or 512", "one kv head", "several layers"):
+        assert machine.shapes_drawn.get(feature, 0) >= generated_examples // 10, machine.shapes_drawn
 
 
 # Shrinking costs a minute or more for some bugs: two run by default, the

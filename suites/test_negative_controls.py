@@ -3,14 +3,17 @@ catalog under its policy, and the check named on the variant is among those
 that catch it. Parity variants fail under the default policy; hygiene
 variants are reported there and fail under ``strict``."""
 
+import json
+
 import pytest
 
 from kvparity.impl import negative_controls
-from kvparity.suites.adapter import load_implementation
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.suites.adapter import Implementation, load_implementation
 from kvparity.suites.checks import CHECKS, HYGIENE_CHECKS
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import catalog_paths, load
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +90,41 @@ def test_every_variant_is_listed():
     sensitive = {c for c in negative_controls.SUBCLASS_SENSITIVE if hasattr(c, "caught_by")}
     assert classes == set(negative_controls.VARIANTS) | sensitive | set(negative_controls.STORE_VARIANTS)
     assert len(negative_controls.VARIANTS) >= 6
+
+
+# -- shapes of real models: keys apart from values, layers of their own dims -----------
+
+
+def test_a_control_right_at_keys_equal_to_values_fails_where_they_differ(judged):
+    impl = load_implementation("kvparity.impl.negative_controls:EmptyBatchSizesValuesLikeKeys")
+    assert judged(run_l1(load(CATALOG / "batched-join-empty-bits-3-group-32.json"), impl)).verdict == PASS
+    apart = run_l1(load(CATALOG / "batched-join-empty-k192-v128.json"), impl)
+    assert judged(apart).verdict == FAIL
+    assert {d.check for d in apart.divergences} == {"raised"}
+    assert "update_and_fetch raised" in apart.first.message()
+
+
+class ValuesApartFirstTokenZeroed(BatchQuantizedKVCache):
+    """Right wherever keys and values share a dim; in a layer whose values
+    have a dim of their own, the first value token is zeroed in place."""
+
+    def update_and_fetch(self, keys, values):
+        fetched = super().update_and_fetch(keys, values)
+        if keys.shape[-1] != values.shape[-1]:
+            self.values[0][..., :1, :] = 0
+        return fetched
+
+
+def test_a_divergence_in_one_layer_of_several_names_that_layer(tmp_path, judged):
+    doc = {"name": "two-layers", "levels": ["L1"], "kv": {"bits": 4, "group_size": 32},
+           "synthetic": {"layers": [{"head_dim": 64}, {"kv_heads": 1, "key_dim": 96, "value_dim": 64}]},
+           "requests": {"a": {"prompt_len": 5}, "b": {"prompt_len": 3}},
+           "events": [{"join": ["a", "b"]}, {"step": 2}]}
+    path = tmp_path / "two-layers.json"
+    path.write_text(json.dumps(doc))
+    broken = Implementation("test:ValuesApartFirstTokenZeroed", ValuesApartFirstTokenZeroed)
+    result = run_l1(load(path), broken)
+    assert judged(result).verdict == FAIL
+    assert {d.layer for d in result.divergences} == {1}
+    assert "layer 1" in result.first.message() and "values" in result.first.message()
+    assert judged(run_l1(load(path), load_implementation())).verdict == PASS

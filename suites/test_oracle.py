@@ -12,7 +12,7 @@ from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import Reading, digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
-from kvparity.oracle.synthetic import SyntheticKV
+from kvparity.oracle.synthetic import LayerShape, SyntheticKV
 from kvparity.suites.l1_solo import SoloStates, layer_parts
 from kvparity.suites.schedule import Request, parse
 
@@ -276,7 +276,7 @@ def _cache_digest(solo):
 
 @pytest.mark.parametrize("start", [0, 9, 40], ids=["quantized", "converts mid-prompt", "waits unquantized"])
 def test_a_solo_state_is_computed_once_and_forks_are_independent(start):
-    kv = SyntheticKV(2, 64, "bfloat16")
+    kv = SyntheticKV([LayerShape(2, 64, 64)], "bfloat16")
     request = Request("a", prompt_len=23, quantized_kv_start=start, prefill_step_size=5)
     states = SoloStates()
     first_written, second_written, fresh_written = {}, {}, {}
@@ -291,7 +291,7 @@ def test_a_solo_state_is_computed_once_and_forks_are_independent(start):
     appended = states.after(first, kv, first_written, request, "append", 3)
     assert states.after(second, kv, second_written, request, "append", 3) is appended
     assert first_written == second_written == {"a": 26}
-    fresh.append(*kv.draw(fresh_written, request, 3))
+    fresh.append(kv.draw(fresh_written, request, 3))
     assert _cache_digest(appended.solo) == _cache_digest(fresh)
     trimmed = states.after(appended, kv, first_written, request, "trim", 2)
     assert first_written == {"a": 26}  # a trim draws nothing: rewritten positions get new bytes
@@ -299,13 +299,13 @@ def test_a_solo_state_is_computed_once_and_forks_are_independent(start):
     assert _cache_digest(trimmed.solo) == _cache_digest(fresh)
     rewritten = states.after(trimmed, kv, first_written, request, "append", 3)
     assert rewritten is not appended and len(states.kept) == 4
-    fresh.append(*kv.draw(fresh_written, request, 3))
+    fresh.append(kv.draw(fresh_written, request, 3))
     assert _cache_digest(rewritten.solo) == _cache_digest(fresh)
     # What a holder of a fork writes in place (mlx-lm's appends, a member
     # that writes its source) reaches neither another fork nor the kept state.
     before = _cache_digest(first.solo)
     fork, other = first.solo.fork(), first.solo.fork()
-    fork.append(*kv.draw({"a": 23}, request, 3))
+    fork.append(kv.draw({"a": 23}, request, 3))
     keys = fork.cache.keys[0] if isinstance(fork.cache.keys, (tuple, list)) else fork.cache.keys
     keys[..., :1, :] = 0
     assert _cache_digest(other) == _cache_digest(first.solo) == before
@@ -316,7 +316,7 @@ def test_a_solo_state_keeps_what_was_read_and_rereads_what_never_was():
     """A state's bytes are read once and kept for later events; bytes taken
     into a reading that was never evaluated (its checks raised) are dropped
     and read again, not served unread."""
-    kv = SyntheticKV(1, 64, "float16")
+    kv = SyntheticKV([LayerShape(1, 64, 64)], "float16")
     request = Request("a", prompt_len=9, quantized_kv_start=0, prefill_step_size=4)
     state = SoloStates().prefilled(kv, {}, request, 4, 64, 9)
     fresh = Reading()
@@ -324,13 +324,13 @@ def test_a_solo_state_keeps_what_was_read_and_rereads_what_never_was():
     fresh.evaluate()
     state.parts(Reading())  # never evaluated
     state.keep()
-    assert state.layer is None
+    assert state.layers is None
     reading = Reading()
     parts = state.parts(reading)
     assert state.parts(Reading()) is parts  # the same parts until kept
     reading.evaluate()
     state.keep()
-    kept = state.layer
-    assert state.parts(Reading()) is kept and all(part.reading is None for part in kept.values())
+    (kept,) = state.layers
+    assert state.parts(Reading())[0] is kept and all(part.reading is None for part in kept.values())
     assert {name: (part.bits.shape, part.bits.tobytes()) for name, part in kept.items()} == {
         name: (part.bits.shape, part.bits.tobytes()) for name, part in expected.items()}
