@@ -550,9 +550,30 @@ def test_long_context_memory(benchmark, implementation, variant, B, context, hea
 # the architecture's kv heads and head dim, read by mlx-lm's attention with the
 # architecture's query heads ("grouped") and, over the same cache, with one query
 # head per kv head ("per-kv-head"): what attention allocates beyond the layer,
-# over the layer's bytes. olmo2 (one query head per kv head) is the control.
-GQA_ARCHITECTURES = ("llama", "gemma", "olmo2") if QUICK else (
-    "llama", "qwen3", "gemma", "mixtral", "qwen3_next", "smollm3", "olmo2")
+# over the layer's bytes. An architecture with one query head per kv head is the control.
+
+
+def _gqa_architectures(quick: bool):
+    """The zoo's first architecture of each (query heads per kv head, head_dim)
+    among those whose every layer is a KVCache with keys and values of one dim
+    (the quick grid: the smallest and largest head_dim of each grouping)."""
+    from kvparity.oracle.zoo import ZOO
+
+    shapes = {}
+    for architecture in ZOO.values():
+        kv_heads, key_dim, value_dim = architecture.dims.get("KVCache", (0, 0, 1))
+        heads = architecture.config.get("text_config", architecture.config).get("num_attention_heads")
+        if set(architecture.layout) == {"KVCache"} and key_dim == value_dim and key_dim % GROUP_SIZE == 0 and heads:
+            shapes.setdefault((heads // kv_heads, key_dim), architecture.name)
+    if quick:
+        kept = {}
+        for repeats, dim in sorted(shapes):
+            kept.setdefault(repeats, []).append(dim)
+        shapes = {k: v for k, v in shapes.items() if k[1] in (min(kept[k[0]]), max(kept[k[0]]))}
+    return tuple(shapes[k] for k in sorted(shapes))
+
+
+GQA_ARCHITECTURES = _gqa_architectures(QUICK)
 GQA_CONTEXTS = (8192,) if QUICK else (8192, 16384)
 GQA_B, GQA_BITS = 4, 4
 GQA_VARIANTS = ("grouped", "per-kv-head")
