@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Callable, List, Optional
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -47,12 +48,49 @@ class MlxLmDefect:
     source: str  # mlx-lm's source that does it
     fixed_in: str  # the first mlx-lm release without it; NOT_FIXED for a limit of every release
     consequence: str  # what it leaves kvparity unable to judge
+    script: str = ""  # its plain-mlx-lm reproduction (DEFECT_SCRIPTS), where one shows it
 
     def attribution(self) -> str:
         """What a report says where the defect decides an outcome."""
         fixed = f"fixed in mlx-lm {self.fixed_in}" if self.fixed_in else "not fixed in mlx-lm"
+        shown = f"; reproduced by {self.script}" if self.script else ""
         return (f"mlx-lm {mlx_lm_version()} defect ({self.name}): {self.what} [{self.source}; "
-                f"{fixed}]: {self.consequence}")
+                f"{fixed}{shown}]: {self.consequence}")
+
+
+# The reproductions: plain mlx-lm scripts, each exiting 1 while its defect is there.
+DEFECT_SCRIPTS = Path(__file__).parent / "mlx_lm_defects"
+
+
+def script_path(name: str) -> str:
+    """How an attribution names a reproduction: its path in this repository."""
+    return f"oracle/mlx_lm_defects/{name}"
+
+
+@lru_cache(maxsize=None)
+def script_links() -> Tuple[Tuple[str, str, Tuple[str, ...]], ...]:
+    """(defect name, script, texts) for each reproduction that says which
+    attribution it reproduces, in its header: ``# kvparity-defect: NAME`` and
+    one ``# kvparity-match: TEXT`` per text the defect's what and source must
+    all contain (mlx-lm's file, function or message: never a model family)."""
+    links = []
+    for script in sorted(DEFECT_SCRIPTS.glob("*.py")):
+        header = [line.split(":", 1) for line in script.read_text().splitlines() if line.startswith("# kvparity-")]
+        names = [value.strip() for key, value in header if key == "# kvparity-defect"]
+        texts = tuple(value.strip() for key, value in header if key == "# kvparity-match")
+        if names:
+            links.append((names[0], script_path(script.name), texts))
+    return tuple(links)
+
+
+def with_script(defect: Optional[MlxLmDefect]) -> Optional[MlxLmDefect]:
+    """``defect`` naming the reproduction that shows it, where exactly one matches."""
+    if defect is None or defect.script:
+        return defect
+    text = f"{defect.what} {defect.source}"
+    found = [script for name, script, texts in script_links()
+             if name == defect.name and texts and all(t in text for t in texts)]
+    return replace(defect, script=found[0]) if len(found) == 1 else defect
 
 
 # What ``attribution`` writes before the defect's text; ``defect_named`` reads its name back.
@@ -82,6 +120,7 @@ GQA_LEFT_PADDING_MASK = MlxLmDefect(
     fixed_in="0.32.0",
     consequence=("the cache's bytes held, the logits diverge through mlx-lm's attention, so parity cannot be "
                  "judged on this model here"),
+    script=script_path("gqa_left_padding_mask.py"),
 )
 
 
@@ -276,6 +315,7 @@ QUANTIZED_FIRST_WRITE = MlxLmDefect(
     source="mlx_lm/models/cache.py QuantizedKVCache.update_and_fetch, init_quant 'dim // el_per_int'",
     fixed_in=NOT_FIXED,
     consequence="mlx-lm's solo run quantized from the first token, the L3 oracle, cannot run here",
+    script=script_path("quantized_kv_first_write_width.py"),
 )
 
 

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvparity.oracle.mlx_lm_versions import (
     MlxLmDefect, dense_batch_differs, kv_bits_leaves_dense, mlx_lm_frame, no_batched_class, solo_kv_bits_raises,
+    with_script,
 )
 
 # The kv settings a plan is probed with: 4 bits, the largest of these group
@@ -177,7 +178,12 @@ def plan_for(model) -> CachePlan:
 
 def limit_for(model, plan: CachePlan) -> Optional[MlxLmDefect]:
     """The first limit of mlx-lm's that keeps a batch of ``model`` from being
-    judged against its solo kv_bits run, found by running mlx-lm, or None."""
+    judged against its solo kv_bits run, found by running mlx-lm, or None;
+    it names its reproduction script where one matches it."""
+    return with_script(_first_limit(model, plan))
+
+
+def _first_limit(model, plan: CachePlan) -> Optional[MlxLmDefect]:
     if plan.conversion is not None:
         return plan.conversion
     caches = make_prompt_cache(model)

@@ -31,6 +31,10 @@ DECODE_HEADERS = [
 LONG_CONTEXT_HEADERS = [
     "model", "B", "context", "variant", "KV", "floor MiB", "attention MiB", "step peak MiB", "decode peak MiB"
 ]
+GQA_ATTENTION_HEADERS = [
+    "model", "B", "context", "read by", "query heads", "kv heads", "head_dim", "layer MiB", "attention MiB",
+    "attention / layer",
+]
 
 
 class BenchmarkFailed(RuntimeError):
@@ -192,6 +196,21 @@ def long_context_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
     return LONG_CONTEXT_HEADERS, rows
 
 
+def gqa_attention_table(benchmark_json_path) -> Tuple[List[str], List[list]]:
+    """(headers, rows): what mlx-lm's quantized attention over one layer allocates beyond it, per architecture."""
+    rows = []
+    for bench in _load(benchmark_json_path):
+        info = bench.get("extra_info", {})
+        if info.get("metric") != "gqa-attention":
+            continue
+        rows.append([
+            info["model"], info["B"], info["context"], info["variant"], info["n_heads"], info["n_kv_heads"],
+            info["head_dim"], round(info["floor_bytes"] / 2**20, 2), round(info["attention_bytes"] / 2**20, 2),
+            round(info["attention_bytes"] / info["floor_bytes"], 2),
+        ])
+    return GQA_ATTENTION_HEADERS, rows
+
+
 def render_markdown(
     benchmark_json_path, quick: bool, seconds: Optional[float] = None, impl: Optional[str] = None
 ) -> str:
@@ -230,6 +249,19 @@ def render_markdown(
             "Beyond the weights: the floor is the cache's own bytes; attention is what "
             "mlx-lm's attention over one layer allocates beyond them; the step is the "
             "last of 256 decoded tokens, the decode all 256, through one growth of the buffers.",
+            "",
+            tabulate(rows, headers, tablefmt="github"),
+            "",
+        ]
+    headers, rows = gqa_attention_table(benchmark_json_path)
+    if rows:
+        lines += [
+            "## Quantized attention for grouped-query heads",
+            "",
+            "What mlx-lm's quantized attention over one layer of the cache allocates beyond it, read by "
+            "the architecture's query heads (grouped) and, over the same cache, by one query head per kv "
+            "head: grouped heads materialise the layer's keys and values about once per query head of a "
+            "group (oracle/mlx_lm_defects/gqa_quantized_attention_memory.py).",
             "",
             tabulate(rows, headers, tablefmt="github"),
             "",

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvparity.reports import bench as bench_module
-from kvparity.reports.bench import SUITE, long_context_table, ratio_table
+from kvparity.reports.bench import SUITE, gqa_attention_table, long_context_table, ratio_table
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.suites.schedule import CATALOG
 
@@ -66,6 +66,22 @@ def test_long_context_table_in_mib(tmp_path):
     headers, rows = long_context_table(path)
     assert headers[-4:] == ["floor MiB", "attention MiB", "step peak MiB", "decode peak MiB"]
     assert rows == [["llama-h64-bf16", 4, 8192, "quantized", "4-bit", 10.0, 0.5, 21.0, 25.0]]
+
+
+def test_grouped_query_attention_table_per_architecture(tmp_path):
+    path = tmp_path / "benchmark.json"
+    info = dict(model="llama", B=4, context=8192, n_kv_heads=2, head_dim=64, kv_dtype="4-bit", floor_bytes=5 * 2**20)
+    path.write_text(json.dumps({"benchmarks": [
+        bench("llama context=8192", "grouped", 0.0, metric="gqa-attention", n_heads=4, attention_bytes=21 * 2**19,
+              **info),
+        bench("llama context=8192", "per-kv-head", 0.0, metric="gqa-attention", n_heads=2,
+              attention_bytes=2**18, **info),
+        bench("B=16 width=1024", "extend", 1.0, [JOIN]),
+    ]}))
+    headers, rows = gqa_attention_table(path)
+    assert headers[-3:] == ["layer MiB", "attention MiB", "attention / layer"]
+    assert rows == [["llama", 4, 8192, "grouped", 4, 2, 64, 5.0, 10.5, 2.1],
+                    ["llama", 4, 8192, "per-kv-head", 2, 2, 64, 5.0, 0.25, 0.05]]
 
 
 # -- `kvparity bench` and `run --bench`: a failing suite fails the command --------------

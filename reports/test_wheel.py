@@ -93,6 +93,9 @@ def test_the_wheel_holds_everything_read_at_run_time(installed):
                            for p in (installed.package / folder).rglob("*.json")}
         assert shipped == installed_files, f"{folder}: missing from the wheel: {sorted(shipped - installed_files)}"
     assert (installed.package / "reports" / "shard-costs.json").is_file(), "the shards' cost table"
+    scripts = {p.name for p in (ROOT / "oracle" / "mlx_lm_defects").glob("*.py")}
+    assert scripts and scripts == {p.name for p in (installed.package / "oracle" / "mlx_lm_defects").glob("*.py")}, (
+        "the mlx-lm defect reproductions an attribution names")
 
 
 def test_the_plugin_runs_kvparity_suites_on_their_cache(installed):

@@ -473,14 +473,15 @@ def _decode_through_growth(loaded, caches, base):
     return peaks
 
 
-def _attention_peak(loaded, cache, base):
+def _attention_peak(loaded, cache, base, n_heads=None):
     """What mlx-lm's attention over one layer's cache allocates beyond what is
-    held: the cache's own keys and values, as the model would get them."""
+    held: the cache's own keys and values, as the model would get them, read
+    by ``n_heads`` query heads (the model's)."""
     cache.trim(1)  # the buffer is full: the token appended below must not grow it
     mask = cache.make_mask(1)
     shape = (cache.offset.shape[0], loaded.n_kv_heads, 1, loaded.head_dim)
     keys, values = cache.update_and_fetch(*(mx.zeros(shape, loaded.dtype),) * 2)
-    queries = mx.random.normal((shape[0], loaded.n_heads, 1, loaded.head_dim), key=mx.random.key(0))
+    queries = mx.random.normal((shape[0], n_heads or loaded.n_heads, 1, loaded.head_dim), key=mx.random.key(0))
     queries = queries.astype(loaded.dtype)
     mx.eval(mask, keys, values, queries)
     held = mx.get_active_memory() - base
@@ -537,6 +538,83 @@ def test_long_context_memory(benchmark, implementation, variant, B, context, hea
         decode_peak_bytes=max(peaks),
         attention_bytes=attention,
         layers=loaded.num_layers,
+    )
+
+
+# -- quantized attention for grouped-query heads, per architecture --------------------
+# mlx-lm's quantized attention gives grouped-query keys and values a repeats axis
+# of 1 and mx.quantized_matmul broadcasts them over the repeats, materialising a
+# layer's packed keys and values about repeats times (oracle/mlx_lm_defects/
+# gqa_quantized_attention_memory.py): the gap between the long-context decode
+# peak and its floor. Per zoo architecture, one layer of the cache under test at
+# the architecture's kv heads and head dim, read by mlx-lm's attention with the
+# architecture's query heads ("grouped") and, over the same cache, with one query
+# head per kv head ("per-kv-head"): what attention allocates beyond the layer,
+# over the layer's bytes. An architecture with one query head per kv head is the control.
+
+
+def _gqa_architectures(quick: bool):
+    """The zoo's first architecture of each (query heads per kv head, head_dim)
+    among those whose every layer is a KVCache with keys and values of one dim
+    (the quick grid: the smallest and largest head_dim of each grouping)."""
+    from kvparity.oracle.zoo import ZOO
+
+    shapes = {}
+    for architecture in ZOO.values():
+        kv_heads, key_dim, value_dim = architecture.dims.get("KVCache", (0, 0, 1))
+        heads = architecture.config.get("text_config", architecture.config).get("num_attention_heads")
+        if set(architecture.layout) == {"KVCache"} and key_dim == value_dim and key_dim % GROUP_SIZE == 0 and heads:
+            shapes.setdefault((heads // kv_heads, key_dim), architecture.name)
+    if quick:
+        kept = {}
+        for repeats, dim in sorted(shapes):
+            kept.setdefault(repeats, []).append(dim)
+        shapes = {k: v for k, v in shapes.items() if k[1] in (min(kept[k[0]]), max(kept[k[0]]))}
+    return tuple(shapes[k] for k in sorted(shapes))
+
+
+GQA_ARCHITECTURES = _gqa_architectures(QUICK)
+GQA_CONTEXTS = (8192,) if QUICK else (8192, 16384)
+GQA_B, GQA_BITS = 4, 4
+GQA_VARIANTS = ("grouped", "per-kv-head")
+
+
+def _gqa_case(name, context):
+    return f"{name} context={context}"
+
+
+GQA_ATTENTION = tuple(
+    Ratio(f"quantized attention ({variant} query heads): attention / layer bytes", variant, variant,
+          quantity="attention_bytes", denominator_quantity="floor_bytes")
+    for variant in GQA_VARIANTS
+)
+
+
+@pytest.mark.parametrize("variant", GQA_VARIANTS)
+@pytest.mark.parametrize("context", GQA_CONTEXTS)
+@pytest.mark.parametrize("name", GQA_ARCHITECTURES)
+def test_grouped_query_attention_memory(benchmark, implementation, name, context, variant):
+    """mlx-lm's attention over one quantized layer of GQA_B rows of ``context`` tokens."""
+    loaded = _model(name)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    shape = (loaded.n_kv_heads, loaded.head_dim)
+    rows = []
+    for row in range(GQA_B):
+        k = mx.random.normal((1, shape[0], context - (97 * row) % GROWTH, shape[1]), key=mx.random.key(row))
+        cache = KVCache()
+        cache.update_and_fetch(k.astype(loaded.dtype), k.astype(loaded.dtype))
+        rows.append(cache.to_quantized(group_size=GROUP_SIZE, bits=GQA_BITS))
+        _eval_cache(rows[-1])
+    cache = implementation.batch_class.merge(rows)
+    _eval_cache(cache)
+    heads = loaded.n_heads if variant == "grouped" else loaded.n_kv_heads
+    attention = benchmark.pedantic(
+        lambda: _attention_peak(loaded, cache, base, n_heads=heads), rounds=1, iterations=1)
+    _record(
+        benchmark, "gqa-attention", _gqa_case(name, context), variant, GQA_ATTENTION, model=name, B=GQA_B,
+        context=context, n_heads=heads, n_kv_heads=loaded.n_kv_heads, head_dim=loaded.head_dim,
+        kv_dtype=f"{GQA_BITS}-bit", floor_bytes=cache.nbytes, attention_bytes=attention,
     )
 
 
