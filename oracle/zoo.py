@@ -57,6 +57,8 @@ WINDOW = 16  # every sliding window: a schedule of a few dozen tokens crosses it
 ROTATING_NYI = "NotImplementedError: RotatingKVCache Quantization NYI @ mlx_lm/models/cache.py:554"
 GEMMA2_GQA = ("TypeError: expand_dims(): incompatible function arguments. The following "
               "argument types are supported: @ mlx_lm/models/gemma2.py:89")
+KV_SHARED_SDPA = ("TypeError: scaled_dot_product_attention(): incompatible function arguments. The "
+                  "following argument types are supported: @ mlx_lm/models/base.py:132")
 MLA_K_PE = ("AttributeError: 'list' object has no attribute 'swapaxes' @ "
             "mlx_lm/models/deepseek_v3.py:146")
 
@@ -80,7 +82,7 @@ def _arch(name, note, config, layout, dims, kv_bits=RUNS):
 # random one they make every next-token distribution near uniform.
 UNSCALED = 1.0
 
-KV, ROT, ARR = "KVCache", "RotatingKVCache", "ArraysCache"
+KV, ROT, ARR, CHUNK = "KVCache", "RotatingKVCache", "ArraysCache", "ChunkedKVCache"
 FALCON = "CacheList(ArraysCache,KVCache)"
 
 _ENTRIES = [
@@ -197,6 +199,16 @@ _ENTRIES = [
         "sliding_window_pattern": 5, "max_position_embeddings": 4096,
         "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
     }, [ROT] * 4 + [KV], {ROT: (1, 256, 256), KV: (1, 512, 512)}, ROTATING_NYI),
+    _arch("gemma4_text-kv_shared_full", "Gemma 4 with KV sharing and every layer full attention: the "
+          "last two layers read the second's KV (no sliding layer, so kv_bits reaches the shared ones)", {
+        "model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 4,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 256, "global_head_dim": 256, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
+        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "sliding_window": WINDOW,
+        "layer_types": ["full_attention"] * 4, "max_position_embeddings": 4096,
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
+    }, [KV] * 2, {KV: (1, 256, 256)}, KV_SHARED_SDPA),
     _arch("mistral3", "Mistral Small 3.1: a llama text_config (model_type mistral), head_dim 128", {
         "model_type": "mistral3",
         "text_config": {
@@ -369,6 +381,18 @@ _ENTRIES = [
         "rope_theta": 500000.0, "head_dim": 128, "tie_word_embeddings": False,
         "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
     }, [KV] * 4, {KV: (2, 128, 128)}),
+    _arch("llama4", "Llama 4 Scout's text: chunked attention (ChunkedKVCache) on three layers in four, MoE", {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": WINDOW,
+            "head_dim": 128, "hidden_size": 128, "interleave_moe_layer_step": 2, "intermediate_size": 128,
+            "intermediate_size_mlp": 256, "max_position_embeddings": 4096, "num_attention_heads": 4,
+            "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 2,
+            "num_local_experts": 2, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 500000.0,
+            "use_qk_norm": True,
+            "vocab_size": VOCAB_SIZE,
+        },
+    }, [CHUNK] * 3 + [KV], {KV: (2, 128, 128)}),
     _arch("smollm3", "SmolLM3 3B: llama with no RoPE on every 4th layer, head_dim 128", {
         "model_type": "smollm3", "hidden_size": 256, "num_hidden_layers": 4,
         "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -434,7 +458,8 @@ def _text_args_class(config: dict) -> Optional[type]:
     if "text_config" not in config:
         return None
     for cls in _get_classes(config)[0].__mro__:
-        text_args = getattr(sys.modules[cls.__module__], "TextModelArgs", None)
+        module = sys.modules[cls.__module__]
+        text_args = getattr(module, "TextModelArgs", None) or getattr(module, "TextArgs", None)
         if text_args is not None:
             return text_args
     return _get_classes(config["text_config"])[1]
