@@ -163,25 +163,25 @@ class SoloCaches:
             self.stores[name] = LRUPromptCache(limits.max_size, limits.max_bytes)
         return self.stores[name]
 
-    def apply(self, calls_at: Dict[str, list]):
+    def apply(self, calls: List[tuple]):
+        """The event's (request, call) pairs, in the order the replay made them."""
         bits, group_size = self.schedule.bits, self.schedule.group_size
-        for rid, calls in calls_at.items():
+        for rid, call in calls:
             request = self.schedule.requests[rid]
-            for call in calls:
-                if call.op == "prefill":
-                    state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
-                elif call.op == "store":
-                    self.store(call.store).insert_cache(MODEL_KEY, list(call.tokens),
-                                                         [stored_copy(c) for c in self.caches(rid)])
-                    continue
-                elif call.op == "resume":
-                    cache, rest = fetch_nearest(self.store(call.store), call.tokens)
-                    self.reused[rid] = len(call.tokens) - len(rest)
-                    self.written[rid] = sum(1 for stream, _ in call.tokens if stream == rid)
-                    state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request, cache, rest))
-                else:
-                    state = SOLO_STATES.after(self.states[rid], self.kv, self.written, request, call.op, call.n)
-                self.states[rid] = state
+            if call.op == "prefill":
+                state = SOLO_STATES.prefilled(self.kv, self.written, request, bits, group_size, call.n)
+            elif call.op == "store":
+                self.store(call.store).insert_cache(MODEL_KEY, list(call.tokens),
+                                                     [stored_copy(c) for c in self.caches(rid)])
+                continue
+            elif call.op == "resume":
+                cache, rest = fetch_nearest(self.store(call.store), call.tokens)
+                self.reused[rid] = len(call.tokens) - len(rest)
+                self.written[rid] = sum(1 for stream, _ in call.tokens if stream == rid)
+                state = SOLO_STATES.resumed(prefilled_from(self.kv, self.schedule, request, cache, rest))
+            else:
+                state = SOLO_STATES.after(self.states[rid], self.kv, self.written, request, call.op, call.n)
+            self.states[rid] = state
 
 
 def layer_parts(reading: Reading, cache) -> dict:

@@ -119,9 +119,17 @@ class Replay:
     def running(self) -> List[str]:
         return self.rows + list(self.waiting)
 
-    def calls_at(self, event_index: int) -> Dict[str, List[ScheduledCall]]:
-        return {rid: [c for c in calls if c.event == event_index]
-                for rid, calls in self.calls.items() if calls and calls[-1].event == event_index}
+    def calls_at(self, event_index: int) -> List[Tuple[str, ScheduledCall]]:
+        """(request, call) of every call made at that event, in the order they
+        were made: rows stored together evict one another in that order."""
+        at = []
+        for rid, j in reversed(self.order):
+            call = self.calls[rid][j]
+            if call.event < event_index:
+                break
+            if call.event == event_index:
+                at.append((rid, call))
+        return at[::-1]
 
     # -- validation ------------------------------------------------------------------
 
