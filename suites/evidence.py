@@ -150,9 +150,12 @@ class OracleNondeterministic(Exception):
                          + (f" ({detail})" if detail else ""))
 
 
-def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests):
+def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests,
+                said: str = ""):
     """The implementation's path raised where mlx-lm's solo path did not: a
-    failure, worded the same at every level."""
+    failure, worded the same at every level (``said``: how, where the
+    raising member alone does not tell it)."""
     result.raised_by = raised.member
-    result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {raised}")
-    result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=str(raised))])
+    said = said or str(raised)
+    result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {said}")
+    result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=said)])

@@ -193,7 +193,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                 result.stop(NOT_SUPPORTED if raised.capability else REFUSED,
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:
-                note_raised(result, 0, SERVE_LABEL, what, everyone)
+                note_raised(result, 0, SERVE_LABEL, raised, everyone, said=what)
             return None
         except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
             raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")

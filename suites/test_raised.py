@@ -84,3 +84,24 @@ def test_only_a_bug_of_kvparity_itself_exits_128(capsys, monkeypatch, level, sch
     code, out, err = run(capsys, "check", "--level", level, "--schedule", schedule)
     assert code == EXIT_HARNESS_ERROR, out + err
     assert "a bug in the harness" in err and "internal error (a bug in kvparity" in err
+
+
+def filter_that_raises(self, batch_indices):
+    raise RuntimeError("rows went missing")
+
+
+@pytest.mark.parametrize("level, schedule, said", [
+    ("L1", CATALOG / "leave-longest.json", "filter raised RuntimeError: rows went missing"),
+    ("L3", L3_SCHEDULE, "the engine's call of filter raised RuntimeError: rows went missing"),
+])
+@pytest.mark.gqa_batched
+def test_a_member_raising_is_a_failure_that_names_it(capsys, monkeypatch, level, schedule, said):
+    """A required member that raises (not NotImplementedError) is the cache's
+    FAIL, naming the member, at every level; never kvparity's crash."""
+    from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+
+    monkeypatch.setattr(BatchQuantizedKVCache, "filter", filter_that_raises)
+    code, out, err = run(capsys, "replay", schedule, "--level", level)
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert code == EXIT_BROKEN, out + err
+    assert said in out, out
