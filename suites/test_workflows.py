@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml  # a dependency of mlx-lm, so always installed with kvparity
 
+from kvparity.reports.verdicts import EXIT_USAGE
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -315,17 +317,17 @@ def test_gate_command_from_inputs(monkeypatch):
 @pytest.mark.slow  # three kvparity processes
 def test_gate_records_kvparity_status_and_succeeds(tmp_path):
     """The step itself exits 0 so the summary and upload run; the status is
-    kvparity's own (here 125: this MLX has no GPU, or 2: a bad level)."""
+    kvparity's own (here 125: this MLX has no GPU, or the usage status: a bad level)."""
     import mlx.core as mx
     done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_LEVELS": "L9"})
-    assert done.returncode == 0 and output == "exit-status=2\n", done.stdout + done.stderr + output
-    assert "invalid choice: 'L9'" in done.stderr
+    assert done.returncode == 0 and output == f"exit-status={EXIT_USAGE}\n", done.stdout + done.stderr + output
+    assert "levels 'L9': expected some of L1, L2, L3" in done.stderr
     if not mx.metal.is_available():
         done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": REFERENCE_IMPL})
         assert output.endswith("exit-status=125\n"), done.stdout + done.stderr
         assert "no gpu backend" in done.stderr
     done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": " "})
-    assert done.returncode == 0 and output.endswith("exit-status=2\n")
+    assert done.returncode == 0 and output.endswith(f"exit-status={EXIT_USAGE}\n")
     assert done.stdout.startswith("::error title=kvparity gate::the input impl is empty")
 
 
