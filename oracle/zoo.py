@@ -37,6 +37,7 @@ from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
 __all__ = [
     "KV_GROUP_SIZE",
+    "RECORDED_ON",
     "RUNS",
     "ZOO",
     "Architecture",
@@ -53,7 +54,9 @@ RUNS = "runs"
 KV_BITS, KV_GROUP_SIZE = 4, 32  # 32 divides every key and value dim in the zoo
 WINDOW = 16  # every sliding window: a schedule of a few dozen tokens crosses it
 
-# What mlx-lm 0.32.2's solo kv_bits run raises, where it does not run (first line).
+# What mlx-lm's solo kv_bits run raises, where it does not run (first line), as
+# RECORDED_ON raises it; another release may raise it from another line.
+RECORDED_ON = "0.32.2"
 ROTATING_NYI = "NotImplementedError: RotatingKVCache Quantization NYI @ mlx_lm/models/cache.py:554"
 GEMMA2_GQA = ("TypeError: expand_dims(): incompatible function arguments. The following "
               "argument types are supported: @ mlx_lm/models/gemma2.py:89")
@@ -238,6 +241,9 @@ _ENTRIES = [
         "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
         "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+        # Phi-3.5-MoE's LongRoPE block (one factor per rotated pair); mlx-lm 0.31 requires it.
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
+                         "short_mscale": 1.0, "long_mscale": 1.0},
     }, [KV, KV], {KV: (1, 128, 128)}),
     _arch("gpt_oss", "gpt-oss: sliding and full layers alternating, attention sinks, MoE", {
         "model_type": "gpt_oss", "hidden_size": 128, "num_hidden_layers": 2,
@@ -320,6 +326,7 @@ _ENTRIES = [
         "shared_intermediate_size": 128, "mamba_n_heads": 8, "mamba_d_head": 32,
         "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4,
         "mamba_n_groups": 1, "mamba_conv_bias": True, "position_embedding_type": "nope",
+        "rope_theta": 10000.0,  # unused without RoPE; mlx-lm 0.31's ModelArgs requires it
         "tie_word_embeddings": False,
     }, [ARR] * 5 + [KV], {KV: (1, 128, 128)}),
     _arch("lfm2", "LFM2: short-convolution layers with attention in between", {
@@ -334,6 +341,7 @@ _ENTRIES = [
     _arch("nemotron_h", "Nemotron-H: Mamba-2, MLP-only and attention blocks (M-*-: the MLP "
           "blocks have no cache), head_dim 128", {
         "model_type": "nemotron_h", "vocab_size": VOCAB_SIZE, "hidden_size": 128,
+        "num_hidden_layers": 4,  # the pattern's length; mlx-lm 0.31's ModelArgs requires it
         "intermediate_size": 256, "max_position_embeddings": 4096,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
         "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 32,

@@ -2,13 +2,16 @@
 config keys are fields mlx-lm reads, and mlx-lm's caches for it are as the entry says."""
 
 import math
+import re
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvparity.oracle.models import VOCAB_SIZE
 from kvparity.oracle.zoo import (
+    RECORDED_ON,
     RUNS,
     ZOO,
     build_zoo_model,
@@ -19,6 +22,13 @@ from kvparity.oracle.zoo import (
     written_dims,
     zoo_config,
 )
+
+
+def as_recorded(outcome: str) -> str:
+    """The outcome as the zoo records it: whole on the mlx-lm it was recorded
+    on, without mlx-lm's line number on another release."""
+    return outcome if mlx_lm.__version__ == RECORDED_ON else re.sub(r":\d+$", "", outcome)
+
 
 # Shorter than every sliding window, so a rotating cache holds every token written.
 TOKENS = [3, 17, 101, 250, 7, 9, 400, 33]
@@ -110,7 +120,7 @@ def test_solo_kv_bits_is_recorded_for_a_run_and_a_refusal():
     for name in ("llama", "gemma3_text"):
         model, _ = build_zoo_model(name)
         outcome, layout = solo_kv_bits(model, mx.array(PROMPT))
-        assert outcome == ZOO[name].kv_bits
+        assert as_recorded(outcome) == as_recorded(ZOO[name].kv_bits)
         assert layout == (quantized_layout(ZOO[name].layout) if outcome == RUNS else None)
 
 
@@ -120,6 +130,6 @@ def test_solo_kv_bits_is_as_recorded(name):
     arch = ZOO[name]
     model, _ = build_zoo_model(name)
     outcome, layout = solo_kv_bits(model, mx.array(PROMPT))
-    assert outcome == arch.kv_bits
+    assert as_recorded(outcome) == as_recorded(arch.kv_bits)
     if outcome == RUNS:
         assert layout == quantized_layout(arch.layout)
