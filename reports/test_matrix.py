@@ -285,6 +285,7 @@ def runs_on(record, model):
     return [r for r in record["results"] if r["model"] == model]
 
 
+@pytest.mark.gqa_batched
 def test_architecture_cells_from_real_reports(arch_rows, tmp_path, capsys):
     _, doc, out = render(arch_rows, tmp_path)
     jsonschema.validate(doc, json.loads((matrix.SCHEMAS / "matrix.schema.json").read_text()))
@@ -340,6 +341,7 @@ class ArchitecturePage(HTMLParser):
             self._cell = None
 
 
+@pytest.mark.gqa_batched
 def test_architecture_page_colours_each_cell_by_its_outcomes(arch_rows, tmp_path, capsys):
     _, doc, out = render(arch_rows, tmp_path)
     page = ArchitecturePage()
@@ -378,6 +380,7 @@ def test_an_architecture_cell_reads_pass_only_where_every_run_passed(counts, css
     assert matrix.architecture_class(None, None) == "nothing" and matrix.architecture_class(entry, CANNOT) == "cannot"
 
 
+@pytest.mark.gqa_batched
 def test_a_tampered_verdict_is_judged_again_from_its_evidence(arch_rows, tmp_path, capsys):
     """The cells come from the evidence: a report.json whose gemma3_text
     runs claim to pass still shows mlx-lm's limit."""
@@ -394,6 +397,7 @@ def test_a_tampered_verdict_is_judged_again_from_its_evidence(arch_rows, tmp_pat
     assert entry["architectures"]["gemma3_text"]["cell"]["pass"] == 0
 
 
+@pytest.mark.gqa_batched
 def test_the_run_report_shows_the_architecture_axis(arch_rows):
     """report.md and report.html: a table of model x outcome counts with
     mlx-lm's limits, from the same code as the matrix's (writer.architectures)."""
@@ -436,6 +440,7 @@ def test_the_run_report_shows_the_architecture_axis(arch_rows):
 
 
 @pytest.mark.slow  # a browser start, seconds
+@pytest.mark.gqa_batched
 def test_the_architecture_table_in_a_headless_browser(arch_rows, tmp_path, capsys):
     binary = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if binary is None:

@@ -45,6 +45,7 @@ def test_the_plan_is_read_off_mlx_lm_s_prompt_cache():
     assert wider.group_sizes_fit(64) is None and "head_dim=192" in wider.group_sizes_fit(128)
 
 
+@pytest.mark.gqa_batched
 def test_a_hybrid_s_ssm_state_is_compared_bit_exact(implementation, judged, monkeypatch):
     schedule = load(CATALOG / "join-longer-joiner.json")
     result = run_l2(schedule, implementation, HYBRID, use_cache=False)
@@ -64,6 +65,7 @@ def test_a_hybrid_s_ssm_state_is_compared_bit_exact(implementation, judged, monk
     assert first.check == BYTES and first.layer == 0 and first.tensor == "state.0"
 
 
+@pytest.mark.gqa_batched
 def test_rollback_on_ssm_state_is_not_supported_by_name(implementation, judged):
     result = run_l2(load(CATALOG / "spec-round-even.json"), implementation, HYBRID, use_cache=False)
     assert judged(result).verdict == NOT_SUPPORTED
@@ -76,6 +78,7 @@ def test_keys_and_values_of_different_widths_are_judged_at_their_own_dims(implem
     assert judged(result).verdict == PASS and compared(result, QUANTIZED) > 0
 
 
+@pytest.mark.gqa_batched
 def test_no_pass_where_mlx_lm_s_solo_kv_bits_run_cannot_exist(implementation, judged):
     l2 = run_l2(load(CATALOG / "join-empty.json"), implementation, SLIDING, use_cache=False)
     l3 = run_l3(arrivals.load(L3_CATALOG / "staggered.json"), implementation, None, SLIDING, use_cache=False)
@@ -84,6 +87,7 @@ def test_no_pass_where_mlx_lm_s_solo_kv_bits_run_cannot_exist(implementation, ju
         assert "RotatingKVCache Quantization NYI" in result.reason and "mlx_lm/models/cache.py" in result.reason
 
 
+@pytest.mark.gqa_batched
 @pytest.mark.parametrize("engine, model, layer", [
     ("leaves_batch_dense", KEYS_WIDER, 0),
     ("converts_if_layer0_attention", HYBRID, 3),
@@ -97,12 +101,14 @@ def test_an_engine_that_leaves_a_layer_dense_fails_naming_it(implementation, jud
     assert f"layer {layer} holds a BatchKVCache" in found[0].message() and "#0 serve" in found[0].message()
 
 
+@pytest.mark.gqa_batched
 def test_converting_when_layer_0_is_attention_passes_where_it_is(implementation, judged):
     result = run_l3(arrivals.load(L3_CATALOG / "staggered.json"), implementation,
                     f"{TEST_ENGINES}:converts_if_layer0_attention", "llama-h64-bf16", use_cache=False)
     assert judged(result).verdict == PASS
 
 
+@pytest.mark.gqa_batched
 def test_kvparity_models_lists_plans_and_limits(capsys):
     assert main(["models", HYBRID, SLIDING, "--json"]) == EXIT_OK
     records = {r["model"]: r for r in json.loads(capsys.readouterr().out)["models"]}

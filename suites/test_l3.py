@@ -217,6 +217,7 @@ def test_mlx_lm_first_write_defect_is_never_a_pass(implementation, judged):
         assert judged(result).verdict == PASS
 
 
+@pytest.mark.gqa_batched
 def test_oracle_that_cannot_run_is_never_a_pass(implementation, judged, monkeypatch):
     def raises(model, request):
         raise ValueError("no kernel for this shape")
