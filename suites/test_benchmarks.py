@@ -668,9 +668,11 @@ def time_command(argv, env=None, cwd=None) -> float:
     return time.perf_counter() - start
 
 
+# Each command gates the implementation under test, named on its command line
+# (its last argument): a wheel's package folder has no pyproject to name it.
 COMMANDS = {
-    "kvparity run": ["-m", "kvparity", "run", "--no-report"],
-    "default test suite": ["-m", "pytest", "-q"],
+    "kvparity run": ["-m", "kvparity", "run", "--no-report", "--impl"],
+    "default test suite": ["-m", "pytest", "-q", "--kvparity-impl"],
 }
 
 
@@ -681,10 +683,10 @@ def oracle_caches(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["cold", "warm"])
 @pytest.mark.parametrize("command", ["kvparity run", *([] if QUICK else ["default test suite"])])
-def test_harness_wall_time(benchmark, oracle_caches, command, variant):
+def test_harness_wall_time(benchmark, implementation, oracle_caches, command, variant):
     """Wall time of a whole command with an empty oracle cache (cold) and with
     the cache a previous run filled (warm); one round each, they take seconds."""
-    argv = [sys.executable, *COMMANDS[command]]
+    argv = [sys.executable, *COMMANDS[command], implementation.spec]
     cache = oracle_caches / command.replace(" ", "-")
     env = {**os.environ, "KVPARITY_ORACLE_CACHE": str(cache)}
     root = Path(__file__).parent.parent
