@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import DEFAULT_MODEL
 from kvparity.suites.schedule import (
-    CATALOG, DEFAULT_PREFILL_STEP, check_fields, check_int, check_kv, read_document, reject,
+    CATALOG, DEFAULT_PREFILL_STEP, DEFAULT_SHAPE, check_fields, check_int, check_kv, check_memory, read_document,
+    reject,
 )
 
 KIND = "arrivals"
@@ -179,6 +180,12 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
     system = _system(source, doc["system"]) if "system" in doc else None
     requests = {rid: _request(source, rid, spec, kv, default_step) for rid, spec in requests_doc.items()}
     _check_conversations(source, requests, engine, system)
+    # The model's layers are not known here: the default layer gives a floor.
+    shared = system.prompt_len if system is not None else 0
+    check_memory(source, [shared + r.prompt_len + len(r.text or "") + r.max_tokens for r in requests.values()],
+                 [(n, f"request {r.id!r} {key}") for r in requests.values()
+                  for n, key in ((r.prompt_len, "prompt_len"), (r.max_tokens, "max_tokens"))],
+                 [DEFAULT_SHAPE], "bfloat16", "model")
     return ArrivalSchedule(
         name=doc["name"],
         description=str(doc.get("description", "")),

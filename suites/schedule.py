@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
-from kvparity.oracle.synthetic import LayerShape
+from kvparity.oracle.synthetic import BLOCK, LayerShape
 from kvparity.suites.events import Event, parse_event
 from kvparity.suites.replay import ScheduledCall, ScheduleError, dry_run
 
@@ -319,6 +319,7 @@ def parse(doc, source="<schedule>") -> Schedule:
     if not isinstance(doc["events"], list) or not doc["events"]:
         reject(source, "events", "expected a non-empty list of events")
     events = [parse_event(source, i, e) for i, e in enumerate(doc["events"])]
+    check_memory(source, *held_tokens(requests, events), shapes, dtype, "synthetic")
     schedule = Schedule(
         name=str(doc["name"]), description=str(doc.get("description", "")), levels=tuple(levels),
         bits=bits, group_size=group_size, requests=requests, events=events, shapes=shapes, dtype=dtype, model=model, path=source, stores=stores,
@@ -328,6 +329,65 @@ def parse(doc, source="<schedule>") -> Schedule:
     if silent:
         reject(source, f"request {silent[0]!r}", "never joins: a request no event runs has nothing to compare")
     return schedule
+
+
+# -- memory: a file beyond the machine is refused before anything runs ----------------
+
+MEMORY_LIMIT_ENV = "KVPARITY_MAX_MEMORY"  # bytes; default: the machine's memory
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Per key or value element a run holds the synthetic draw (float32) and about
+# three arrays of the schedule's dtype (the row's own, the solo cache, the
+# batch); the dry run names every token (a tuple, about 150 bytes of Python).
+DRAW_BYTES, COPIES, TOKEN_NAME_BYTES = 4, 3, 150
+
+
+def memory_limit() -> Tuple[int, str]:
+    """(bytes, where that limit comes from)."""
+    given = os.environ.get(MEMORY_LIMIT_ENV)
+    if given is not None:
+        if not given.isdigit() or int(given) < 1:
+            raise ScheduleError(f"{MEMORY_LIMIT_ENV}={given!r}: expected a number of bytes")
+        return int(given), MEMORY_LIMIT_ENV
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"this machine's memory; {MEMORY_LIMIT_ENV} sets it"
+
+
+def gib(n: int) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def check_memory(source, rows: List[int], asks: List[Tuple[int, str]], shapes, dtype, shape_where: str):
+    """Refuse a file whose declared sizes would need more memory than the
+    limit: ``rows``, the tokens each request can hold at most; ``asks``,
+    (tokens, field) of what adds them. Names the field that asks for most of
+    it, the estimate and the limit. Rows are held in whole blocks of
+    ``BLOCK`` tokens (the synthetic draws and mlx-lm's buffer growth). At L2
+    and L3 the model's layers replace the synthetic ones: there the estimate
+    is a floor."""
+    held = sum(-(-n // BLOCK) * BLOCK for n in rows)
+
+    def need(layers):
+        elements = sum(s.kv_heads * (s.key_dim + s.value_dim) for s in layers)
+        return held * ((DRAW_BYTES + COPIES * ITEMSIZE[dtype]) * elements + TOKEN_NAME_BYTES)
+
+    limit, whence = memory_limit()
+    if need(shapes) > limit:
+        # The layers ask for it where the default layer would fit; else the largest count does.
+        where = shape_where if need([DEFAULT_SHAPE]) <= limit else max(asks)[1]
+        layers = "; ".join(s.words() for s in shapes)
+        reject(source, where, f"would need about {gib(need(shapes))} (estimated before anything runs: "
+                              f"{held} tokens held over {len(rows)} requests at {layers}, {dtype}), "
+                              f"over the limit of {gib(limit)} ({whence})")
+
+
+def held_tokens(requests: Dict[str, Request], events) -> Tuple[List[int], List[Tuple[int, str]]]:
+    """For ``check_memory``: each request's prompt plus everything the
+    events append to every row, and (tokens, field) of each of those."""
+    asks = [(r.prompt_len or r.new_tokens or len(r.text or ""), f"request {r.id!r}") for r in requests.values()]
+    appended = {"step": lambda e: e.n, "spec_round": lambda e: e.k + 1,
+                "solo_step": lambda e: max(e.amounts.values())}
+    steps = [(appended[e.kind](e), f"event {e.label}") for e in events if e.kind in appended]
+    grown = sum(n for n, _ in steps)
+    return [n + grown for n, _ in asks], asks + steps
 
 
 def parse_stores(source, doc) -> Dict[str, StoreLimits]:

@@ -2,6 +2,7 @@
 at the cache (the reference) and in schedule files."""
 
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -9,7 +10,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.oracle.arrays import digest, owned_arrays
-from kvparity.suites.schedule import ScheduleError, load, save
+from kvparity.suites import arrivals
+from kvparity.suites.schedule import CATALOG, ScheduleError, load, memory_limit, save
 
 
 def solo(length, bits=4, group_size=64, heads=2, head_dim=64, dtype=mx.bfloat16, seed=0):
@@ -223,3 +225,54 @@ def test_state_round_trip(batch):
     assert digest(owned_arrays(copy)) == digest(owned_arrays(batch))
     assert (copy.size(), copy.bits, copy.group_size) == (batch.size(), batch.bits, batch.group_size)
     assert copy.nbytes == batch.nbytes
+
+
+# -- files beyond the machine: refused before anything runs ----------------------------
+
+TWO_ROWS = {"a": {"prompt_len": 5}, "b": {"prompt_len": 9}}
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"requests": {"a": {"prompt_len": 50_000_000}}, "events": [{"join": ["a"]}]}, "request 'a'"),
+    ({"synthetic": {"kv_heads": 100_000, "head_dim": 64}, "requests": TWO_ROWS,
+      "events": [{"join": ["a", "b"]}, {"step": 3}]}, "synthetic"),
+    ({"requests": TWO_ROWS, "events": [{"join": ["a", "b"]}, {"step": 10_000_000}]},
+     "event #1 step 10000000"),
+])
+def test_a_schedule_beyond_the_machine_is_refused_naming_the_field(tmp_path, monkeypatch, doc, field):
+    monkeypatch.setenv("KVPARITY_MAX_MEMORY", str(16 << 30))  # a 16 GiB machine, whatever this one has
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"name": "big", "levels": ["L1"], **doc}))
+    with pytest.raises(ScheduleError) as refused:
+        load(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: {field}: would need about ") and "estimated before anything runs" in message
+    assert "over the limit of 16.0 GiB (KVPARITY_MAX_MEMORY)" in message
+
+
+def test_the_default_memory_limit_is_the_machine_s(monkeypatch):
+    monkeypatch.delenv("KVPARITY_MAX_MEMORY", raising=False)
+    limit, whence = memory_limit()
+    assert limit == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert whence == "this machine's memory; KVPARITY_MAX_MEMORY sets it"
+
+
+def test_the_memory_limit_is_settable_and_checked(monkeypatch):
+    path = CATALOG / "join-empty.json"
+    monkeypatch.setenv("KVPARITY_MAX_MEMORY", "4096")
+    with pytest.raises(ScheduleError, match=r"over the limit of 0\.0 GiB \(KVPARITY_MAX_MEMORY\)"):
+        load(path)
+    monkeypatch.setenv("KVPARITY_MAX_MEMORY", "lots")
+    with pytest.raises(ScheduleError, match="KVPARITY_MAX_MEMORY='lots': expected a number of bytes"):
+        load(path)
+    monkeypatch.delenv("KVPARITY_MAX_MEMORY")
+    load(path)
+
+
+def test_an_arrivals_file_beyond_the_machine_is_refused_naming_the_field(tmp_path, monkeypatch):
+    path = tmp_path / "big.json"
+    monkeypatch.setenv("KVPARITY_MAX_MEMORY", str(16 << 30))
+    path.write_text(json.dumps({"kind": "arrivals", "name": "big", "requests": {
+        "a": {"arrival": 0, "prompt_len": 4, "max_tokens": 90_000_000}}}))
+    with pytest.raises(ScheduleError, match=r": request 'a' max_tokens: would need about .* GiB"):
+        arrivals.load(path)
