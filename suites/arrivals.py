@@ -35,7 +35,7 @@ and a first turn may start with the file's shared ``system`` prompt::
 ``ScheduleError`` naming the file, the field or request, and the reason.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -51,8 +51,6 @@ L3_CATALOG = CATALOG / "l3"
 L3_REAL_CATALOG = CATALOG / "real" / "l3"
 DEFAULT_KV = {"bits": 4, "group_size": 64}
 
-ENGINE_FIELDS = ("completion_batch_size", "prefill_batch_size", "prefill_step_size",
-                 "prompt_cache_size", "prompt_cache_bytes")
 KV_FIELDS = ("bits", "group_size", "quantized_kv_start")
 REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size",
                   "continues", "system")
@@ -96,15 +94,17 @@ class SystemPrompt:
 
 
 @dataclass(frozen=True)
-class EngineSettingsSpec:
-    """The file's engine block; None keeps the engine's own default."""
+class EngineSettings:
+    """The file's engine block, as the engine gets it; None keeps the engine's own default."""
 
     completion_batch_size: Optional[int] = None
     prefill_batch_size: Optional[int] = None
     prefill_step_size: Optional[int] = None
-    # mlx-lm's LRUPromptCache(max_size, max_bytes); None: no prompt cache
-    prompt_cache_size: Optional[int] = None
-    prompt_cache_bytes: Optional[int] = None
+    prompt_cache_size: Optional[int] = None  # LRUPromptCache(max_size); None: no prompt cache
+    prompt_cache_bytes: Optional[int] = None  # LRUPromptCache(max_bytes); None: mlx-lm's default
+
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineSettings))
 
 
 @dataclass
@@ -113,7 +113,7 @@ class ArrivalSchedule:
     description: str
     model: str
     requests: Dict[str, ArrivalRequest]
-    engine: EngineSettingsSpec = field(default_factory=EngineSettingsSpec)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     system: Optional[SystemPrompt] = None
     path: Optional[str] = None
     doc: dict = field(default_factory=dict, repr=False)  # as loaded, for writing back
@@ -171,7 +171,7 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
 
     engine_doc = doc.get("engine", {})
     check_fields(source, "engine", engine_doc, ENGINE_FIELDS)
-    engine = EngineSettingsSpec(**{k: check_int(source, f"engine.{k}", v, 1) for k, v in engine_doc.items()})
+    engine = EngineSettings(**{k: check_int(source, f"engine.{k}", v, 1) for k, v in engine_doc.items()})
     default_step = engine.prefill_step_size or DEFAULT_PREFILL_STEP
 
     requests_doc = doc["requests"]
@@ -252,7 +252,7 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
     )
 
 
-def _check_conversations(source, requests: Dict[str, ArrivalRequest], engine: EngineSettingsSpec,
+def _check_conversations(source, requests: Dict[str, ArrivalRequest], engine: EngineSettings,
                          system: Optional[SystemPrompt]):
     """Turns name an earlier request of the same kv settings, without cycles,
     and only where a prompt cache serves them."""

@@ -61,6 +61,7 @@ from kvparity.oracle.generation import (
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, installed_batch_generator_defect
 from kvparity.oracle.plan import fresh_rows, plan_for
 from kvparity.suites.adapter import ImplementationError, resolve
+from kvparity.suites.arrivals import EngineSettings
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
 
@@ -87,17 +88,6 @@ class EngineRequest:
     # that request's prompt, the tokens it generated, then ``prompt`` (this
     # turn's own tokens); it arrives ``arrival`` steps after that request finished.
     continues: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Engine knobs from the schedule; None keeps the engine's default."""
-
-    completion_batch_size: Optional[int] = None
-    prefill_batch_size: Optional[int] = None
-    prefill_step_size: Optional[int] = None
-    prompt_cache_size: Optional[int] = None  # LRUPromptCache(max_size); None: no prompt cache
-    prompt_cache_bytes: Optional[int] = None  # LRUPromptCache(max_bytes); None: mlx-lm's default
 
 
 @dataclass

@@ -46,7 +46,6 @@ from kvparity.suites.compare import Divergence, a_triple, first_difference, in_w
 from kvparity.suites.engines import (
     EngineRequest,
     EngineRun,
-    EngineSettings,
     EngineUnsupported,
     Generated,
     make_engine,
@@ -167,7 +166,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
           requests) -> Optional[EngineRun]:
     """The engine's run, or None when it stopped: what raised is worded as at
     every level (level, schedule, event, layer and frame)."""
-    settings = EngineSettings(**vars(schedule.engine))
+    settings = schedule.engine
     everyone = list(schedule.requests)
     # The engine gets the class itself; while it serves, the class counts
     # the members the engine calls and names what raises.
