@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvparity.suites import arrivals
-from kvparity.suites.evidence import FAIL, PASS, ScheduleResult
+from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.events import parse_event
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.schedule import ScheduleError, parse
