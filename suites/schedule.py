@@ -27,6 +27,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import mlx.core as mx
+
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
 from kvparity.oracle.synthetic import BLOCK, LayerShape
 from kvparity.suites.events import Event, parse_event
@@ -334,7 +336,6 @@ def parse(doc, source="<schedule>") -> Schedule:
 # -- memory: a file beyond the machine is refused before anything runs ----------------
 
 MEMORY_LIMIT_ENV = "KVPARITY_MAX_MEMORY"  # bytes; default: the machine's memory
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Per key or value element a run holds the synthetic draw (float32) and about
 # three arrays of the schedule's dtype (the row's own, the solo cache, the
 # batch); the dry run names every token (a tuple, about 150 bytes of Python).
@@ -367,7 +368,7 @@ def check_memory(source, rows: List[int], asks: List[Tuple[int, str]], shapes, d
 
     def need(layers):
         elements = sum(s.kv_heads * (s.key_dim + s.value_dim) for s in layers)
-        return held * ((DRAW_BYTES + COPIES * ITEMSIZE[dtype]) * elements + TOKEN_NAME_BYTES)
+        return held * ((DRAW_BYTES + COPIES * getattr(mx, dtype).size) * elements + TOKEN_NAME_BYTES)
 
     limit, whence = memory_limit()
     if need(shapes) > limit:
