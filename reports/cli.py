@@ -12,7 +12,10 @@ interrupted. The commands themselves live in ``kvparity.reports.commands``,
 one module each.
 """
 
+import os
+import subprocess
 import sys
+import tempfile
 import traceback
 
 # Spelled out here rather than imported so that a harness that cannot even
@@ -56,6 +59,55 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except Exception:  # the harness's own bug: never blame the commit under test
         return internal_error()
+
+
+# The commands the ``kvparity`` executable runs in a child process, so that a
+# cache that crashes the process is that schedule run's FAIL and the rest
+# goes on (suites/flight.py). ``python -m kvparity`` and ``main()`` run in
+# process: the workers of --workers, and tests that patch the process.
+ISOLATED_COMMANDS = ("run", "check")
+
+
+def console() -> int:
+    """The ``kvparity`` executable."""
+    argv = sys.argv[1:]
+    # --workers runs its shards in processes of their own already.
+    if (not argv or argv[0] not in ISOLATED_COMMANDS or os.environ.get("KVPARITY_ISOLATED")
+            or any(a.startswith("--workers") for a in argv)):
+        return main(argv)
+    return isolated(argv)
+
+
+def isolated(argv) -> int:
+    """``kvparity ARGV`` in a child process, again after each crash: a child
+    that a signal ends is named by its flight record (the schedule run, event
+    and member it died in), and the next child judges that run a FAIL and
+    goes on. Every other exit status is the child's own."""
+    from kvparity.suites.flight import STATE_ENV, note_crash, read_flight, signal_name
+
+    with tempfile.TemporaryDirectory(prefix="kvparity-isolated-") as state:
+        environment = {**os.environ, STATE_ENV: state}
+        crashed_in = set()
+        while True:
+            child = subprocess.Popen([sys.executable, "-m", "kvparity", *argv], env=environment)
+            try:
+                status = child.wait()
+            except KeyboardInterrupt:  # the child has its own and ends with 130
+                status = child.wait()
+            if status >= 0:
+                return status
+            record = read_flight(state)
+            label = record.get("label")
+            if label is None or label in crashed_in:  # no schedule was running: nothing of ours to blame it on
+                print(f"kvparity: the process died of {signal_name(status)} outside every schedule run",
+                      file=sys.stderr)
+                return EXIT_HARNESS_ERROR
+            crashed_in.add(label)
+            note_crash(state, record, status)
+            where = f"at event {record['event']}" if record.get("event") else "before its first event"
+            member = f" in {record['member']}" if record.get("member") else ""
+            print(f"kvparity: {label}: the process died of {signal_name(status)}{member} {where}; "
+                  "that run is a FAIL and the rest goes on in a new process", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

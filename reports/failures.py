@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import FAIL, REFUSED
+from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
@@ -168,7 +168,7 @@ def explain(groups: List[FailureGroup], run: Callable, levels=("L1",), most: int
     a function schedule -> its judged verdict at that level (as the shrinker takes)."""
     for chosen in [g for g in groups if g.level in levels and g.member][:most]:
         result = chosen.example.verdict.evidence
-        if not result.path or not Path(result.path).is_file():
+        if not result.path or not Path(result.path).is_file() or died(result):
             continue
         at_level = run(chosen.level)
         shrinker = Shrinker(at_level, load(result.path))
@@ -181,8 +181,9 @@ def explain(groups: List[FailureGroup], run: Callable, levels=("L1",), most: int
 
 def bisect_command(result, options: Dict[str, str]) -> Optional[str]:
     """``kvparity bisect`` for a schedule run from a file, with the options
-    (``--impl``, ``--model``, ...: name -> value) the run was given."""
-    if not result.path:
+    (``--impl``, ``--model``, ...: name -> value) the run was given; None
+    for a run whose process died (bisect replays in its own process)."""
+    if not result.path or died(result):
         return None
     words = ["kvparity", "bisect", _shown(result.path), "--level", result.level]
     for name, value in options.items():

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from kvparity.suites.flight import FLIGHT
+
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
 REQUIRED_MEMBERS = (
@@ -226,6 +228,7 @@ class _Watch:
             if not self.depth:
                 for trail in self.trails:
                     trail.append(name)
+                FLIGHT.member(name)
             self.depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -235,6 +238,8 @@ class _Watch:
                 raise MemberRaised(name, error) from error
             finally:
                 self.depth -= 1
+                if not self.depth:
+                    FLIGHT.member(None)
 
         member._watched_original = fn
         return member

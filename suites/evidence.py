@@ -11,9 +11,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.adapter import ForwardRaised, MemberRaised
 from kvparity.suites.checks import RAISED
 from kvparity.suites.compare import Divergence
+from kvparity.suites.flight import FLIGHT
 
 # Outcomes, shared by rows and schedules.
 PASS = "pass"
@@ -76,6 +77,9 @@ class ScheduleResult:
     raised_by: str = ""  # the protocol member whose raising stopped the run (or the model's forward), if one did
     timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
     seconds: float = 0.0
+
+    def __post_init__(self):
+        FLIGHT.result(self)  # under isolation, a crash from here on is this run's
 
     @property
     def events(self) -> int:
@@ -148,6 +152,34 @@ class OracleNondeterministic(Exception):
         super().__init__(f"mlx-lm's solo path for {request!r} differs from itself between two runs: "
                          f"{where}, {tensor}{at}: first run {first!r}, second run {second!r}"
                          + (f" ({detail})" if detail else ""))
+
+
+class ProcessDied(Exception):
+    """The process running the implementation died of a signal: a crash in
+    native code, an abort, or a kill by the out-of-memory killer."""
+
+
+def died(result: ScheduleResult) -> bool:
+    """Whether the run's process died in it (``crashed``): running it again would too."""
+    return f"{ProcessDied.__name__}:" in result.reason
+
+
+def crashed(record: dict) -> ScheduleResult:
+    """The FAIL of a schedule run whose process died (``record``: the flight
+    recorder's last word, ``suites/flight.py``), naming the event and the
+    protocol member it died in."""
+    level, _, name = record["label"].partition(" ")
+    result = ScheduleResult(**{"schedule": name, "level": level, "implementation": "", **record.get("result", {})})
+    member = record.get("member")
+    label = record.get("event") or "#0 (before its first event)"
+    died = f"the process died of {record['signal']}"
+    if member is None:
+        raised = ForwardRaised(ProcessDied(f"{died}, while no protocol member was running (the model's forward or "
+                                           "the engine on the batch, or mlx-lm's solo path)"), "the process")
+    else:
+        raised = MemberRaised(member, ProcessDied(f"{died} while {member} ran: a crash inside the implementation"))
+    note_raised(result, record.get("index") or 0, label, raised, record.get("requests") or ["(the batch)"])
+    return result
 
 
 def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests,

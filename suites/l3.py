@@ -50,6 +50,7 @@ from kvparity.suites.engines import (
     Generated,
     make_engine,
 )
+from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (
     MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
 )
@@ -178,6 +179,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                                        f"(no serves_conversations = True): this file needs a prompt cache")
             return None
         try:
+            FLIGHT.event(SERVE_LABEL, 0, everyone)
             run = engine.serve(requests)
         except EngineUnsupported as error:
             result.stop(NOT_SUPPORTED, str(error))

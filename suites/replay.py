@@ -30,6 +30,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
 from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
 
@@ -526,6 +527,7 @@ def drive(result: ScheduleResult, replay: Replay, events, check) -> bool:
     trail = getattr(replay.backend.implementation, "trail", None)  # the members called, in order
     for event in events:
         label = event.label
+        FLIGHT.event(label, event.index, replay.running() or list(replay.schedule.requests))
         mark = len(trail) if trail is not None else 0
         try:
             try:

@@ -18,7 +18,8 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
-from kvparity.suites.evidence import PASS
+from kvparity.suites.evidence import PASS, crashed
+from kvparity.suites.flight import FLIGHT, IsolatedState
 from kvparity.suites.levels import LEVELS
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
@@ -121,11 +122,24 @@ def prepare(args, files=None):
 
 
 def run_all(runs, implementation, policy, progress=None, expectations=None):
-    """Run and judge each planned schedule."""
-    results = []
+    """Run and judge each planned schedule. In an isolated child (the
+    ``kvparity`` command's, ``suites/flight.py``) the runs an earlier child
+    finished are taken as it kept them, the one it died in is that run's
+    FAIL, and each run this one finishes is kept."""
+    results, isolated = [], IsolatedState.from_env()
     for label, run in runs:
         try:
-            results.append(verdicts.judge(run(implementation), policy, expectations))
+            if isolated is None:
+                result = run(implementation)
+            elif label in isolated.done:
+                result = isolated.done[label]
+            elif label in isolated.crashes:
+                result = crashed(isolated.crashes[label])
+            else:
+                FLIGHT.run(label)
+                result = run(implementation)
+                isolated.keep(label, result)
+            results.append(verdicts.judge(result, policy, expectations))
         except ModelUnavailable as error:
             raise CannotRun(str(error))
         if progress:

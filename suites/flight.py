@@ -1,0 +1,123 @@
+"""Where a run is, written where a crash of the process cannot take it.
+
+A cache under test that crashes in native code (a segfault, an abort, the
+kernel's out-of-memory killer) ends the Python process with it: no exception,
+no report. The ``kvparity`` command therefore runs ``run`` and ``check`` in a
+child process whose flight recorder names, before each step, the schedule
+run, the event and the protocol member now running, in one record of a file
+(one ``os.pwrite`` at offset 0, up to its newline: a process that dies
+between two system calls leaves a whole record). When the child dies of a
+signal, the parent reads the record, and the next child judges that
+schedule run as the implementation's FAIL (it died in that member at that
+event) and goes on with the rest; the runs finished before it are kept
+(``IsolatedState``).
+
+Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder.
+"""
+
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+from typing import Dict, Optional
+
+STATE_ENV = "KVPARITY_ISOLATED"  # the folder the parent and its children share
+RECORD = 8192  # bytes at most: a record of very many requests leaves them out
+FLIGHT_FILE, DONE_FILE, CRASHES_FILE = "flight", "done.pickle", "crashes.jsonl"
+
+
+class Flight:
+    """The record: the schedule run (its label and its result's identity),
+    the event (label, index, the requests in the batch) and the outermost
+    protocol member running now."""
+
+    def __init__(self, folder: Optional[str]):
+        self.fd = os.open(Path(folder) / FLIGHT_FILE, os.O_RDWR | os.O_CREAT, 0o644) if folder else None
+        self.state: dict = {}
+
+    def _write(self):
+        data = json.dumps(self.state).encode()
+        if len(data) > RECORD:  # a batch of very many requests: the record keeps the rest
+            data = json.dumps({**self.state, "requests": None}).encode()
+        os.pwrite(self.fd, data + b"\n", 0)  # the record ends at its newline; older bytes may follow
+
+    def run(self, label: str):
+        if self.fd is not None:
+            self.state = {"label": label}
+            self._write()
+
+    def result(self, result):
+        """A schedule run's result was made: what a crash's FAIL is named by."""
+        if self.fd is not None:
+            self.state["result"] = {"schedule": result.schedule, "level": result.level,
+                                    "implementation": result.implementation, "path": result.path,
+                                    "model": result.model}
+            self._write()
+
+    def event(self, label: str, index: int, requests):
+        if self.fd is not None:
+            self.state.update(event=label, index=index, requests=list(requests), member=None)
+            self._write()
+
+    def member(self, name: Optional[str]):
+        """The outermost protocol member now running; None once it returned."""
+        if self.fd is not None:
+            self.state["member"] = name
+            self._write()
+
+
+FLIGHT = Flight(os.environ.get(STATE_ENV))
+
+
+def read_flight(folder) -> dict:
+    try:
+        data = (Path(folder) / FLIGHT_FILE).read_bytes()
+    except FileNotFoundError:
+        return {}
+    data = data.split(b"\n", 1)[0]
+    return json.loads(data) if data else {}
+
+
+def signal_name(returncode: int) -> str:
+    """``SIGABRT (6)`` for a child that a signal ended (a negative status)."""
+    try:
+        return f"{signal.Signals(-returncode).name} ({-returncode})"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def note_crash(folder, record: dict, returncode: int):
+    with open(Path(folder) / CRASHES_FILE, "a", encoding="utf-8") as crashes:
+        crashes.write(json.dumps({**record, "signal": signal_name(returncode)}) + "\n")
+
+
+class IsolatedState:
+    """What the children of one isolated command share: each finished
+    schedule run's result (kept as it finishes) and each crash."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.done: Dict[str, object] = {}
+        if (self.folder / DONE_FILE).exists():
+            with open(self.folder / DONE_FILE, "rb") as kept:
+                while True:
+                    try:
+                        label, result = pickle.load(kept)
+                    except EOFError:
+                        break
+                    self.done[label] = result
+        self.crashes: Dict[str, dict] = {}
+        if (self.folder / CRASHES_FILE).exists():
+            for line in (self.folder / CRASHES_FILE).read_text(encoding="utf-8").splitlines():
+                record = json.loads(line)
+                self.crashes[record["label"]] = record
+
+    @classmethod
+    def from_env(cls) -> Optional["IsolatedState"]:
+        folder = os.environ.get(STATE_ENV)
+        return cls(folder) if folder else None
+
+    def keep(self, label: str, result):
+        with open(self.folder / DONE_FILE, "ab") as kept:
+            pickle.dump((label, result), kept)
