@@ -18,7 +18,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.suites.evidence import FAILURES, PASS
 
@@ -145,6 +145,7 @@ class CampaignResult:
     tallies: Dict[int, Tally]
     found: List[Found]
     seconds: float  # wall time since the workers started generating
+    lost: List[str] = field(default_factory=list)  # workers that died, each in words (what it kept, its replacement)
 
     @property
     def schedules(self) -> int:
@@ -175,13 +176,17 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
     context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
     messages, ready, go, stop = context.Queue(), context.Queue(), context.Event(), context.Event()
     workers = min(campaign.workers, campaign.examples or campaign.workers)
-    processes = [context.Process(target=work, args=(campaign, w, messages, ready, go, stop), daemon=True)
-                 for w in range(workers)]
-    for process in processes:
+
+    def started(worker, share=None):
+        process = context.Process(target=work, args=(campaign, worker, messages, ready, go, stop, share),
+                                  daemon=True)
         process.start()
+        return process
+
+    processes = {w: started(w) for w in range(workers)}
     result = CampaignResult(campaign, {w: Tally() for w in range(workers)}, [], 0.0)
     try:
-        for _ in processes:  # every worker imported and loaded: start them together
+        for _ in range(workers):  # every worker imported and loaded: start them together
             kind, worker, payload = ready.get(timeout=START_TIMEOUT_S)
             if kind == "error":
                 raise CampaignError(f"worker {worker} could not start:\n{payload}")
@@ -192,10 +197,14 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
             try:
                 kind, worker, payload = messages.get(timeout=1.0)
             except queues.Empty:
-                dead = [w for w in running if not processes[w].is_alive()]
-                if dead and messages.empty():
-                    raise CampaignError(f"worker {dead[0]} ended without a word "
-                                        f"(exit {processes[dead[0]].exitcode})")
+                for dead in [w for w in running if not processes[w].is_alive()] if messages.empty() else ():
+                    running.discard(dead)
+                    replacement = replace_dead(campaign, result, dead, processes[dead].exitcode,
+                                               len(processes), time.perf_counter() - start, stop.is_set())
+                    if replacement is not None:
+                        worker, share = replacement
+                        processes[worker], result.tallies[worker] = started(worker, share), Tally()
+                        running.add(worker)
                 kind = None
             if kind == "tally":
                 result.tallies[worker] = payload
@@ -215,7 +224,7 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
     finally:
         stop.set()
         go.set()
-        for process in processes:
+        for process in processes.values():
             process.join(timeout=30)
             if process.is_alive():
                 process.terminate()
@@ -223,8 +232,33 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
     return result
 
 
-def work(campaign: Campaign, worker: int, messages, ready, go, stop):
-    """One worker process: load, wait for the start, then rounds of the machine."""
+def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode: int, made: int,
+                 elapsed: float, stopping: bool) -> Optional[Tuple[int, Tuple[Optional[int], Optional[float]]]]:
+    """A worker that ended without a word (killed from outside, or a crash
+    in native code): noted in ``result.lost`` with what its last tally kept,
+    and replaced by a new worker for what it had left (examples, seconds),
+    up to one replacement per worker the campaign started with. Returns
+    (the new worker's number, its share) or None."""
+    from kvparity.suites.flight import signal_name
+
+    kept = result.tallies[dead]
+    how = signal_name(exitcode) if exitcode is not None and exitcode < 0 else f"exit {exitcode}"
+    said = (f"worker {dead} died ({how}) after {kept.schedules} generated schedules; what it judged up to "
+            f"its last report is kept, the schedules it was running are lost")
+    share = campaign.share(dead)
+    left = None if share is None else max(share - kept.schedules, 0)
+    seconds = None if campaign.seconds is None else campaign.seconds - elapsed
+    replaced = made - min(campaign.workers, campaign.examples or campaign.workers)
+    if stopping or left == 0 or (seconds is not None and seconds <= 0) or replaced >= campaign.workers:
+        result.lost.append(said + "; not replaced")
+        return None
+    result.lost.append(f"{said}; worker {made} took its place")
+    return made, (left, seconds)
+
+
+def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None):
+    """One worker process: load, wait for the start, then rounds of the
+    machine (``share``: a replacement's examples and seconds left)."""
     try:
         machine, round_settings = prepare(campaign, worker)
         if campaign.warm_up:
@@ -235,7 +269,7 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop):
     ready.put(("ready", worker, None))
     go.wait()
     try:
-        generate_rounds(campaign, worker, machine, round_settings, messages, stop)
+        generate_rounds(campaign, worker, machine, round_settings, messages, stop, share)
     except BaseException:
         messages.put(("error", worker, traceback.format_exc()))
     else:
@@ -308,7 +342,7 @@ class WorkerJudge:
         return judged
 
 
-def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, stop):
+def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, stop, share=None):
     from hypothesis import seed
 
     from kvparity.suites.fuzz import ScheduleFailed, generate
@@ -316,11 +350,11 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
     start = time.perf_counter()
     machine.judge.start = start
     machine.judge.send = lambda counts: messages.put(("tally", worker, counts))
-    left = campaign.share(worker)
+    left, seconds = share if share is not None else (campaign.share(worker), campaign.seconds)
     size, number = FIRST_ROUND, 0
     while not stop.is_set() and (left is None or left > 0):
         elapsed = time.perf_counter() - start
-        if campaign.seconds is not None and elapsed >= campaign.seconds:
+        if seconds is not None and elapsed >= seconds:
             break
         examples = size if left is None else min(size, left)
         before = sum(machine.outcomes.values())
@@ -344,8 +378,8 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
         judged = sum(machine.outcomes.values()) - before
         rate = judged / max(time.perf_counter() - round_start, 1e-3)
         size = max(1, min(MAX_ROUND, int(rate * ROUND_S)))
-        if campaign.seconds is not None:  # the last round ends near the time box
-            size = max(1, min(size, int(rate * (campaign.seconds - (time.perf_counter() - start))) + 1))
+        if seconds is not None:  # the last round ends near the time box
+            size = max(1, min(size, int(rate * (seconds - (time.perf_counter() - start))) + 1))
 
 
 def found_in(error: BaseException, kind) -> list:

@@ -3,6 +3,9 @@ failure one worker found is the first thing a later run replays. The
 several-machine mode runs against a real Redis server started here."""
 
 import functools
+import multiprocessing
+import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -14,7 +17,7 @@ from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.campaign import (
     REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database,
-    database_key, found_in, open_database, run_campaign,
+    database_key, found_in, open_database, replace_dead, run_campaign,
 )
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.fuzz import ScheduleFailed
@@ -76,6 +79,20 @@ def test_the_campaigns_rate_adds_up_its_workers_rates():
     assert result.first_failure_s is None
 
 
+def test_a_dead_worker_is_noted_and_replaced_for_what_it_had_left():
+    campaign = Campaign(REFERENCE, cpu_judge(), workers=2, examples=100)
+    result = CampaignResult(campaign, {0: Tally(schedules=30), 1: Tally(schedules=12)}, [], 4.0)
+    assert replace_dead(campaign, result, 0, -9, 2, 4.0, False) == (2, (20, None))
+    assert result.lost == ["worker 0 died (SIGKILL (9)) after 30 generated schedules; what it judged up to its "
+                           "last report is kept, the schedules it was running are lost; worker 2 took its place"]
+    timed = Campaign(REFERENCE, cpu_judge(), workers=1, seconds=60.0)
+    assert replace_dead(timed, result, 1, -11, 1, 45.0, False) == (1, (None, 15.0))
+    # one replacement per worker the campaign started with, none once it stops or its share is done
+    assert replace_dead(timed, result, 1, -11, 2, 45.0, False) is None
+    assert replace_dead(campaign, result, 1, -11, 2, 4.0, True) is None
+    assert result.lost[-1].endswith("; not replaced")
+
+
 # -- workers on several machines: a real Redis server -----------------------------------
 
 
@@ -135,3 +152,25 @@ def test_a_failure_one_campaign_found_is_replayed_first_by_the_next_through_redi
                                       found_dir=str(tmp_path / "reference")))
     assert not reference.found and reference.rows_passed > 0
     assert FAIL not in reference.tallies[0].outcomes
+
+
+@pytest.mark.slow
+def test_a_worker_killed_from_outside_is_replaced_and_the_campaign_keeps_the_evidence(tmp_path):
+    """kill -9 of a worker, as the out-of-memory killer does: the campaign
+    names it, keeps what it reported, starts another in its place and ends
+    with its verdict."""
+    killed = []
+
+    def kill_one(result):
+        workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+        if not killed and result.tallies[0].schedules > 0 and workers:
+            killed.append(min(workers, key=lambda p: p.name).pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    result = run_campaign(Campaign(REFERENCE, cpu_judge(), workers=2, seconds=20.0, found_dir=str(tmp_path)),
+                          on_progress=kill_one, progress_s=1.0)
+    assert killed, "no worker was killed: the campaign ended first"
+    assert not result.found and result.rows_passed > 0
+    (lost,) = result.lost
+    assert lost.startswith("worker ") and " died (SIGKILL (9)) after " in lost and lost.endswith("took its place")
+    assert result.tallies[2].schedules > 0, "the replacement generated nothing"

@@ -106,6 +106,8 @@ def handle(args):
             found_dir=found_dir, device=args.device,
         )
         result = run_campaign(campaign, on_progress=show_progress)
+    for lost in result.lost:
+        print(f"kvparity fuzz: {lost}", file=sys.stderr)
     if not result.found:
         return nothing_found(result)
     return report_failures(args, result, chosen, chosen_policy)
@@ -114,8 +116,9 @@ def handle(args):
 def nothing_found(result) -> int:
     if result.rows_passed == 0:
         raise CannotRun(f"{result.schedules} generated schedules and no row compared: no evidence")
+    lost = f"; {len(result.lost)} worker(s) died, their last rounds unjudged" if result.lost else ""
     print(f"no failure in {result.schedules} generated {result.campaign.level} schedules "
-          f"({result.rows_passed} rows passed); parity holds on what was generated")
+          f"({result.rows_passed} rows passed); parity holds on what was generated{lost}")
     return EXIT_OK
 
 
@@ -125,7 +128,8 @@ def campaign_section(result):
             ["database", campaign.database or "none"], ["seconds", round(result.seconds, 1)],
             ["generated schedules", result.schedules],
             ["schedules per second", round(result.schedules_per_second, 1)],
-            ["rows passed", result.rows_passed], ["failures found", len(result.found)]]
+            ["rows passed", result.rows_passed], ["failures found", len(result.found)],
+            *(["worker lost", lost] for lost in result.lost)]
     return "Fuzz campaign", ["", "value"], rows
 
 
