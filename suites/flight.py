@@ -104,7 +104,7 @@ class IsolatedState:
                 while True:
                     try:
                         label, result = pickle.load(kept)
-                    except EOFError:
+                    except (EOFError, pickle.UnpicklingError):  # the end, or a child killed mid-write
                         break
                     self.done[label] = result
         self.crashes: Dict[str, dict] = {}
