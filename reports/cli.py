@@ -70,9 +70,11 @@ ISOLATED_COMMANDS = ("run", "check")
 
 def console() -> int:
     """The ``kvparity`` executable."""
+    from kvparity.suites.flight import STATE_ENV
+
     argv = sys.argv[1:]
     # --workers runs its shards in processes of their own already.
-    if (not argv or argv[0] not in ISOLATED_COMMANDS or os.environ.get("KVPARITY_ISOLATED")
+    if (not argv or argv[0] not in ISOLATED_COMMANDS or os.environ.get(STATE_ENV)
             or any(a.startswith("--workers") for a in argv)):
         return main(argv)
     return isolated(argv)

@@ -110,6 +110,11 @@ class Campaign:
     device: Optional[str] = None  # "cpu", "gpu" or MLX's default
     warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts
 
+    @property
+    def starting_workers(self) -> int:
+        """The workers it starts with: no more than its examples."""
+        return min(self.workers, self.examples or self.workers)
+
     def share(self, worker: int) -> Optional[int]:
         """Worker ``worker``'s examples, when the campaign counts them."""
         if self.examples is None:
@@ -175,7 +180,7 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
         raise ValueError(f"level {campaign.level!r}: one of {', '.join(LEVELS)}")
     context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
     messages, ready, go, stop = context.Queue(), context.Queue(), context.Event(), context.Event()
-    workers = min(campaign.workers, campaign.examples or campaign.workers)
+    workers = campaign.starting_workers
 
     def started(worker, share=None):
         process = context.Process(target=work, args=(campaign, worker, messages, ready, go, stop, share),
@@ -248,7 +253,7 @@ def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode
     share = campaign.share(dead)
     left = None if share is None else max(share - kept.schedules, 0)
     seconds = None if campaign.seconds is None else campaign.seconds - elapsed
-    replaced = made - min(campaign.workers, campaign.examples or campaign.workers)
+    replaced = made - campaign.starting_workers
     if stopping or left == 0 or (seconds is not None and seconds <= 0) or replaced >= campaign.workers:
         result.lost.append(said + "; not replaced")
         return None

@@ -172,12 +172,12 @@ def crashed(record: dict) -> ScheduleResult:
     result = ScheduleResult(**{"schedule": name, "level": level, "implementation": "", **record.get("result", {})})
     member = record.get("member")
     label = record.get("event") or "#0 (before its first event)"
-    died = f"the process died of {record['signal']}"
+    how = f"the process died of {record['signal']}"
     if member is None:
-        raised = ForwardRaised(ProcessDied(f"{died}, while no protocol member was running (the model's forward or "
+        raised = ForwardRaised(ProcessDied(f"{how}, while no protocol member was running (the model's forward or "
                                            "the engine on the batch, or mlx-lm's solo path)"), "the process")
     else:
-        raised = MemberRaised(member, ProcessDied(f"{died} while {member} ran: a crash inside the implementation"))
+        raised = MemberRaised(member, ProcessDied(f"{how} while {member} ran: a crash inside the implementation"))
     note_raised(result, record.get("index") or 0, label, raised, record.get("requests") or ["(the batch)"])
     return result
 

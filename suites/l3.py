@@ -50,10 +50,10 @@ from kvparity.suites.engines import (
     Generated,
     make_engine,
 )
-from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (
     MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
 )
+from kvparity.suites.flight import FLIGHT
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
