@@ -1,4 +1,4 @@
-"""Run the gate, ``kvparity run`` on the Metal GPU, from the action's inputs.
+"""Run the gate, ``kvparity run`` on the input's device, from the action's inputs.
 
 The inputs come as environment variables (never spliced into a script). The
 exit status is written to ``$GITHUB_OUTPUT`` as ``exit-status`` and this step
@@ -18,8 +18,10 @@ from workflow_commands import error
 def gate_command(environ) -> list:
     """kvparity run's arguments; optional inputs left empty are left out.
     The Python running this script is the one kvparity was installed into."""
+    device = environ.get("KVPARITY_DEVICE", "").strip() or "cpu"
+    policy = environ.get("KVPARITY_POLICY", "").strip() or device  # the cpu and gpu policies
     command = [sys.executable, "-m", "kvparity", "run", "--impl", environ["KVPARITY_IMPL"],
-               "--level", environ["KVPARITY_LEVELS"], "--device", "gpu", "--policy", environ["KVPARITY_POLICY"]]
+               "--level", environ["KVPARITY_LEVELS"], "--device", device, "--policy", policy]
     for option, name in (("--engine", "KVPARITY_ENGINE"), ("--expectations", "KVPARITY_EXPECTATIONS"),
                          ("--shard", "KVPARITY_SHARD")):
         if environ.get(name, "").strip():

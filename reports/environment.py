@@ -4,6 +4,7 @@ git commit of the working directory, the implementation and the model."""
 import subprocess
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
+from kvparity.oracle import known_answer
 from kvparity.oracle.machine import environment
 
 # The run's environment names the model the L0 probes were shaped after;
@@ -45,7 +46,8 @@ def implementation_version(spec, batch_class=None):
 
 
 def describe(implementation=None, model=None, device=None) -> dict:
-    env = {**environment(device), "git_commit": git_commit()}
+    env = {**environment(device), "git_commit": git_commit(),
+           "known_answer": known_answer.checked(device).to_json()}
     if implementation is not None:
         env["implementation"] = implementation.spec
         env["implementation_version"] = implementation_version(implementation.spec, implementation.batch_class)

@@ -196,7 +196,10 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def implementation(pytestconfig, record_testsuite_property):
-    """The implementation under test (``suites.adapter.Implementation``)."""
+    """The implementation under test (``suites.adapter.Implementation``),
+    once MLX's default device has passed its known-answer check."""
+    from kvparity.oracle.known_answer import checked
+    from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE
     from kvparity.suites.adapter import ImplementationError, load_implementation
 
     spec = setting(pytestconfig, "impl")
@@ -206,6 +209,10 @@ def implementation(pytestconfig, record_testsuite_property):
     for name, value in configuration(pytestconfig).values.items():  # junit's <properties>
         record_testsuite_property(f"kvparity.{name}", value.value if value.value is not None else "(default)")
         record_testsuite_property(f"kvparity.{name}.from", value.source)
+    answer = checked()
+    record_testsuite_property("kvparity.known_answer", answer.summary)
+    if not answer.passed:
+        pytest.exit(f"kvparity: cannot judge here: {answer.summary}", returncode=EXIT_CANNOT_JUDGE)
     # As on the command line, the repository under test can import its own modules.
     if str(pytestconfig.rootpath) not in sys.path:
         sys.path.insert(0, str(pytestconfig.rootpath))

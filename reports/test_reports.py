@@ -18,7 +18,7 @@ from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import html as html_report
 from kvparity.reports import junit
-from kvparity.reports.expectations import EXAMPLES, MATCHED, NOT_EXERCISED, load_expectations
+from kvparity.reports.expectations import EXAMPLES, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report

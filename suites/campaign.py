@@ -8,9 +8,13 @@ failure is found; between rounds it reports its counts. Hypothesis replays
 what the database holds for the machine before it generates anything, so a
 failure one worker saved is the first thing every later round (on any
 worker, on any machine sharing the database) runs. The database is a
-directory on one machine, or a Redis server for workers on several.
+directory on one machine, or a Redis server for workers on several. A
+database that goes away mid-campaign (the server stopped, the disk gone) is
+reported, and each worker goes on with its examples in memory: the campaign
+finishes on what it has.
 """
 
+import functools
 import multiprocessing
 import queue as queues
 import time
@@ -32,6 +36,8 @@ START_TIMEOUT_S = 300
 # How often a worker sends its counts.
 TALLY_S = 2.0
 REDIS_PREFIX = b"kvparity-example:"
+# A Redis server that stops answering fails a call after this, not never.
+REDIS_TIMEOUT_S = 10
 
 
 class DatabaseError(Exception):
@@ -59,7 +65,8 @@ def open_database(spec: Optional[str]):
             raise DatabaseUnavailable(f"--database {spec}: needs the redis package "
                                       f"(pip install 'kvparity[redis]'): {error}")
         try:
-            client = redis.Redis.from_url(spec)
+            client = redis.Redis.from_url(spec, socket_timeout=REDIS_TIMEOUT_S,
+                                          socket_connect_timeout=REDIS_TIMEOUT_S)
         except ValueError as error:
             raise DatabaseError(f"--database {spec}: not a Redis URL: {error}")
         return RedisExampleDatabase(client, key_prefix=REDIS_PREFIX)
@@ -86,6 +93,52 @@ def check_database(spec: Optional[str]):
         except redis.RedisError as error:
             raise DatabaseUnavailable(f"--database {spec}: cannot reach the server: {error}")
     return database
+
+
+def database_errors() -> tuple:
+    """What a database that went away raises: OSError for a directory, and
+    Redis's errors where the redis package is installed."""
+    try:
+        import redis
+    except ImportError:
+        return (OSError,)
+    return (OSError, redis.RedisError)
+
+
+def fallible(database, spec: str, lost: Callable[[str], None]):
+    """``database`` that, should it fail, says so once through ``lost`` and
+    from then on keeps the worker's examples in memory."""
+    from hypothesis.database import ExampleDatabase, InMemoryExampleDatabase
+
+    class FallibleDatabase(ExampleDatabase):
+        def __init__(self):
+            super().__init__()
+            self.memory, self.gone = InMemoryExampleDatabase(), False
+
+        def _call(self, name, *args):
+            if not self.gone:
+                try:
+                    return list(getattr(database, name)(*args) or ())
+                except database_errors() as error:
+                    self.gone = True
+                    lost(f"the example database {spec} went away ({type(error).__name__}: {error}); "
+                         "from then on the worker kept its examples in memory, so what it found after is "
+                         "in this run's report, not in the database")
+            return list(getattr(self.memory, name)(*args) or ())
+
+        def fetch(self, key):
+            yield from self._call("fetch", key)
+
+        def save(self, key, value):
+            self._call("save", key, value)
+
+        def delete(self, key, value):
+            self._call("delete", key, value)
+
+        def move(self, src, dest, value):
+            self._call("move", src, dest, value)
+
+    return FallibleDatabase()
 
 
 def database_key(level: str, implementation: str) -> bytes:
@@ -151,6 +204,7 @@ class CampaignResult:
     found: List[Found]
     seconds: float  # wall time since the workers started generating
     lost: List[str] = field(default_factory=list)  # workers that died, each in words (what it kept, its replacement)
+    database_lost: List[str] = field(default_factory=list)  # the example database going away, per worker, in words
 
     @property
     def schedules(self) -> int:
@@ -218,6 +272,8 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 stop.set()
             elif kind == "done":
                 running.discard(worker)
+            elif kind == "database":
+                result.database_lost.append(f"worker {worker}: {payload}")
             elif kind == "error":
                 raise CampaignError(f"worker {worker} failed:\n{payload}")
             result.seconds = time.perf_counter() - start
@@ -265,7 +321,7 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None)
     """One worker process: load, wait for the start, then rounds of the
     machine (``share``: a replacement's examples and seconds left)."""
     try:
-        machine, round_settings = prepare(campaign, worker)
+        machine, round_settings = prepare(campaign, worker, functools.partial(tell, messages, "database", worker))
         if campaign.warm_up:
             warm_up(campaign, machine, round_settings)
     except BaseException:
@@ -281,9 +337,14 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None)
         messages.put(("done", worker, None))
 
 
-def prepare(campaign: Campaign, worker: int):
+def tell(messages, kind: str, worker: int, payload):
+    messages.put((kind, worker, payload))
+
+
+def prepare(campaign: Campaign, worker: int, database_lost: Callable[[str], None]):
     """The worker's machine class and a function from a round's examples and
-    seed to its settings; everything a worker imports is imported here."""
+    seed to its settings; everything a worker imports is imported here.
+    ``database_lost(words)`` hears of the example database going away."""
     import mlx.core as mx
     from hypothesis import HealthCheck, Phase, settings
 
@@ -302,6 +363,8 @@ def prepare(campaign: Campaign, worker: int):
     )
     machine.judge.machine = machine
     database = open_database(campaign.database)
+    if database is not None:
+        database = fallible(database, campaign.database, database_lost)
     # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
     phases = [p for p in Phase if p != Phase.explain and (campaign.shrink or p != Phase.shrink)]
 

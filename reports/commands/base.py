@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kvparity.oracle import known_answer
 from kvparity.oracle.models import DEEP, DEFAULT_MODEL, MHA, ModelUnavailable, available_models, random_model
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
@@ -23,6 +24,10 @@ from kvparity.suites.runners import RunOptions, model_set
 
 class CannotRun(Exception):
     """Exit 125: nothing is wrong with parity, it cannot be judged here."""
+
+
+class DeviceUntrusted(CannotRun):
+    """Exit 125: the device failed its known-answer check (oracle/known_answer.py)."""
 
 
 class UsageError(Exception):
@@ -134,6 +139,8 @@ def print_configuration(args, out=None, **resolved):
     configuration = getattr(args, "configuration", None)
     if configuration is not None:
         print("\n".join(configuration.lines(resolved)), file=out or sys.stdout)
+    if hasattr(args, "device"):  # the command runs on a device use_device checked
+        print(f"device: {known_answer.checked().summary}", file=out or sys.stdout)
 
 
 # -- what the options name ---------------------------------------------------------------
@@ -202,12 +209,22 @@ def model_or_default(name):
 
 
 def use_device(name):
-    if name is None:
+    """Run on ``name`` (None: MLX's default device), once it has passed its
+    known-answer check: on a device that computes wrong numbers a batch and
+    its solo run can agree, so nothing is judged there."""
+    if name is not None:
+        device = {"cpu": mx.cpu, "gpu": mx.gpu}[name]
+        if not mx.is_available(device):
+            raise CannotRun(f"--device {name}: this MLX build has no {name} backend")
+        mx.set_default_device(device)
+    answer = known_answer.checked()
+    if answer.passed:
         return
-    device = {"cpu": mx.cpu, "gpu": mx.gpu}[name]
-    if not mx.is_available(device):
-        raise CannotRun(f"--device {name}: this MLX build has no {name} backend")
-    mx.set_default_device(device)
+    why = (f"{answer.summary}; a batch and its solo run could agree on wrong numbers here, so kvparity "
+           "judges nothing on this device")
+    if git_bisect.bad_commit() is not None:  # the same device at every commit: skipping them all helps no one
+        raise UsageError(f"{why}; a git bisection cannot run here, so it is aborted")
+    raise DeviceUntrusted(why)
 
 
 def policy(args):

@@ -106,7 +106,7 @@ def handle(args):
             found_dir=found_dir, device=args.device,
         )
         result = run_campaign(campaign, on_progress=show_progress)
-    for lost in result.lost:
+    for lost in result.lost + result.database_lost:
         print(f"kvparity fuzz: {lost}", file=sys.stderr)
     if not result.found:
         return nothing_found(result)
@@ -117,6 +117,8 @@ def nothing_found(result) -> int:
     if result.rows_passed == 0:
         raise CannotRun(f"{result.schedules} generated schedules and no row compared: no evidence")
     lost = f"; {len(result.lost)} worker(s) died, their last rounds unjudged" if result.lost else ""
+    if result.database_lost:
+        lost += "; the example database went away and the workers finished with their examples in memory"
     print(f"no failure in {result.schedules} generated {result.campaign.level} schedules "
           f"({result.rows_passed} rows passed); parity holds on what was generated{lost}")
     return EXIT_OK
@@ -129,7 +131,8 @@ def campaign_section(result):
             ["generated schedules", result.schedules],
             ["schedules per second", round(result.schedules_per_second, 1)],
             ["rows passed", result.rows_passed], ["failures found", len(result.found)],
-            *(["worker lost", lost] for lost in result.lost)]
+            *(["worker lost", lost] for lost in result.lost),
+            *(["example database lost", lost] for lost in result.database_lost)]
     return "Fuzz campaign", ["", "value"], rows
 
 

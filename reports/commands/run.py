@@ -10,11 +10,12 @@ from pathlib import Path
 from kvparity.reports.bench import BenchmarkFailed
 from kvparity.reports.commands import merge
 from kvparity.reports.commands.base import (
-    RUN_SETTINGS, CannotRun, UsageError, common_options, expectations_option, writable_directory,
+    RUN_SETTINGS, CannotRun, DeviceUntrusted, UsageError, common_options, expectations_option, writable_directory,
 )
 from kvparity.reports.commands.bench import benchmarks
 from kvparity.reports.commands.runs import (
     print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
+    write_untrusted_report,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_USAGE
 
@@ -112,7 +113,12 @@ def run(args):
     shard = shard_of(args, writes_report=not args.no_report)
     if not args.no_report:
         writable_directory(args.out, "--out")
-    implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
+    try:
+        implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
+    except DeviceUntrusted as untrusted:
+        if not args.no_report:
+            print(f"report: {write_untrusted_report(args, untrusted)}")
+        raise
     print_summary(results, verdict, policy)
     status = verdict.exit_status
     if args.no_report:

@@ -215,6 +215,15 @@ def write_run_report(args, implementation, policy, results, verdict, declared, s
     )
 
 
+def write_untrusted_report(args, untrusted):
+    """The report of a run that judged nothing because its device failed the
+    known-answer check: no schedule ran, and its first gap says why."""
+    verdict = verdicts.verdict_of_run([])
+    verdict.gaps.insert(0, str(untrusted))
+    return write_report([], describe(), args.out, policy=policy(args), run_verdict=verdict, probes=[],
+                        configuration=args.configuration)
+
+
 def print_summary(results, verdict, policy, out=None, quiet=False):
     out = out or sys.stdout
     headers, rows = summary_rows(results, policy)
