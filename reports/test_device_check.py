@@ -19,7 +19,8 @@ REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 def test_the_cpu_computes_the_known_answers():
     answer = known_answer.known_answer(mx.cpu)
     assert answer.passed and answer.comparisons == 36 and not answer.failures, answer.summary
-    assert answer.to_json() == {"device": answer.device, "passed": True, "comparisons": 36, "failures": []}
+    assert answer.to_json() == {"device": answer.device, "passed": True, "comparisons": 36, "failures": [],
+                                "unavailable": []}
 
 
 def zeros_from(real):
@@ -41,7 +42,7 @@ def quantize_off_the_cpu(real):
     ("dequantize", zeros_from, "dequantize 4-bit bfloat16"),
     ("quantized_matmul", zeros_from, "quantized_matmul 4-bit float16 (attention scores)"),
     ("fast.scaled_dot_product_attention", zeros_from, "scaled_dot_product_attention float16 over left padding"),
-    ("softmax", zeros_from, "mlx-lm quantized attention 4-bit float16 over left padding"),
+    ("softmax", zeros_from, "mlx-lm quantized attention float16 over left padding, 4-bit grid"),
 ])
 def test_a_wrong_kernel_fails_the_check(name, broken, caught, monkeypatch):
     owner = mx.fast if name.startswith("fast.") else mx
@@ -50,6 +51,19 @@ def test_a_wrong_kernel_fails_the_check(name, broken, caught, monkeypatch):
     answer = known_answer.known_answer(mx.cpu)
     assert not answer.passed and "failed its known-answer check" in answer.summary, answer.summary
     assert caught in answer.summary, answer.summary
+
+
+def test_an_operation_the_device_cannot_run_is_noted_not_failed(monkeypatch):
+    """As MLX's CUDA backend raises "No implementation for problem shape" on
+    some quantized attention shapes: no wrong number, and the schedules that
+    need it say "cannot run" themselves."""
+    def no_kernel(*args, **kwargs):
+        raise ValueError("No implementation for problem shape")
+    monkeypatch.setattr(mx, "quantized_matmul", no_kernel)
+    answer = known_answer.known_answer(mx.cpu)
+    assert answer.passed and answer.comparisons == 28 and len(answer.unavailable) == 8, answer.summary
+    assert "the device raised on 8: quantized_matmul 4-bit float16 (attention scores): ValueError: No " \
+           "implementation for problem shape" in answer.summary
 
 
 def test_nothing_compared_is_no_pass():
@@ -120,3 +134,14 @@ def test_git_bisect_run_on_a_device_that_fails_the_check_aborts(broken_device, t
     assert done.returncode != 0 and "first bad commit" not in output, output
     assert f"exit code {EXIT_USAGE}" in output and "a git bisection cannot run here" in output, output
     assert log.count("# bad:") == 1 and log.count("# good:") == 1 and not _skipped(log), log
+
+
+def test_the_backend_defect_script_says_where_it_cannot_run():
+    """On a machine without a GPU the CUDA reproduction cannot run: exit 2, never a "fixed"."""
+    import importlib.resources
+
+    script = importlib.resources.files("kvparity.oracle") / "backend_defects" / "cuda_quantized_matmul_one_group.py"
+    if mx.is_available(mx.gpu):
+        pytest.skip("this machine has a GPU: the script judges it (exit 0 or 1)")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "cannot run here: this MLX has no GPU backend\n"), done.stderr
