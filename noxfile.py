@@ -1,4 +1,4 @@
-"""One virtual environment per mlx-lm minor and per matrix row (README,
+"""One virtual environment per mlx-lm minor and per matrix row (docs/matrix.md,
 "Supported mlx-lm versions" and "One environment per row").
 
     nox -s gate-0.31                      the reference's gate on mlx-lm 0.31

@@ -1,5 +1,5 @@
-"""The smallest batched quantized KV cache that passes the gate: the README's
-example for cache authors. Rows are right-aligned; the triples hold exactly
+"""The smallest batched quantized KV cache that passes the gate: the example
+docs/protocol.md gives cache authors. Rows are right-aligned; the triples hold exactly
 ``size()`` columns and grow by concatenation (simple, not fast)."""
 
 import mlx.core as mx

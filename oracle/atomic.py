@@ -16,6 +16,12 @@ import tempfile
 from pathlib import Path
 
 STAGING = ".partial-"
+# Where output goes by default, relative to the working directory (the
+# repository under test). Made by kvparity, it carries a .gitignore that
+# ignores all of it: reports are never sources.
+OUTPUT_ROOT = Path("reports", "out")
+FOUND_DIR = OUTPUT_ROOT / "found"  # schedules the generated tests found failing
+IGNORE_ALL = "# Made by kvparity: its reports and found schedules are output, not sources.\n*\n"
 _OWNER = re.compile(re.escape(STAGING) + r"(\d+)-")
 
 
@@ -37,6 +43,18 @@ def remove_stale(parent: Path):
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def make_folder(path) -> Path:
+    """``mkdir -p path``; the default output root, when this makes it, gets
+    its .gitignore first."""
+    path = Path(path)
+    root = OUTPUT_ROOT.absolute()
+    if not root.exists() and (path.absolute() == root or root in path.absolute().parents):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / ".gitignore").write_text(IGNORE_ALL)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 class AtomicDirectory:
     def __init__(self, parent, name=None):
         self.parent = Path(parent)
@@ -47,7 +65,7 @@ class AtomicDirectory:
         yield self.name
 
     def __enter__(self) -> Path:
-        self.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.parent)
         remove_stale(self.parent)
         self.staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=self.parent))
         return self.staging

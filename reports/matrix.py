@@ -3,7 +3,7 @@
 A row is an implementation at a version on an mlx-lm version, each read
 from its report's environment (``reports/environment.py``). Rows come from
 folders that per-row sessions write (one environment each), in this layout
-(documented in the README, "The conformance matrix"):
+(documented in docs/matrix.md, "The conformance matrix"):
 
     ROOT/<row>/<stamp>/report.json ...   kvparity check --out ROOT/<row>  (one report directory)
     ROOT/<row>/bisect/NAME-min.json       optional: what kvparity bisect shrank a FAIL to

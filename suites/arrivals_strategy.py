@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
+from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.suites.arrivals import parse
 from kvparity.suites.evidence import PASS
 from kvparity.suites.l3 import explain, run_l3
@@ -94,7 +95,7 @@ def conversation_documents(draw, max_users=3, max_turns=3, system_lengths=st.one
 
 
 def found_dir(folder=None) -> Path:
-    return Path(folder or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
+    return Path(folder or os.environ.get("KVPARITY_FOUND_DIR", FOUND_DIR))
 
 
 def check_document(doc: dict, implementation, judge, engine_spec=None, folder=None):

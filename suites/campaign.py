@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.suites.evidence import FAILURES, PASS
 
 LEVELS = ("L1", "L2")
@@ -158,7 +159,7 @@ class Campaign:
     examples: Optional[int] = None  # a number of examples, over all workers
     database: Optional[str] = None  # a directory, a redis:// URL, or None
     seed: int = 0
-    found_dir: str = "reports/out/found"  # where the machines write failing schedules, a folder per worker
+    found_dir: str = str(FOUND_DIR)  # where the machines write failing schedules, a folder per worker
     shrink: bool = True  # False: stop at the first failing example (time to first failure)
     device: Optional[str] = None  # "cpu", "gpu" or MLX's default
     warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts

@@ -19,6 +19,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
+from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.oracle.models import RANDOM_MODELS, axis_variants
 from kvparity.oracle.synthetic import LayerShape
 from kvparity.suites.evidence import FAILURES
@@ -330,7 +331,7 @@ def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None,
     chat turns. ``database_key`` (bytes) keeps its failures apart from other
     machines' in a shared example database: Hypothesis keys a state machine
     by its class's source, the same for every level and implementation."""
-    found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", "reports/out/found"))
+    found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", FOUND_DIR))
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
                  "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0}

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from kvparity.oracle.atomic import make_folder
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
 from kvparity.oracle.synthetic import BLOCK, LayerShape
 from kvparity.suites.events import Event, parse_event
@@ -183,7 +184,7 @@ def load(path) -> Schedule:
 def atomic_write_json(doc: dict, path) -> Path:
     """Write a schedule document atomically: a reader never sees half a file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)

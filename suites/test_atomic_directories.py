@@ -39,3 +39,22 @@ def test_a_writer_interrupted_leaves_nothing(tmp_path):
             (staging / "half").write_text("x")
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_output_root_kvparity_makes_ignores_itself(tmp_path, monkeypatch):
+    """A user's repository gets reports/out/ with a .gitignore of its own, so
+    `git status` stays clean; a folder given with --out is left as it is."""
+    import subprocess
+
+    from kvparity.oracle.atomic import IGNORE_ALL, OUTPUT_ROOT, make_folder
+
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    make_folder(OUTPUT_ROOT / "found" / "worker-0")
+    assert (OUTPUT_ROOT / ".gitignore").read_text() == IGNORE_ALL
+    (OUTPUT_ROOT / "found" / "worker-0" / "a.json").write_text("{}")
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True,
+                            text=True, check=True).stdout
+    assert status == "", status
+    make_folder(tmp_path / "elsewhere")
+    assert not (tmp_path / "elsewhere" / ".gitignore").exists()

@@ -86,7 +86,7 @@ def common_options(command, levels=("L1", "L2", "L3", "all"), default_level=None
 def expectations_option(command):
     command.add_argument("--expectations", metavar="FILE",
                          help="declared divergences (JSON): what matches one is an expected divergence and does not "
-                         "gate; every other check still gates (see README)")
+                         "gate; every other check still gates (see docs/levels-and-checks.md)")
 
 
 def run_options(args, use_cache=True) -> RunOptions:

@@ -4,6 +4,7 @@ import sys
 
 from tabulate import tabulate
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import bench
 from kvparity.reports.commands.base import (
     IMPL_HELP, check_impl_spec, implementation, print_configuration, writable_directory,
@@ -24,7 +25,7 @@ REQUIRED = ("impl",)
 def arguments(command):
     command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
     command.add_argument("--quick", action="store_true", help="the short grid CI runs")
-    command.add_argument("--out", metavar="DIR", default="reports/out",
+    command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where report directories go (default: %(default)s)")
 
 

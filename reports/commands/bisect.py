@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import failures, verdicts
 from kvparity.reports.commands.base import (
     RUN_SETTINGS, UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
@@ -28,7 +29,7 @@ def arguments(command):
     common_options(command, levels=("L1", "L2", "L3"), default_level="L1")
     expectations_option(command)  # declared divergences are not what a shrink follows
     command.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
-                         "(default: reports/out/bisect/NAME-min.json)")
+                         f"(default: {OUTPUT_ROOT / 'bisect' / 'NAME-min.json'})")
 
 
 def level_of(args, schedule):
@@ -43,7 +44,7 @@ def level_of(args, schedule):
 
 
 def output_path(args, schedule) -> Path:
-    out = Path(args.out or f"reports/out/bisect/{schedule.name}-min.json")
+    out = Path(args.out or OUTPUT_ROOT / "bisect" / f"{schedule.name}-min.json")
     if out.exists() and not out.is_file():
         raise UsageError(f"--out {out}: not a file")
     writable_directory(out.parent, "--out")

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import verdicts
 from kvparity.reports.commands.base import (
     DEVICE_HELP, IMPL_HELP, CannotRun, UsageError, check_impl_spec, implementation, model_or_default, policy,
@@ -53,7 +54,7 @@ def arguments(command):
     command.add_argument("--device", choices=("cpu", "gpu"), help=DEVICE_HELP)
     command.add_argument("--policy", metavar="NAME|FILE",
                          help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
-    command.add_argument("--out", metavar="DIR", default="reports/out",
+    command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where the report directory of what failed goes (default: %(default)s)")
 
 

@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import matrix
 from kvparity.reports.commands.base import CannotRun, UsageError, new_path
 
@@ -19,7 +20,7 @@ DESCRIPTION = ("Gather the rows under each DIR (a row's folder holds one report 
 
 def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="row folders, or folders of them")
-    command.add_argument("--out", metavar="DIR", default="reports/out/matrix",
+    command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT / "matrix"),
                          help="the matrix directory to create (never overwritten; default: %(default)s)")
     command.add_argument("--gate", action="store_true",
                          help="exit with the rows' gate (1 if any row's parity broke) instead of the render's")

@@ -1,5 +1,6 @@
 """``kvparity merge``: shard report directories into one report and one exit status."""
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import records, settings, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
 from kvparity.reports.commands.runs import print_summary, require_levels_option, required_levels
@@ -23,7 +24,7 @@ def arguments(command):
     command.add_argument("directories", metavar="DIR", nargs="+", help="shard report directories, or folders of them")
     command.add_argument("--impl", metavar="MODULE:FACTORY", help="refuse shards that gated another class "
                          "(default: whichever class the shards gated, printed and reported)")
-    command.add_argument("--out", metavar="DIR", default="reports/out",
+    command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where the merged report directory goes (default: %(default)s)")
     require_levels_option(command)
 

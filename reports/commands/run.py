@@ -7,6 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports.bench import BenchmarkFailed
 from kvparity.reports.commands import merge
 from kvparity.reports.commands.base import (
@@ -33,7 +34,7 @@ def arguments(command):
     common_options(command)
     command.add_argument("--schedule", metavar="FILE", action="append",
                          help="run this schedule file instead of the catalog (repeatable)")
-    command.add_argument("--out", metavar="DIR", default="reports/out",
+    command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where report directories go (default: %(default)s)")
     command.add_argument("--no-report", action="store_true", help="print the summary only")
     expectations_option(command)
