@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 CANNOT_INSTALL = "cannot-install.json"
+# The checked-in rows: beside this package in a checkout and in the wheel (package data of kvparity.impl).
+ROWS_FILE = Path(__file__).resolve().parent.parent / "impl" / "ecosystem" / "rows.toml"
 CANNOT_INSTALL_FORMAT = "kvparity.cannot-install/1"  # reports/schema/cannot-install.schema.json
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")

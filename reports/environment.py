@@ -27,22 +27,25 @@ def git_commit(directory="."):
 ADAPTERS = "kvparity.impl.ecosystem"  # protocol-only adapters: the version is the adapted package's
 
 
-def implementation_version(spec, batch_class=None):
-    """The version of the installed distribution that provides the class
+def implementation_distribution(spec, batch_class=None):
+    """(name, version) of the installed distribution that provides the class
     under test: the module of ``spec`` (MODULE:FACTORY), or, for an adapter
-    in impl/ecosystem/, the published class it adapts; None for a module
-    from the working directory (the git commit says which)."""
+    in impl/ecosystem/, the published class it adapts; (None, None) for a
+    module from the working directory (the git commit says which)."""
     module = spec.split(":")[0]
     if batch_class is not None and module.startswith(ADAPTERS + "."):
         module = next((c.__module__ for c in batch_class.__mro__ if not c.__module__.startswith(ADAPTERS)), module)
     top = module.split(".")[0]
-    names = packages_distributions().get(top) or []
-    for name in names:
+    for name in packages_distributions().get(top) or []:
         try:
-            return version(name)
+            return name, version(name)
         except PackageNotFoundError:
             continue
-    return None
+    return None, None
+
+
+def implementation_version(spec, batch_class=None):
+    return implementation_distribution(spec, batch_class)[1]
 
 
 def describe(implementation=None, model=None, device=None) -> dict:
@@ -50,7 +53,9 @@ def describe(implementation=None, model=None, device=None) -> dict:
            "known_answer": known_answer.checked(device).to_json()}
     if implementation is not None:
         env["implementation"] = implementation.spec
-        env["implementation_version"] = implementation_version(implementation.spec, implementation.batch_class)
+        package, env["implementation_version"] = implementation_distribution(implementation.spec,
+                                                                            implementation.batch_class)
+        env["implementation_package"] = package
         env["capabilities"] = implementation.capabilities
     if model is not None:
         env["model"] = model.name

@@ -86,12 +86,7 @@ class FailureGroup:
         return self.exposure.cause if self.exposure else self.member
 
     def title(self) -> str:
-        what = f"{self.check}" + (f" on {self.tensor}" if self.tensor else "")
-        where = f"{self.at_fault}" if self.at_fault else "member not known"
-        if self.exposure:
-            where += f", exposed by {self.exposure.exposed_by} at the next event"
-        runs = f"{self.schedules} schedule run{'s' if self.schedules != 1 else ''}"
-        return f"{where}: {what} ({self.level}; {runs}, {self.rows} row{'s' if self.rows != 1 else ''})"
+        return title(self.to_json())
 
     def bisect_command(self) -> Optional[str]:
         """The command that shrinks the example; None when it is not from a file."""
@@ -120,6 +115,18 @@ class FailureGroup:
             },
             "bisect": self.bisect_command(),
         }
+
+
+def title(group: dict) -> str:
+    """A group's one line, from its JSON form (a report's ``failures``): the
+    member at fault, what diverged, where, and how much it explains."""
+    what = f"{group['check']}" + (f" on {group['tensor']}" if group["tensor"] else "")
+    where = f"{group['at_fault']}" if group["at_fault"] else "member not known"
+    if group["exposure"]:
+        where += f", exposed by {group['exposure']['exposed_by']} at the next event"
+    schedules, rows = group["schedules"], group["rows"]
+    return (f"{where}: {what} ({group['level']}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
+            f"{rows} row{'s' if rows != 1 else ''})")
 
 
 def failure_of(verdict: ScheduleVerdict) -> Optional[Failure]:

@@ -33,9 +33,9 @@ import jsonschema
 from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
-from kvparity.reports import records
-from kvparity.reports.ecosystem_rows import CANNOT_INSTALL
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, ScheduleVerdict, gates
+from kvparity.reports import failures, records
+from kvparity.reports.ecosystem_rows import CANNOT_INSTALL, ROWS_FILE, RowsError, load_rows
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, STATUS, ScheduleVerdict, gates
 from kvparity.reports.writer import Architecture, architectures, model_order
 from kvparity.suites.checks import BY_TIER, CHECKS
 from kvparity.suites.evidence import (
@@ -71,6 +71,7 @@ class Row:
     cannot_install: Optional[dict] = None  # cannot-install.json
     cells: Dict[str, Optional[Counter]] = field(default_factory=dict)  # column -> outcome -> schedule runs
     failing: List[dict] = field(default_factory=list)
+    findings: List[dict] = field(default_factory=list)  # the report's failure groups, each with its schedule
     # model -> its schedule runs; None where the row ran none on a model (L1 only, or cannot install)
     architectures: Optional[Dict[str, Architecture]] = None
 
@@ -83,8 +84,34 @@ class Row:
         return f"{self.implementation} @ {self.version or 'unknown version'}"
 
     @property
+    def name(self) -> str:
+        """What the matrix calls the row: the package and its version, as
+        rows.toml names it, else as the report's environment does."""
+        listed = listed_rows().get(self.folder.name)
+        if listed is not None and listed.impl == self.implementation:
+            return f"{listed.implementation} {listed.version}"
+        package = (self.record or {}).get("environment", {}).get("implementation_package")
+        version = self.version or "unknown version"
+        if package:
+            return f"{package} {self.implementation.split(':')[-1]} {version}"
+        return f"{self.implementation} {version}"
+
+    @property
     def exit_status(self) -> int:
         return EXIT_CANNOT_JUDGE if self.record is None else self.record["exit_status"]
+
+
+_LISTED: dict = {}
+
+
+def listed_rows() -> dict:
+    """rows.toml's rows by name; none where it is not there or not readable."""
+    if not _LISTED:
+        try:
+            _LISTED.update({row.name: row for row in load_rows(ROWS_FILE)})
+        except (RowsError, OSError):
+            pass
+    return _LISTED
 
 
 def columns() -> List[str]:
@@ -158,6 +185,10 @@ def _report_row(file: Path) -> Row:
     row.cells = {c: _level_cell(verdicts, c) for c in LEVELS}
     row.cells.update({c: _check_cell(verdicts, c, policy) for c in CHECKS})
     row.failing = [_failing(row, v) for v in verdicts if v.verdict in FAILURES]
+    groups = record.get("failures")
+    if groups is None:  # a report from before failure groups
+        groups = [g.to_json() for g in failures.group(verdicts)]
+    row.findings = [_finding(row, g) for g in groups]
     row.architectures = {a.model: a for a in architectures(verdicts)} or None
     return row
 
@@ -212,25 +243,49 @@ def _check_cell(verdicts, check, policy) -> Optional[Counter]:
     return Counter(found) if found else None
 
 
+def _minimal_file(row: Row, name: str) -> Path:
+    return row.folder / BISECTED / f"{name.split(' (')[0]}-min.json"  # an L3 run is "NAME (prefill mode)"
+
+
+def _schedule_of(row: Row, name: str, path: Optional[str], level: str):
+    """(the schedule file, whether it is the minimal one kvparity bisect wrote
+    in the row's folder, the command that replays it)."""
+    minimal = _minimal_file(row, name)
+    schedule = minimal if minimal.is_file() else (path and Path(path))
+    if not schedule:
+        return None, False, None
+    schedule = _from_here(schedule)
+    replay = f"kvparity replay {schedule} --level {level} --impl {row.implementation}"
+    policy = row.record["policy"]
+    replay += f" --policy {_from_here(policy['path']) if policy['path'] else policy['name']}"
+    if row.record["expectations"]:
+        replay += f" --expectations {_from_here(row.record['expectations']['path'])}"
+    return schedule, minimal.is_file(), replay
+
+
 def _failing(row: Row, verdict: ScheduleVerdict) -> dict:
     """A failing schedule run: the minimal schedule kvparity bisect wrote for
     it in the row's folder, else the schedule itself, and its replay command."""
     result = verdict.evidence
-    name = result.schedule.split(" (")[0]  # an L3 run is "NAME (prefill mode)"
-    minimal = row.folder / BISECTED / f"{name}-min.json"
-    schedule = minimal if minimal.is_file() else (result.path and Path(result.path))
-    replay = None
-    if schedule:
-        schedule = _from_here(schedule)
-        replay = f"kvparity replay {schedule} --level {result.level} --impl {row.implementation}"
-        policy = row.record["policy"]
-        replay += f" --policy {_from_here(policy['path']) if policy['path'] else policy['name']}"
-        if row.record["expectations"]:
-            replay += f" --expectations {_from_here(row.record['expectations']['path'])}"
+    schedule, minimal, replay = _schedule_of(row, result.schedule, result.path, result.level)
     first = first_failure(verdict)  # what failed the run, not an earlier hygiene finding
     return {"level": result.level, "schedule": result.schedule, "outcome": verdict.verdict,
-            "file": str(schedule) if schedule else None, "minimal": minimal.is_file(), "replay": replay,
+            "file": str(schedule) if schedule else None, "minimal": minimal, "replay": replay,
             "first": first.message() if first else result.reason}
+
+
+def _finding(row: Row, group: dict) -> dict:
+    """A failure group of the row's report (one root cause), with its
+    example's schedule (the minimal one where kvparity bisect wrote it)."""
+    example = group["example"]
+    shrunk = [m for m in group["members"] if _minimal_file(row, m).is_file()]  # kvparity bisect's, where it ran
+    name, path = (shrunk[0], None) if shrunk else (example["schedule"], example["path"])
+    schedule, minimal, replay = _schedule_of(row, name, path, group["level"])
+    return {"title": failures.title(group), "level": group["level"], "at_fault": group["at_fault"],
+            "schedules": group["schedules"], "members": group["members"], "first": example["message"],
+            "expected": example["expected"], "actual": example["actual"],
+            "shrunk_events": group.get("shrunk_events") or [], "file": str(schedule) if schedule else None,
+            "minimal": minimal, "replay": replay}
 
 
 # -- the verdict of the matrix ---------------------------------------------------------
@@ -267,7 +322,10 @@ def _from_here(path) -> Path:
 
 
 def _link(path: Optional[Path], out: Path) -> Optional[str]:
-    return None if path is None else os.path.relpath(Path(path).resolve(), out.resolve())
+    """``path`` relative to the page; None where it is not there (a page links only what exists)."""
+    if path is None or not Path(path).is_file():
+        return None
+    return os.path.relpath(Path(path).resolve(), out.resolve())
 
 
 def build(rows: List[Row], out: Path, gate: bool) -> dict:
@@ -277,7 +335,8 @@ def build(rows: List[Row], out: Path, gate: bool) -> dict:
     for r in rows:
         env = r.record["environment"] if r.record else {}
         docs.append({
-            "implementation": r.implementation, "version": r.version, "mlx_lm": r.mlx_lm, "mlx": env.get("mlx"),
+            "implementation": r.implementation, "name": r.name, "version": r.version, "mlx_lm": r.mlx_lm,
+            "mlx": env.get("mlx"),
             "device": env.get("device"), "folder": str(r.folder),
             "report": _link(r.report / "report.html", out) if r.report else None,
             "created": r.record["created"] if r.record else None,
@@ -286,7 +345,8 @@ def build(rows: List[Row], out: Path, gate: bool) -> dict:
             "cannot_install": r.cannot_install and {"reason": r.cannot_install["reason"],
                                                     "command": r.cannot_install.get("command")},
             "cells": {c: None if n is None else {o: n[o] for o in CELL_OUTCOMES} for c, n in r.cells.items()},
-            "failing": [{**f, "link": _link(f["file"], out) if f["file"] else None} for f in r.failing],
+            "failing": [{**f, "link": _link(f["file"], out)} for f in r.failing],
+            "findings": [{**f, "link": _link(f["file"], out)} for f in r.findings],
             "architectures": r.architectures and {m: _architecture_doc(a) for m, a in r.architectures.items()},
         })
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -334,21 +394,26 @@ def architecture_text(entry: Optional[dict], cannot_install, footnote=lambda lim
 
 
 def architecture_class(entry: Optional[dict], cannot_install) -> str:
-    """A cell's colour: FAIL where a run failed; pass only where every run
-    passed; no evidence, an mlx-lm defect or limit, and not supported each
-    their own, never a pass; runs that passed beside runs that stopped, partial."""
+    return outcome_class(None if entry is None else entry["cell"], cannot_install)
+
+
+def outcome_class(counts: Optional[dict], cannot_install) -> str:
+    """A cell's colour from its counts by outcome: FAIL where a run failed;
+    pass only where every run passed; no evidence, an mlx-lm defect or limit,
+    and not supported each their own, never a pass; runs that passed beside
+    runs that stopped, partial."""
     if cannot_install is not None:
         return "cannot"
-    if entry is None:
+    if counts is None:
         return "nothing"
-    ran = {o for o, n in entry["cell"].items() if n}
-    judged = ran & {PASS, EXPECTED_DIVERGENCE}
+    ran = {o for o, n in counts.items() if n}
+    judged = ran & {PASS, EXPECTED_DIVERGENCE, REPORTED}
     if ran & set(FAILURES):
         return "FAIL"
     if NO_EVIDENCE in ran:
         return "noevidence"
     if judged and ran == judged:
-        return "expected" if EXPECTED_DIVERGENCE in ran else "pass"
+        return "expected" if ran & {EXPECTED_DIVERGENCE, REPORTED} else "pass"
     if judged:
         return "partial"
     if ran & {MLX_LM_DEFECT, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC}:
@@ -375,7 +440,23 @@ def _numbering(notes):
 
 
 def _row_label(row: dict) -> str:
-    return f"{row['implementation']} @ {row['version'] or 'unknown version'}"
+    return row.get("name") or f"{row['implementation']} {row['version'] or 'unknown version'}"
+
+
+def verdict_text(row: dict) -> str:
+    """A row's verdict in words: cannot install (why), or its exit status's meaning."""
+    if row["cannot_install"] is not None:
+        return f"cannot install: {row['cannot_install']['reason']}"
+    return STATUS.get(row["exit_status"], f"exit status {row['exit_status']}")
+
+
+SHOWN_FINDINGS = 3  # in the first table; every one is in the findings below it
+
+
+def finding_titles(row: dict) -> List[str]:
+    titles = [f["title"] for f in row.get("findings", [])]
+    more = len(titles) - SHOWN_FINDINGS
+    return titles[:SHOWN_FINDINGS] + ([f"{more} more below"] if more > 0 else [])
 
 
 ARCHITECTURES_NOTE = ("Each cell counts a row's schedule runs on the model by outcome, with the mlx-lm limits that "
@@ -396,94 +477,130 @@ def _architectures_markdown(doc: dict) -> List[str]:
     return lines + ([""] if notes else [])
 
 
+INTRO = ("Each cell counts schedule runs: a level's by outcome, a check's by what became of it where it applies "
+         "(— : not run, or does not apply). A row is a package at a version on an mlx-lm version.")
+
+
 def render_markdown(doc: dict) -> str:
-    lines = ["# kvparity conformance matrix", "",
-             f"Written {doc['created']} ({SCHEMA}). Each cell counts schedule runs: a level's by outcome, a "
-             "check's by what became of it where it applies (— : not run, or does not apply).", ""]
-    for title, kind in (("Levels", "level"), ("Checks", "check")):
-        shown = [c["name"] for c in doc["columns"] if c["kind"] == kind]
-        table = []
-        for row in doc["rows"]:
-            report = (f"[report]({row['report']})" if row["report"] else
-                      f"cannot install: {row['cannot_install']['reason']}")
-            table.append([f"{row['implementation']} @ {row['version'] or 'unknown version'}", row["mlx_lm"] or "",
-                          report] + [cell_text(row["cells"][c], row["cannot_install"]) for c in shown])
-        lines += [f"## {title}", "", tabulate(table, ["implementation", "mlx-lm", "report", *shown],
-                                               tablefmt="github"), ""]
+    lines = ["# kvparity conformance matrix", "", f"Written {doc['created']} ({SCHEMA}). {INTRO}", ""]
+    levels = [c["name"] for c in doc["columns"] if c["kind"] == "level"]
+    checks = [c["name"] for c in doc["columns"] if c["kind"] == "check"]
+    table = [[_row_label(row), row["mlx_lm"] or "", verdict_text(row)]
+             + [cell_text(row["cells"][c], row["cannot_install"]) for c in levels]
+             + ["; ".join(finding_titles(row)) or "—", f"[report]({row['report']})" if row["report"] else "—"]
+             for row in doc["rows"]]
+    lines += ["## Rows", "", tabulate(table, ["row", "mlx-lm", "verdict", *levels, "findings", "report"],
+                                      tablefmt="github"), ""]
+    table = [[_row_label(row), row["mlx_lm"] or ""] + [cell_text(row["cells"][c], row["cannot_install"])
+                                                       for c in checks] for row in doc["rows"]]
+    lines += ["## Checks", "", tabulate(table, ["row", "mlx-lm", *checks], tablefmt="github"), ""]
     lines += _architectures_markdown(doc)
-    failing = [(row, f) for row in doc["rows"] for f in row["failing"]]
-    lines += ["## Failing schedules", ""]
-    if not failing:
-        lines += ["(none)"]
-    for row, f in failing:
-        what = "minimal schedule" if f["minimal"] else "schedule (not shrunk)"
-        link = f"[{what}]({f['link']})" if f["link"] else "no schedule file"
-        lines += [f"- {row['implementation']} @ {row['version']} x mlx-lm {row['mlx_lm']}: {f['level']} "
-                  f"{f['schedule']} {f['outcome']}: {f['first']} — {link}"
-                  + (f"; replay: `{f['replay']}`" if f["replay"] else "")]
-    lines += ["", f"Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'})."]
+    lines += ["## Findings", "", "One per root cause in each row, with the schedule to replay (the minimal one "
+              "where kvparity bisect shrank it).", ""]
+    found = [row for row in doc["rows"] if row.get("findings")]
+    if not found:
+        lines += ["(none)", ""]
+    for row in found:
+        lines += [f"### {_row_label(row)} on mlx-lm {row['mlx_lm']}", ""]
+        for f in row["findings"]:
+            what = "minimal schedule" if f["minimal"] else "schedule"
+            lines += [f"- **{f['title']}**", f"  - first divergence: {f['first']}"]
+            if f["expected"] is not None:
+                lines += [f"  - expected `{f['expected']}`, got `{f['actual']}`"]
+            if f["shrunk_events"]:
+                lines += [f"  - shrunk schedule: {'; '.join(f['shrunk_events'])}"]
+            if f["link"]:
+                lines += [f"  - [{what}]({f['link']})" + (f": `{f['replay']}`" if f["replay"] else "")]
+            if f["schedules"] > 1:
+                lines += [f"  - also: {', '.join(m for m in f['members'])}"]
+        lines += [""]
+    lines += [f"Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'})."]
     return "\n".join(lines) + "\n"
 
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; font-size: 13px; }
-th, td { border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; }
-th { background: #f3f3f3; }
-td.cell { min-width: 6em; }
+table { border-collapse: collapse; font-size: 13px; width: 100%; margin-bottom: 1em; }
+th, td { border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; overflow-wrap: anywhere; }
+th { background: #f3f3f3; text-align: left; }
 .pass { background: #e3f4e1; } .FAIL { background: #f8d7d5; } .expected { background: #fdf1d0; }
-.nothing { background: #eeeeee; } .cannot { background: #e5e5f5; }
+.nothing { background: #ffffff; color: #777; } .cannot { background: #e5e5f5; }
 .noevidence { background: #fbe0c0; } .defect { background: #d6e4f2; } .muted { background: #eeeeee; color: #555; }
 .partial { background: repeating-linear-gradient(135deg, #e3f4e1 0 6px, #eeeeee 6px 12px); }
+.legend span { display: inline-block; padding: 1px 6px; margin: 0 4px 4px 0; border: 1px solid #ccc; }
 abbr.limit { text-decoration: underline dotted; cursor: help; }
-code { font-size: 12px; }
+code { font-size: 12px; overflow-wrap: anywhere; }
+ul.findings > li { margin-bottom: .6em; }
 """
+LEGEND = (("pass", "every run passed"), ("FAIL", "a run failed"), ("expected", "declared divergences only"),
+          ("noevidence", "no evidence: nothing compared where the level requires it"),
+          ("partial", "passes beside runs that could not be judged"),
+          ("defect", "mlx-lm's own defect or limit"), ("muted", "not supported"), ("cannot", "cannot install"),
+          ("nothing", "not run, or does not apply"))
 
 
-def _cell_class(cell: Optional[dict], cannot_install) -> str:
-    if cannot_install is not None:
-        return "cannot"
-    if cell is None:
-        return "nothing"
-    for outcome, css in ((FAIL, "FAIL"), ("refused", "FAIL"), (EXPECTED_DIVERGENCE, "expected"), (PASS, "pass")):
-        if cell.get(outcome):
-            return css
-    return "nothing"
+def _cells_html(row: dict, i: int, names: List[str]) -> str:
+    e = html.escape
+    return "".join(
+        f'<td class="cell {outcome_class(row["cells"][c], row["cannot_install"])}" data-row="{i}" '
+        f'data-column="{e(c)}"' + "".join(f' data-{o.replace(" ", "-").replace(",", "")}="{row["cells"][c][o]}"'
+                                          for o in CELL_OUTCOMES if row["cells"][c] is not None)
+        + f'>{e(cell_text(row["cells"][c], row["cannot_install"]))}</td>' for c in names)
+
+
+def _findings_html(doc: dict) -> str:
+    e = html.escape
+    out = []
+    for i, row in enumerate(doc["rows"]):
+        if not row.get("findings"):
+            continue
+        items = []
+        for f in row["findings"]:
+            what = "minimal schedule" if f["minimal"] else "schedule"
+            parts = [f"<strong>{e(f['title'])}</strong>", f"<div>first divergence: {e(f['first'] or '')}</div>"]
+            if f["expected"] is not None:
+                parts.append(f"<div>expected <code>{e(f['expected'])}</code>, got <code>{e(f['actual'])}</code></div>")
+            if f["shrunk_events"]:
+                parts.append(f"<div>shrunk schedule: <code>{e('; '.join(f['shrunk_events']))}</code></div>")
+            if f["link"]:
+                parts.append(f'<div><a class="schedule" href="{e(f["link"])}">{what}</a>'
+                             + (f': <code class="replay">{e(f["replay"])}</code>' if f["replay"] else "") + "</div>")
+            if f["schedules"] > 1:
+                parts.append(f"<details><summary>{f['schedules']} schedule runs</summary>"
+                             f"{e(', '.join(f['members']))}</details>")
+            items.append(f'<li data-row="{i}">{"".join(parts)}</li>')
+        out.append(f"<h3>{e(_row_label(row))} on mlx-lm {e(row['mlx_lm'] or '')}</h3>"
+                   f'<ul class="findings">{"".join(items)}</ul>')
+    return ("<h2>Findings</h2><p>One per root cause in each row, with the schedule to replay (the minimal one where "
+            "kvparity bisect shrank it).</p>" + ("".join(out) or '<p id="no-findings">none</p>'))
 
 
 def render_html(doc: dict) -> str:
-    """One self-contained page: no script, no style sheet or font from elsewhere."""
+    """One self-contained page: no script, no style sheet or font from elsewhere.
+    Its first table says which rows failed and why; it reads at 1280 px."""
     e = html.escape
-    names = [c["name"] for c in doc["columns"]]
-    head = "".join(f'<th class="{c["kind"]}">{e(c["name"])}</th>' for c in doc["columns"])
-    body = []
+    levels = [c["name"] for c in doc["columns"] if c["kind"] == "level"]
+    checks = [c["name"] for c in doc["columns"] if c["kind"] == "check"]
+    rows, check_rows = [], []
     for i, row in enumerate(doc["rows"]):
-        label = f"{row['implementation']} @ {row['version'] or 'unknown version'}"
-        report = (f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else
-                  f'<span class="cannot-install">cannot install: {e(row["cannot_install"]["reason"])}</span>')
-        cells = "".join(
-            f'<td class="cell {_cell_class(row["cells"][c], row["cannot_install"])}" data-row="{i}" '
-            f'data-column="{e(c)}"' + "".join(f' data-{o.replace(" ", "-").replace(",", "")}="{row["cells"][c][o]}"'
-                                              for o in CELL_OUTCOMES if row["cells"][c] is not None)
-            + f'>{e(cell_text(row["cells"][c], row["cannot_install"]))}</td>' for c in names)
-        body.append(f'<tr data-row="{i}"><th scope="row">{e(label)}</th><td>{e(row["mlx_lm"] or "")}</td>'
-                    f"<td>{report}</td>{cells}</tr>")
-    failing = []
-    for row in doc["rows"]:
-        for f in row["failing"]:
-            what = "minimal schedule" if f["minimal"] else "schedule (not shrunk)"
-            link = f'<a class="schedule" href="{e(f["link"])}">{what}</a>' if f["link"] else "no schedule file"
-            replay = f' replay: <code class="replay">{e(f["replay"])}</code>' if f["replay"] else ""
-            failing.append(f"<li>{e(row['implementation'])} @ {e(str(row['version']))} x mlx-lm "
-                           f"{e(str(row['mlx_lm']))}: {e(f['level'])} {e(f['schedule'])} {e(f['outcome'])}: "
-                           f"{e(f['first'] or '')} — {link}{replay}</li>")
+        label = (f'<th scope="row" title="{e(row["implementation"])}">{e(_row_label(row))}</th>'
+                 f"<td>{e(row['mlx_lm'] or '')}</td>")
+        report = f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else "—"
+        findings = "<br>".join(e(t) for t in finding_titles(row)) or "—"
+        rows.append(f'<tr data-row="{i}">{label}<td class="verdict">{e(verdict_text(row))}</td>'
+                    f"{_cells_html(row, i, levels)}<td>{findings}</td><td>{report}</td></tr>")
+        check_rows.append(f'<tr data-row="{i}">{label}{_cells_html(row, i, checks)}</tr>')
+    legend = "".join(f'<span class="{css}">{e(words)}</span>' for css, words in LEGEND)
+    level_head = "".join(f'<th class="level">{e(c)}</th>' for c in levels)
+    check_head = "".join(f'<th class="check">{e(c)}</th>' for c in checks)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>kvparity conformance matrix</title>'
-            f"<style>{STYLE}</style></head><body><h1>kvparity conformance matrix</h1>"
-            f"<p>Written {e(doc['created'])}. Each cell counts schedule runs: a level's by outcome, a check's by "
-            "what became of it where it applies (— : not run, or does not apply).</p>"
-            f'<table id="matrix"><thead><tr><th>implementation</th><th>mlx-lm</th><th>report</th>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>{_architectures_html(doc)}"
-            f"<h2>Failing schedules</h2><ul id=\"failing\">{''.join(failing) or '<li>none</li>'}</ul>"
+            f'<meta name="viewport" content="width=device-width"><style>{STYLE}</style></head><body>'
+            f"<h1>kvparity conformance matrix</h1><p>Written {e(doc['created'])}. {e(INTRO)}</p>"
+            f'<p class="legend">{legend}</p>'
+            f'<table id="matrix"><thead><tr><th>row</th><th>mlx-lm</th><th>verdict</th>{level_head}'
+            f"<th>findings</th><th>report</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            f'<h2>Checks</h2><table id="checks"><thead><tr><th>row</th><th>mlx-lm</th>{check_head}</tr></thead>'
+            f"<tbody>{''.join(check_rows)}</tbody></table>{_architectures_html(doc)}{_findings_html(doc)}"
             f"<p>Exit status {doc['exit_status']} ({'as a gate' if doc['gate'] else 'rendered'}).</p>"
             "</body></html>\n")
 

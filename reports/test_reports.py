@@ -6,8 +6,6 @@ statistics, an oracle that cannot run)."""
 
 import dataclasses
 import json
-import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
@@ -18,6 +16,7 @@ from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import html as html_report
 from kvparity.reports import junit
+from kvparity.reports.headless import browser, dom, overflow, screenshot
 from kvparity.reports.expectations import EXAMPLES, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
@@ -516,35 +515,13 @@ def test_html_plots(report):
     check_plots(Elements((report / "report.html").read_text()).found)
 
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-
-
-def browser():
-    found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-    if found is None:
-        pytest.skip("no chromium binary found (CI installs Debian's chromium)")
-    return found
-
-
-def headless(binary, profile, *args):
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}"]
-    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=120)
-
-
 def test_html_renders_its_plots_in_a_browser(report, tmp_path):
     binary = browser()
-    page = (report / "report.html").as_uri()
-    dom = headless(binary, tmp_path / "profile", "--dump-dom", page)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    check_plots(Elements(dom.stdout).found)
-
-    shot = tmp_path / "report.png"
-    run = headless(binary, tmp_path / "profile", "--hide-scrollbars", "--window-size=1280,1600",
-                   f"--screenshot={shot}", page)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    page = report / "report.html"
+    check_plots(Elements(dom(binary, tmp_path / "profile", page)).found)
+    assert overflow(binary, tmp_path / "profile", page) <= 0  # read at 1280 px: it wraps, hides nothing
+    shot = screenshot(binary, tmp_path / "profile", page, tmp_path / "report-1280.png", height=1600)
+    assert shot.stat().st_size > 20_000
 
 
 # --- the directory itself --------------------------------------------------------
