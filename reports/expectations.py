@@ -11,15 +11,14 @@ date, which fails the run under a policy with ``unexpected_passes: gate``
 (strict).
 """
 
-import json
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from importlib.resources import files
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-import jsonschema
 
+from kvparity.reports.documents import load_checked
 from kvparity.suites.checks import CHECKS
 from kvparity.suites.events import EVENT_KINDS
 from kvparity.suites.levels import LEVELS
@@ -106,16 +105,7 @@ def load_expectations(path) -> Expectations:
     """An expectations file, checked whole before anything runs: its shape
     against the schema, then every check, level and event kind by name."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as error:
-        raise ExpectationsError(f"--expectations {path}: cannot read it ({error.strerror or error})")
-    except json.JSONDecodeError as error:
-        raise ExpectationsError(f"{path}: not JSON: {error}")
-    schema = json.loads(SCHEMA_PATH.read_text())
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
-    if error is not None:
-        raise ExpectationsError(f"{path}: {_where(error.absolute_path)}: {_said(error)}")
+    doc = load_checked(path, SCHEMA_PATH, ExpectationsError, shown=f"--expectations {path}")
     declarations = []
     for i, entry in enumerate(doc["divergences"]):
         where = f"{path}: divergences[{i}]"
@@ -134,19 +124,3 @@ def _known(where, field, values, known):
                                     f"(known: {', '.join(known)})")
 
 
-def _where(path) -> str:
-    """``divergences[0].reason`` from a jsonschema error path."""
-    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-    return text or "the file"
-
-
-def _said(error) -> str:
-    """A schema error in the words of the file: unknown fields named."""
-    if error.validator == "additionalProperties":
-        unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
-        known = ", ".join(error.schema.get("properties", {}))
-        return f"unknown field {unknown[0]!r} (known: {known})"
-    if error.validator == "required":
-        missing = [f for f in error.validator_value if f not in error.instance]
-        return f"missing field {missing[0]!r}"
-    return error.message

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
+from kvparity.suites.levels import L1
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
@@ -168,7 +169,7 @@ def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> Li
     return sorted(groups.values(), key=lambda g: (-g.schedules, -g.rows, g.level, g.check))
 
 
-def explain(groups: List[FailureGroup], run: Callable, levels=("L1",), most: int = 8) -> None:
+def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int = 8) -> None:
     """For up to ``most`` groups at ``levels`` (shrinking reruns the schedule
     many times: cheap at L1), shrink the example and name the earlier
     member when the failure shows one event after its cause. ``run(level)``:

@@ -16,12 +16,14 @@ from html import escape
 
 from kvparity.reports.environment import flatten
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
+from kvparity.reports.policy import GATE
 from kvparity.reports.verdicts import DIVERGED, EXIT_BROKEN, EXIT_OK, HELD, NOT_COMPARED, STATUS
 from kvparity.suites.checks import LOGITS, TOKENS
 from kvparity.suites.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS,
     REFUSED,
 )
+from kvparity.suites.levels import L2
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 # outcome -> (css class, what it means, shown on hover)
@@ -103,10 +105,14 @@ def render(record: dict, tables) -> str:
         f'<div id="verdicts">{badges}</div><dl class="env" id="environment">{items}</dl></header><main>',
     ]
     (summary, *rest) = tables
+    # Why the run failed or could not be judged, on the first screen.
+    for title, anchor in (("Failures", "failures"), ("Coverage gaps", "gaps")):
+        found = [t for t in rest if t[0].startswith(title)]
+        if found:
+            parts.append(_table_section(found[0], anchor))
+            rest.remove(found[0])
     parts.append(_table_section(summary, "summary"))
-    if rest and rest[0][0].startswith("Failures"):  # what to fix, before the plots
-        parts.append(_table_section(rest.pop(0), "failures"))
-    parts.append(_schedules_section(record["results"]))
+    parts.append(_schedules_section(record["results"], record["policy"].get("hygiene") == GATE))
     parts += [_table_section(t, _anchor(t[0], i)) for i, t in enumerate(rest)]
     parts.append("</main></body></html>\n")
     return "\n".join(parts)
@@ -163,8 +169,8 @@ def _str(value) -> str:
 # --- per schedule: plots and divergences -----------------------------------
 
 
-def _schedules_section(results) -> str:
-    cards = [_schedule_card(i, r) for i, r in enumerate(results)]
+def _schedules_section(results, hygiene_gates: bool) -> str:
+    cards = [_schedule_card(i, r, hygiene_gates) for i, r in enumerate(results)]
     cards = [c for c in cards if c]
     if not cards:
         return ('<section id="plots"><h2>Divergence over steps</h2>'
@@ -172,9 +178,11 @@ def _schedules_section(results) -> str:
     return '<section id="plots"><h2>Divergence over steps</h2>' + "".join(cards) + "</section>"
 
 
-def _schedule_card(index, result) -> str:
+def _schedule_card(index, result, hygiene_gates: bool) -> str:
     """Plots and divergence lists of a schedule with divergences; its
-    per-step series only there (elsewhere they are flat at zero)."""
+    per-step series only there (elsewhere they are flat at zero). The bars
+    count what gates: hygiene findings (unless the policy gates them) and
+    declared divergences are in the lists, not the bars."""
     rows = result["rows"]
     diverged = [row for row in rows if row["divergences"]]
     if not diverged:
@@ -182,9 +190,10 @@ def _schedule_card(index, result) -> str:
     series = sorted({name for row in rows for name in (row.get("series") or {})})
     key = f"{result['level']}-{_slug(result['schedule'])}-{index}"
     colors = {row["request"]: PALETTE[i % len(PALETTE)] for i, row in enumerate(rows)}
-    figures = [_steps_chart(key, result, diverged, colors)]
+    gating = [{**row, "divergences": [d for d in row["divergences"] if _gates(d, hygiene_gates)]} for row in diverged]
+    figures = [_steps_chart(key, result, [row for row in gating if row["divergences"]], colors)]
     figures += [_series_chart(key, name, rows, colors) for name in series]
-    if result["level"] == "L2":
+    if result["level"] == L2:
         figures += [_heatmap(key, result, row) for row in diverged]
     lists = "".join(_divergence_list(row) for row in diverged)
     parity = sum(any(d["kind"] == "parity" for d in row["divergences"]) for row in rows)
@@ -208,6 +217,10 @@ def _divergence_list(row) -> str:
             f"<ol class=\"divergences\">{items}</ol>{tail}</details>")
 
 
+def _gates(divergence, hygiene_gates: bool) -> bool:
+    return divergence.get("declared") is None and (divergence["kind"] != "hygiene" or hygiene_gates)
+
+
 def _kind(divergence) -> str:
     return "declared" if divergence.get("declared") is not None else divergence["kind"]
 
@@ -221,21 +234,23 @@ def _x(divergence):
 
 
 # Plot geometry (px): the drawing area sits inside these margins.
-W, H, LEFT, RIGHT, TOP, BOTTOM = 460, 200, 44, 10, 40, 34
+W, H, LEFT, RIGHT, TOP, BOTTOM = 460, 200, 52, 10, 40, 34
 
 
 def _steps_chart(key, result, rows, colors) -> str:
-    """Grouped bars: divergences found per step, one bar per row."""
+    """Grouped bars: gating divergences per step, one bar per row."""
+    if not rows:
+        return ""
     counts = {row["request"]: Counter(x for x in map(_x, row["divergences"]) if x is not None) for row in rows}
     xs = [x for c in counts.values() for x in c]
     if not xs:
         return ""
     lo, hi = min(xs), max(xs)
     peak = _nice(max(n for c in counts.values() for n in c.values()))
-    axis = "step" if result["level"] == "L2" else "event"
+    axis = "step" if result["level"] == L2 else "event"
     slot = (W - LEFT - RIGHT) / (hi - lo + 1)
     bar = slot * 0.8 / len(rows)
-    out = [_frame(f"steps-{key}", "divergences per " + axis, axis, lo, hi, peak, slot)]
+    out = [_frame(f"steps-{key}", "gating divergences per " + axis, axis, lo, hi, peak, slot)]
     for r, (rid, c) in enumerate(counts.items()):
         color = colors[rid]
         for x, n in sorted(c.items()):
@@ -375,7 +390,11 @@ def _nice(x) -> float:
 
 
 def _tick(v) -> str:
-    return f"{v:.3g}"
+    """A tick label of at most 5 characters, so the left margin holds it: 25k, not 2.5e+04."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{suffix}"
+    return f"{v:.3g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.0e}"
 
 
 def _finite(v) -> bool:

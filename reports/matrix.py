@@ -29,11 +29,11 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import jsonschema
 from tabulate import tabulate
 
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.reports import failures, records
+from kvparity.reports.documents import check_schema, load_checked
 from kvparity.reports.ecosystem_rows import CANNOT_INSTALL, ROWS_FILE, RowsError, load_rows
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, STATUS, ScheduleVerdict, gates
 from kvparity.reports.writer import Architecture, architectures, model_order
@@ -123,18 +123,7 @@ def columns() -> List[str]:
 
 def read_cannot_install(path: Path) -> dict:
     """cannot-install.json, checked against its schema."""
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as error:
-        raise MatrixError(f"{path}: cannot read it ({error.strerror or error})")
-    except json.JSONDecodeError as error:
-        raise MatrixError(f"{path}: not JSON: {error}")
-    schema = json.loads((SCHEMAS / "cannot-install.schema.json").read_text())
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "the file"
-        raise MatrixError(f"{path}: {where}: {error.message}")
-    return doc
+    return load_checked(path, SCHEMAS / "cannot-install.schema.json", MatrixError)
 
 
 def gather(paths) -> List[Row]:
@@ -328,8 +317,9 @@ def _link(path: Optional[Path], out: Path) -> Optional[str]:
     return os.path.relpath(Path(path).resolve(), out.resolve())
 
 
-def build(rows: List[Row], out: Path, gate: bool) -> dict:
-    """matrix.json's content, as described by schema/matrix.schema.json; links relative to ``out``."""
+def build(rows: List[Row], out: Path, gate: bool, report_links: bool = True) -> dict:
+    """matrix.json's content, as described by schema/matrix.schema.json; links relative to ``out``
+    (to the rows' reports only with ``report_links``: they are published beside the page)."""
     status = gate_status(rows) if gate else render_status(rows)
     docs = []
     for r in rows:
@@ -338,7 +328,7 @@ def build(rows: List[Row], out: Path, gate: bool) -> dict:
             "implementation": r.implementation, "name": r.name, "version": r.version, "mlx_lm": r.mlx_lm,
             "mlx": env.get("mlx"),
             "device": env.get("device"), "folder": str(r.folder),
-            "report": _link(r.report / "report.html", out) if r.report else None,
+            "report": _link(r.report / "report.html", out) if r.report and report_links else None,
             "created": r.record["created"] if r.record else None,
             "exit_status": r.record["exit_status"] if r.record else None,
             "headline": r.record["headline"] if r.record else None,
@@ -487,7 +477,7 @@ def render_markdown(doc: dict) -> str:
     checks = [c["name"] for c in doc["columns"] if c["kind"] == "check"]
     table = [[_row_label(row), row["mlx_lm"] or "", verdict_text(row)]
              + [cell_text(row["cells"][c], row["cannot_install"]) for c in levels]
-             + ["; ".join(finding_titles(row)) or "—", f"[report]({row['report']})" if row["report"] else "—"]
+             + ["; ".join(finding_titles(row)) or "—", f"[report]({row['report']})" if row["report"] else "not published"]
              for row in doc["rows"]]
     lines += ["## Rows", "", tabulate(table, ["row", "mlx-lm", "verdict", *levels, "findings", "report"],
                                       tablefmt="github"), ""]
@@ -522,6 +512,7 @@ STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; font-size: 13px; width: 100%; margin-bottom: 1em; }
 th, td { border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; overflow-wrap: anywhere; }
+th[scope="row"] { min-width: 11em; overflow-wrap: normal; } td.nowrap { white-space: nowrap; }
 th { background: #f3f3f3; text-align: left; }
 .pass { background: #e3f4e1; } .FAIL { background: #f8d7d5; } .expected { background: #fdf1d0; }
 .nothing { background: #ffffff; color: #777; } .cannot { background: #e5e5f5; }
@@ -584,11 +575,11 @@ def render_html(doc: dict) -> str:
     rows, check_rows = [], []
     for i, row in enumerate(doc["rows"]):
         label = (f'<th scope="row" title="{e(row["implementation"])}">{e(_row_label(row))}</th>'
-                 f"<td>{e(row['mlx_lm'] or '')}</td>")
-        report = f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else "—"
+                 f'<td class="nowrap">{e(row["mlx_lm"] or "")}</td>')
+        report = f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else "not published"
         findings = "<br>".join(e(t) for t in finding_titles(row)) or "—"
         rows.append(f'<tr data-row="{i}">{label}<td class="verdict">{e(verdict_text(row))}</td>'
-                    f"{_cells_html(row, i, levels)}<td>{findings}</td><td>{report}</td></tr>")
+                    f'{_cells_html(row, i, levels)}<td>{findings}</td><td class="nowrap">{report}</td></tr>')
         check_rows.append(f'<tr data-row="{i}">{label}{_cells_html(row, i, checks)}</tr>')
     legend = "".join(f'<span class="{css}">{e(words)}</span>' for css, words in LEGEND)
     level_head = "".join(f'<th class="level">{e(c)}</th>' for c in levels)
@@ -643,14 +634,13 @@ class MatrixDirectory(AtomicDirectory):
 
 
 def check_document(doc: dict):
-    schema = json.loads((SCHEMAS / "matrix.schema.json").read_text())
-    jsonschema.Draft202012Validator(schema).validate(doc)
+    check_schema(doc, SCHEMAS / "matrix.schema.json", "matrix.json", RuntimeError)
 
 
-def write_matrix(rows: List[Row], out, gate: bool = False) -> (Path, dict):
+def write_matrix(rows: List[Row], out, gate: bool = False, report_links: bool = True) -> (Path, dict):
     """matrix.md, matrix.json and matrix.html in the new directory ``out``."""
     out = Path(out)
-    doc = build(rows, out, gate)
+    doc = build(rows, out, gate, report_links)
     check_document(doc)  # a wiring bug here is kvparity's own: it raises
     directory = MatrixDirectory(out.parent, out.name)
     with directory as staging:

@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
+from kvparity.suites.levels import L1
 
 POLICIES = Path(files(__package__) / "policies")  # package data
-GATES = ("bit-exact", "ulp", "kl")
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
-TIER_FAMILIES = (BIT_EXACT, "ulp", "kl", DIVERGED)
+GATES = (BIT_EXACT, "ulp", "kl")
+TIER_FAMILIES = (*GATES, DIVERGED)
+REPORT, GATE = "report", "gate"
+# Each choice a policy makes besides the logit tier: its values, the default first.
+CHOICES = {"cache_bytes": (BIT_EXACT, REPORT), "hygiene": (REPORT, GATE), "unexpected_passes": (REPORT, GATE)}
 
 FIELDS = {"backend", "description", "logits", "cache_bytes", "hygiene", "unexpected_passes", "calibration"}
 LOGIT_FIELDS = {"gate", "max_ulp", "tau"}
@@ -39,9 +43,9 @@ class Policy:
     gate: str = BIT_EXACT  # the logit tier that gates: bit-exact, ulp or kl
     max_ulp: int = 0  # N of the ulp tier
     tau: float = 0.0  # KL bound (nats) of the kl tier
-    cache_bytes: str = "bit-exact"  # L2 model-written cache bytes: bit-exact or report
-    hygiene: str = "report"  # report or gate
-    unexpected_passes: str = "report"  # a declared divergence that no longer happens: report or gate
+    cache_bytes: str = BIT_EXACT  # L2 model-written cache bytes: bit-exact or report
+    hygiene: str = REPORT  # report or gate
+    unexpected_passes: str = REPORT  # a declared divergence that no longer happens: report or gate
     description: str = ""
     path: str = ""
 
@@ -88,10 +92,10 @@ class Policy:
         cache bytes the model writes from them (L2, with a layer)."""
         check = CHECKS[divergence.check]
         if check.gates == BY_HYGIENE_POLICY:
-            return self.hygiene == "gate"
+            return self.hygiene == GATE
         if check.gates == BY_TIER:
             return False  # the logit tier decides
-        if level != "L1" and check.gates == MODEL_WRITTEN and divergence.layer is not None:
+        if level != L1 and check.gates == MODEL_WRITTEN and divergence.layer is not None:
             return self.cache_bytes == "bit-exact"
         return True  # layout, mask, left_padding, raised, ...: never a matter of numerics
 
@@ -139,14 +143,12 @@ def load_policy(spec: Optional[str] = None) -> Policy:
         raise PolicyError(f"{path}: logits.max_ulp must be an integer >= 0, got {max_ulp!r}")
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0:
         raise PolicyError(f"{path}: logits.tau must be a number >= 0, got {tau!r}")
-    for key, allowed in (("cache_bytes", ("bit-exact", "report")), ("hygiene", ("report", "gate")),
-                         ("unexpected_passes", ("report", "gate"))):
+    for key, allowed in CHOICES.items():
         if doc.get(key, allowed[0]) not in allowed:
             raise PolicyError(f"{path}: {key} must be one of {', '.join(allowed)}, got {doc[key]!r}")
     return Policy(
         backend=doc["backend"], gate=gate, max_ulp=max_ulp, tau=float(tau),
-        cache_bytes=doc.get("cache_bytes", "bit-exact"), hygiene=doc.get("hygiene", "report"),
-        unexpected_passes=doc.get("unexpected_passes", "report"),
+        **{key: doc.get(key, allowed[0]) for key, allowed in CHOICES.items()},
         description=str(doc.get("description", "")), path=str(path),
     )
 

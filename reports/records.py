@@ -10,14 +10,13 @@ are recomputed here, not trusted.
 """
 
 import dataclasses
-import json
 import math
 from collections import Counter
 from pathlib import Path
 from typing import List, Optional
 
-import jsonschema
 
+from kvparity.reports.documents import check_schema, read_json
 from kvparity.reports.expectations import Declaration, Expectations
 from kvparity.reports.policy import Policy
 from kvparity.reports.verdicts import ScheduleVerdict, judge
@@ -52,20 +51,11 @@ def report_files(paths) -> List[Path]:
 def read_record(path) -> dict:
     """report.json, checked against its schema."""
     path = Path(path)
-    try:
-        record = json.loads(path.read_text())
-    except OSError as error:
-        raise RecordError(f"{path}: cannot read it ({error.strerror or error})")
-    except json.JSONDecodeError as error:
-        raise RecordError(f"{path}: not JSON: {error}")
+    record = read_json(path, RecordError)
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         found = record.get("schema") if isinstance(record, dict) else None
         raise RecordError(f"{path}: schema {found!r}, expected {SCHEMA!r} (a report of another kvparity version)")
-    schema = json.loads(SCHEMA_PATH.read_text())
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(record))
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "the record"
-        raise RecordError(f"{path}: {where}: {error.message}")
+    check_schema(record, SCHEMA_PATH, path, RecordError)
     return record
 
 

@@ -52,7 +52,8 @@ class Setting:
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("impl", "MODULE:FACTORY", "the batch cache class under test (a class, or a factory returning one)",
             "none: required", option="--impl"),
-    Setting("levels", "L1,L2,L3", "the levels that run: all, or some of L1, L2, L3", "all", LIST, "--level"),
+    Setting("levels", ",".join(LEVELS), f"the levels that run: all, or some of {', '.join(LEVELS)}", "all", LIST,
+            "--level"),
     Setting("engine", "MODULE:FACTORY", "L3: the engine serving arrivals", "mlx-lm's BatchGenerator",
             option="--engine"),
     Setting("model", "NAME", "the model L2 runs on", "each schedule's own", option="--model", plugin=False),

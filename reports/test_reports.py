@@ -488,6 +488,8 @@ def test_html_is_self_contained_and_tells_outcomes_apart(report):
             "status", "checks", "declared-divergences"} <= ids
     assert {a.get("class") for t, a in found if t == "li"} >= {"declared", "parity", "hygiene"}
     assert "probe-model" not in text.split('id="summary"')[0]
+    # What failed and why comes first, right under the header's verdict.
+    assert text.index('id="failures"') < text.index('id="summary"') < text.index('id="plots"')
 
 
 def check_plots(found):
@@ -554,3 +556,20 @@ def test_a_conversation_run_at_l3_writes_a_record_that_validates(tmp_path):
     record = json.loads((out / "report.json").read_text())
     assert any(step.get("from_store") for run in record["results"] for step in run["timeline"])
     validator().validate(record)
+
+
+def test_the_per_event_chart_counts_what_gates_and_its_labels_fit():
+    """Hygiene findings under a policy that reports them, and declared
+    divergences, are listed but not counted in the bars: a failure at event 6
+    is not drawn as bars from event 0. A large tick fits the margin."""
+    from kvparity.reports.html import _gates, _steps_chart, _tick
+
+    hygiene = {"kind": "hygiene", "declared": None, "event_index": 0, "step": None}
+    declared = {"kind": "parity", "declared": 0, "event_index": 1, "step": None}
+    parity = {"kind": "parity", "declared": None, "event_index": 6, "step": None}
+    assert [_gates(d, False) for d in (hygiene, declared, parity)] == [False, False, True]
+    assert _gates(hygiene, True)
+    rows = [{"request": "a", "divergences": [parity]}]
+    chart = _steps_chart("k", {"level": "L1"}, rows, {"a": "#000"})
+    assert 'data-step="6"' in chart and 'data-step="0"' not in chart and "gating divergences per event" in chart
+    assert [_tick(v) for v in (0, 0.5, 12.5, 25000, 2.5e6, 1e-5)] == ["0", "0.5", "12.5", "25k", "2.5M", "1e-05"]

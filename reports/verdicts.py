@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
-from kvparity.reports.policy import BIT_EXACT, DIVERGED as TIER_DIVERGED, Policy
+from kvparity.reports.policy import BIT_EXACT, DIVERGED as TIER_DIVERGED, GATE, Policy
 from kvparity.suites import coverage as coverage_model
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.checks import CHECKS, LOGITS
@@ -26,7 +26,7 @@ from kvparity.suites.evidence import (
     EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
     OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
-from kvparity.suites.levels import LEVELS, Level
+from kvparity.suites.levels import L1, LEVELS, Level
 from kvparity.suites.schedule import load
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
@@ -244,7 +244,7 @@ def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
     of its schedule, read again from its file (a schedule built in memory,
     such as a generated one, has none and reaches no cell). None when no L1
     schedule from a file ran."""
-    runs = [r for r in results if r.level == "L1" and r.path and Path(r.path).is_file()]
+    runs = [r for r in results if r.level == L1 and r.path and Path(r.path).is_file()]
     if not runs:
         return None
     cells = [cell for r in runs if not r.stopped for cell in coverage_model.cells_of(load(r.path))]
@@ -279,7 +279,7 @@ def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False,
     silent = sorted(kinds - observed)
     if silent:
         gaps.append(f"no comparison was made after any {', '.join(silent)} event")
-    if whole_catalog and any(r.level == "L1" for r in results):
+    if whole_catalog and any(r.level == L1 for r in results):
         unused = [m for m in REQUIRED_MEMBERS if not members[m]]
         if unused:
             gaps.append(f"required members never called: {', '.join(unused)}")
@@ -298,4 +298,4 @@ def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False,
                     + (", ..." if len(cells["missing"]) > 5 else ""))
     return RunVerdict(dict(counts), table, members, gaps, check_table(verdicts),
                       expectations.applied(verdicts) if expectations else [],
-                      policy is not None and policy.unexpected_passes == "gate", cells, levels=levels)
+                      policy is not None and policy.unexpected_passes == GATE, cells, levels=levels)

@@ -25,12 +25,13 @@ from kvparity.oracle.mlx_lm_versions import defect_named
 from kvparity.oracle.models import available_models
 from kvparity.reports import failures as failures_of, html, junit
 from kvparity.reports.environment import flatten, split_environment
-from kvparity.reports.policy import TIER_FAMILIES, Policy, tier_family
+from kvparity.reports.policy import GATE, Policy, TIER_FAMILIES, tier_family
 from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict, RunVerdict, ScheduleVerdict
 from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
 from kvparity.suites.checks import ALIAS, CHECKS, HYGIENE_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS
+from kvparity.suites.levels import L1
 
 SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(files(__package__) / "schema" / "report.schema.json")  # package data
@@ -53,7 +54,7 @@ class ReportDirectory(AtomicDirectory):
 def counts_against(divergence: Divergence, policy: Policy) -> bool:
     """Whether a divergence is named as a row's or schedule's first: parity
     always; hygiene only where the policy gates it (else its own table shows it)."""
-    return divergence.check not in HYGIENE_CHECKS or policy.hygiene == "gate"
+    return divergence.check not in HYGIENE_CHECKS or policy.hygiene == GATE
 
 
 def earliest(divergences, policy: Policy) -> Optional[Divergence]:
@@ -202,7 +203,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "failures": [g.to_json() for g in _groups(verdicts, failures, run_verdict)],
         "model_coverage": run_verdict.cells,
         "hygiene": {
-            "gates": policy.hygiene == "gate",
+            "gates": policy.hygiene == GATE,
             "totals": {c: sum(f["findings"] for f in findings if f["check"] == c) for c in HYGIENE_CHECKS},
             "findings": findings,
         },
@@ -356,7 +357,7 @@ def row_rows(verdicts: List[ScheduleVerdict], policy: Policy):
 
 def _required(result, row: RowVerdict) -> str:
     # L1 bytes are data movement: bit-exact under every policy.
-    if result.level == "L1" and row.tier is not None:
+    if result.level == L1 and row.tier is not None:
         return row.required or "bit-exact"
     return row.required
 
@@ -497,7 +498,7 @@ def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, pr
     out.append(("Protocol members called", *member_rows(run_verdict)))
     if run_verdict.gaps:
         out.append(("Coverage gaps", ["gap"], [[gap] for gap in run_verdict.gaps]))
-    gating = "gating" if policy.hygiene == "gate" else "reported, not gating"
+    gating = "gating" if policy.hygiene == GATE else "reported, not gating"
     out.append((f"Hygiene ({gating} under policy {policy.name})", *hygiene_rows(verdicts)))
     out.append(("Policy", ["key", "value"], [[k, v] for k, v in dataclasses.asdict(policy).items()]))
     if capabilities:

@@ -26,10 +26,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.suites.evidence import FAILURES, PASS
+from kvparity.suites.levels import L1, L2, SCHEDULE_LEVELS
 
-LEVELS = ("L1", "L2")
+LEVELS = SCHEDULE_LEVELS  # the state machine generates schedules
 # Events per generated schedule, as the generated tests use them.
-STEP_COUNT = {"L1": 10, "L2": 6}
+STEP_COUNT = {L1: 10, L2: 6}
 # A worker's rounds: the first is small, later ones last about ROUND_S.
 FIRST_ROUND, ROUND_S, MAX_ROUND = 5, 3.0, 500
 # How long a worker may take to import and load before the campaign starts.
@@ -153,7 +154,7 @@ def database_key(level: str, implementation: str) -> bytes:
 class Campaign:
     implementation: str  # package.module:factory
     judge: Callable  # ScheduleResult -> its verdict; picklable (it travels to the workers)
-    level: str = "L1"
+    level: str = L1
     workers: int = 1
     seconds: Optional[float] = None  # a time box, or
     examples: Optional[int] = None  # a number of examples, over all workers
@@ -356,7 +357,7 @@ def prepare(campaign: Campaign, worker: int, database_lost: Callable[[str], None
         mx.set_default_device({"cpu": mx.cpu, "gpu": mx.gpu}[campaign.device])
     implementation = load_implementation(campaign.implementation)
     run_l2 = None
-    if campaign.level == "L2":  # the models' imports, only where they are used
+    if campaign.level == L2:  # the models' imports, only where they are used
         from kvparity.suites.l2 import run_l2
     machine = make_machine(
         implementation, WorkerJudge(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",

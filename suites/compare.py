@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Part, Reading, raw_many
+from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING
 
 TRIPLE = ("packed", "scales", "biases")
 
@@ -123,23 +124,23 @@ def _compare(jobs, bits) -> List[List[Divergence]]:
         for name, e in expected.items():
             a = actual.get(name)
             if a is None:
-                found.append(Divergence("layout", tensor=prefix + name, expected=tuple(e.shape), actual=None,
+                found.append(Divergence(LAYOUT, tensor=prefix + name, expected=tuple(e.shape), actual=None,
                                         detail="missing", **where))
                 continue
             diff = first_difference(e, a, next(bits))
             if diff is not None:
                 index, want, got = diff
-                found.append(Divergence("bytes" if index is not None else "layout", tensor=prefix + name,
+                found.append(Divergence(BYTES if index is not None else LAYOUT, tensor=prefix + name,
                                         index=index, expected=want, actual=got, **where))
         for name in actual:
             if name not in expected:
-                found.append(Divergence("layout", tensor=prefix + name, expected=None,
+                found.append(Divergence(LAYOUT, tensor=prefix + name, expected=None,
                                         actual=tuple(actual[name].shape), detail="not expected", **where))
         results.append(found)
     return results
 
 
-def triple_job(expected, actual, name: str, check: str = "layout", **where):
+def triple_job(expected, actual, name: str, check: str = LAYOUT, **where):
     """A comparison of two (packed, scales, biases) triples for ``compare_all``,
     or, for a triple that is missing or malformed, the ``check`` divergence
     saying what was there instead."""
@@ -152,7 +153,7 @@ def triple_job(expected, actual, name: str, check: str = "layout", **where):
 def left_padding_divergence(row: int, tokens: int, size: int, pad: int, **where) -> Divergence:
     """Row ``row`` holds ``tokens`` (the solo offset) but the batch says
     ``size - pad``: said as the rule and the two values it came from."""
-    return Divergence("left_padding", detail=f"size() - left_padding[{row}] should be the row's {tokens} tokens; "
+    return Divergence(LEFT_PADDING, detail=f"size() - left_padding[{row}] should be the row's {tokens} tokens; "
                                              f"size() is {size}, left_padding[{row}] is {pad}", **where)
 
 

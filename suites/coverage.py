@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Tuple
 from kvparity.oracle.models import RANDOM_MODELS, SMOLLM2, random_model
 from kvparity.suites.events import Reinsert
 from kvparity.suites.l2 import model_for
+from kvparity.suites.levels import L1
 from kvparity.suites.replay import NoRow, Replay, dry_backend
 from kvparity.suites.schedule import BITS, DTYPES, GROUP_SIZES
 
@@ -208,7 +209,7 @@ def paths_of(schedule) -> Tuple[str, ...]:
 def cells_of(schedule) -> List[Cell]:
     """The cells an L1 schedule reaches, at every dim of every layer; none
     for a schedule without L1."""
-    if "L1" not in schedule.levels:
+    if L1 not in schedule.levels:
         return []
     paths = paths_of(schedule)
     cells = []

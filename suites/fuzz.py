@@ -24,6 +24,7 @@ from kvparity.oracle.models import RANDOM_MODELS, axis_variants
 from kvparity.oracle.synthetic import LayerShape
 from kvparity.suites.evidence import FAILURES
 from kvparity.suites.l1 import L1Run
+from kvparity.suites.levels import L1, L2
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.coverage import HEAD_DIMS
 from kvparity.suites.events import (
@@ -89,7 +90,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     # Set by make_machine:
     implementation = None
     found_dir: Path = None
-    level = "L1"
+    level = L1
     judge = None  # ScheduleResult -> its verdict (reports.verdicts.judge under a policy)
     run_l2 = None  # (schedule, implementation) -> ScheduleResult, at L2
     # Counted across examples, for the tests:
@@ -100,7 +101,7 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
     def start(self, data, bits, kv_heads):
-        if self.level == "L2":
+        if self.level == L2:
             model = data.draw(st.sampled_from(L2_MODELS), label="model")
             head_dim, dtype = RANDOM_MODELS[model].head_dim, "bfloat16"
             shapes = (LayerShape(kv_heads, head_dim, head_dim),)
@@ -117,7 +118,7 @@ class ScheduleMachine(RuleBasedStateMachine):
             levels=(self.level,), bits=bits, group_size=group_size, requests={}, events=[],
             shapes=shapes, dtype=dtype, model=model, path=f"<generated {self.level}>",
         )
-        if self.level == "L1":
+        if self.level == L1:
             self.run = L1Run(self.schedule, self.implementation)
             self.replay = self.run.replay
         else:
@@ -176,7 +177,7 @@ class ScheduleMachine(RuleBasedStateMachine):
                 raise ScheduleFailed(self.report(result), self.schedule.to_json())
 
     def teardown(self):
-        if self.level == "L2" and self.schedule.events:
+        if self.level == L2 and self.schedule.events:
             if self.running():  # one last batched call, so the rows still running show their logits
                 self.add(Step, 1)
             schedule = parse(self.schedule.to_json(), source=self.schedule.path)
@@ -324,7 +325,7 @@ class ConversationMachine(ScheduleMachine):
         type(self).resumed += sum(1 for _, reused in self.replay.resumed.values() if reused)
 
 
-def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None, database_key=None,
+def make_machine(implementation, judge, found_dir=None, level=L1, run_l2=None, database_key=None,
                  base=ScheduleMachine):
     """A state machine class bound to one implementation, verdict and output
     folder; ``base``: ScheduleMachine, or ConversationMachine for stores and
@@ -337,7 +338,7 @@ def make_machine(implementation, judge, found_dir=None, level="L1", run_l2=None,
                  "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0}
     if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
         namespace["_hypothesis_internal_add_digest"] = database_key
-    if level == "L2":
+    if level == L2:
         namespace["batched_join"] = None  # padded batched prefill is an L1 event: not a rule here
     return type(base.__name__, (base,), namespace)
 

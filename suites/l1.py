@@ -38,6 +38,7 @@ from kvparity.suites.adapter import Implementation, MemberRaised
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1_checks import check_event
 from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
+from kvparity.suites.levels import L1
 from kvparity.suites.replay import Replay, drive
 
 
@@ -149,7 +150,7 @@ class L1Run:
         self.replay = Replay(schedule, self.backend)
         self.backend.replay = self.replay
         self.solo = SoloCaches(schedule, self.kv)
-        self.result = ScheduleResult(schedule.name, "L1", implementation.name, path=schedule.path)
+        self.result = ScheduleResult(schedule.name, L1, implementation.name, path=schedule.path)
         for rid in schedule.requests:
             self.result.row(rid)
         self.running = True

@@ -44,6 +44,7 @@ from kvparity.suites.evidence import (
     MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, OracleFailed, OracleNondeterministic,
     ScheduleResult,
 )
+from kvparity.suites.levels import L2
 from kvparity.suites.metrics import LogitStats
 from kvparity.suites.replay import Replay, drive
 from kvparity.suites.schedule import parse
@@ -262,7 +263,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     schedule, unfit = fit_to_model(schedule, loaded)
     if unfit:
         raise ValueError(f"{schedule.path}: {unfit}")
-    result = ScheduleResult(schedule.name, "L2", implementation.name, [e.kind for e in schedule.events],
+    result = ScheduleResult(schedule.name, L2, implementation.name, [e.kind for e in schedule.events],
                             path=schedule.path, model=loaded.name, model_sha256=loaded.sha256)
     for rid in schedule.requests:
         result.row(rid)
@@ -413,7 +414,7 @@ def compare_traces(name: str, golden: Dict[str, SoloTrace], candidate: Dict[str,
     cache bytes per layer at every recorded event boundary. Whatever the
     golden holds and the candidate lacks is a ``layout`` divergence."""
     events = max((c.event for t in golden.values() for c in t.calls), default=-1) + 1
-    result = ScheduleResult(name, "L2", source, ["trace"] * events)
+    result = ScheduleResult(name, L2, source, ["trace"] * events)
     stats = {rid: LogitStats() for rid in golden}
     for rid, expected in golden.items():
         result.row(rid)

@@ -41,7 +41,7 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
-from kvparity.suites.checks import EXTRACT, QUANTIZED
+from kvparity.suites.checks import EXTRACT, LENGTH, LOGPROBS, QUANTIZED, TOKENS
 from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
 from kvparity.suites.engines import (
     EngineRequest,
@@ -54,6 +54,7 @@ from kvparity.suites.evidence import (
     MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
 )
 from kvparity.suites.flight import FLIGHT
+from kvparity.suites.levels import L3
 
 SERVE = "serve"  # an engine run is one event: the engine serves the whole schedule
 SERVE_LABEL = f"#0 {SERVE}"
@@ -85,7 +86,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     """Serve ``schedule`` on the engine with ``implementation``'s batch cache
     and note every request's comparisons with its generation alone."""
     loaded = load_model(model_name or schedule.model)
-    result = ScheduleResult(schedule.name, "L3", implementation.name, [SERVE], path=schedule.path,
+    result = ScheduleResult(schedule.name, L3, implementation.name, [SERVE], path=schedule.path,
                             model=loaded.name, model_sha256=loaded.sha256)
     for rid in schedule.requests:
         result.row(rid)
@@ -277,18 +278,18 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
     def diverged(check, i, index=None, want=None, got=None, detail=""):
         step = steps[i] if i < len(steps) else None
         found.append(Divergence(
-            check, f"{SERVE_LABEL}, engine step {step}", rid, tensor="logprobs" if check == "logprobs" else "tokens",
+            check, f"{SERVE_LABEL}, engine step {step}", rid, tensor=LOGPROBS if check == LOGPROBS else TOKENS,
             step=i, index=index, expected=want, actual=got,
             detail="; ".join(part for part in (f"token {i} at engine step {step}", origin, detail) if part)))
 
     for i, want in enumerate(expected.tokens):
         if i >= len(tokens):
-            diverged("length", i, None, len(expected.tokens), len(tokens), f"token {i} ({want}) never came")
+            diverged(LENGTH, i, None, len(expected.tokens), len(tokens), f"token {i} ({want}) never came")
             break
         made["tokens"] += 1
         vector, got = expected.logprobs[i], logprobs[i] if i < len(logprobs) else None
         if got is None:
-            diverged("logprobs", i, detail="no log-probs for this token")
+            diverged(LOGPROBS, i, detail="no log-probs for this token")
         else:
             if got.size == 1 and vector.size != 1:
                 vector = vector[tokens[i]].reshape(got.shape)  # the engine's chosen token's entry
@@ -297,18 +298,18 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
                 made["vectors"] += 1
             difference = first_difference(vector, got)
             if difference is not None:
-                diverged("logprobs", i, *difference)
+                diverged(LOGPROBS, i, *difference)
         if tokens[i] != want:
-            diverged("tokens", i, None, want, tokens[i])
+            diverged(TOKENS, i, None, want, tokens[i])
             break  # later tokens follow different text
     else:
         if len(tokens) > len(expected.tokens):
             n = len(expected.tokens)
-            diverged("length", n, None, n, len(tokens), "more tokens than max_tokens")
+            diverged(LENGTH, n, None, n, len(tokens), "more tokens than max_tokens")
     result.row(rid).metrics = {"tokens compared": made["tokens"], "log-prob vectors compared": made["vectors"],
                                "log-prob values compared": made["values"], "oracle": ", ".join(part for part in (semantics(request), origin) if part)}
-    result.note(0, "tokens", [rid], made["tokens"])
-    result.note(0, "logprobs", [rid], made["vectors"] + made["values"])
+    result.note(0, TOKENS, [rid], made["tokens"])
+    result.note(0, LOGPROBS, [rid], made["vectors"] + made["values"])
     for divergence in found:  # each under its own check, in the order found
         result.note(0, divergence.check, [rid], 0, [divergence])
 

@@ -15,6 +15,10 @@ from typing import Dict, Tuple
 from kvparity.suites.checks import BYTES, LEFT_PADDING, LOGITS, LOGPROBS, MASK, OFFSET, TOKENS
 
 
+L1, L2, L3 = "L1", "L2", "L3"
+SCHEDULE, ARRIVALS = "schedule", "arrivals"  # the files a level replays
+
+
 @dataclass(frozen=True)
 class Level:
     name: str
@@ -22,14 +26,17 @@ class Level:
     requires: Tuple[str, ...]  # checks a row must have compared to pass, in the order a verdict names them
     logit_tiers: bool = False  # rows are judged by their logit tier under the policy, else bit for bit
     every_divergence_gates: bool = False  # no policy relaxes it: every divergence not declared fails its row
+    replays: str = SCHEDULE  # its input: schedule files (the catalog's format) or arrivals files
 
 
 LEVELS: Dict[str, Level] = {level.name: level for level in (
-    Level("L1", "cache bytes: the schedule replayed on the cache with synthetic keys and values, no model",
+    Level(L1, "cache bytes: the schedule replayed on the cache with synthetic keys and values, no model",
           (BYTES, OFFSET, LEFT_PADDING, MASK)),
-    Level("L2", "the model per row: batched forwards against each request run alone through mlx-lm",
+    Level(L2, "the model per row: batched forwards against each request run alone through mlx-lm",
           (LOGITS, BYTES, OFFSET), logit_tiers=True),
     # Tokens and log-probs bit for bit under every policy: no tiers at L3 yet.
-    Level("L3", "a real engine: requests arriving over time, generated tokens against each request alone",
-          (TOKENS, LOGPROBS), every_divergence_gates=True),
+    Level(L3, "a real engine: requests arriving over time, generated tokens against each request alone",
+          (TOKENS, LOGPROBS), every_divergence_gates=True, replays=ARRIVALS),
 )}
+# The levels a schedule file names (and a fuzz campaign generates at).
+SCHEDULE_LEVELS = tuple(name for name, level in LEVELS.items() if level.replays == SCHEDULE)

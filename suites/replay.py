@@ -33,6 +33,7 @@ from kvparity.suites.adapter import MemberRaised
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
+from kvparity.suites.levels import L2
 
 
 class ScheduleError(ValueError):
@@ -302,7 +303,7 @@ class Replay:
         self.enter(solos)
 
     def _batched_join(self, event):
-        if "L2" in self.schedule.levels:
+        if L2 in self.schedule.levels:
             self.fail("batched_join (padded batched prefill) is an L1 event")
         self.admit(event.requests)
         for rid in event.requests:

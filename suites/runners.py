@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from kvparity.oracle.models import SMOLLM2, load_model, zoo_models
 from kvparity.suites import arrivals, l1, l2, l3
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.levels import L1, L2, L3
 from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
 
 # A label for the progress line and a run: implementation -> ScheduleResult.
@@ -79,7 +80,7 @@ def architecture_axis(path=AXIS) -> ArchitectureAxis:
     for model in doc["default"]:
         if model not in known:
             raise ScheduleError(f"{path}: default: {model!r} is no architecture of the zoo")
-    return ArchitectureAxis(tuple(doc["default"]), {level: tuple(doc.get(level, ())) for level in ("L2", "L3")})
+    return ArchitectureAxis(tuple(doc["default"]), {level: tuple(doc.get(level, ())) for level in (L2, L3)})
 
 
 def model_set(text: Optional[str]) -> Tuple[str, ...]:
@@ -159,14 +160,14 @@ class Runner:
 
 
 class L1Runner(Runner):
-    level = "L1"
+    level = L1
 
     def run(self, schedule, implementation, options):
         return l1.run_l1(schedule, implementation)
 
 
 class L2Runner(Runner):
-    level = "L2"
+    level = L2
 
     def catalog(self, options):
         return [load_schedule(p) for p in catalog_paths(folder=REAL_CATALOG if options.real_model else CATALOG)]
@@ -192,7 +193,7 @@ class L3Runner(Runner):
     """An engine serving arrivals. A catalog schedule runs twice: each
     prompt prefilled alone, and the engine's own batched prefill."""
 
-    level = "L3"
+    level = L3
 
     def takes(self, schedule):
         return is_arrivals(schedule)

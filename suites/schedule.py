@@ -33,9 +33,10 @@ from kvparity.oracle.atomic import make_folder
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
 from kvparity.oracle.synthetic import BLOCK, LayerShape
 from kvparity.suites.events import Event, parse_event
+from kvparity.suites.levels import L1, L2, SCHEDULE_LEVELS
 from kvparity.suites.replay import ScheduledCall, ScheduleError, dry_run
 
-LEVELS = ("L1", "L2")
+LEVELS = SCHEDULE_LEVELS
 DEFAULT_PREFILL_STEP = 2048
 
 CATALOG = Path(files(__package__) / "catalog")  # package data, also in a wheel
@@ -274,7 +275,7 @@ def parse_synthetic(source, doc, levels) -> Tuple[Tuple[LayerShape, ...], str]:
             check_fields(source, where, layer, SHAPE_FIELDS)
             shapes.append(parse_shape(source, where, layer))
         shapes = tuple(shapes)
-    if "L2" in levels and (len(shapes) > 1 or shapes[0].key_dim != shapes[0].value_dim):
+    if L2 in levels and (len(shapes) > 1 or shapes[0].key_dim != shapes[0].value_dim):
         reject(source, "synthetic", "layers and key_dim != value_dim are L1 shapes: at L2 the model has its own")
     return shapes, dtype
 
@@ -307,7 +308,7 @@ def parse(doc, source="<schedule>") -> Schedule:
     bits = check_int(source, "kv.bits", kv.get("bits", 4), 1)
     group_size = check_int(source, "kv.group_size", kv.get("group_size", 64), 1)
     shapes, dtype = parse_synthetic(source, doc.get("synthetic", {}), levels)
-    check_kv(source, bits, group_size, dims_of(shapes) if "L1" in levels else ())
+    check_kv(source, bits, group_size, dims_of(shapes) if L1 in levels else ())
     model = doc.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         reject(source, "model", f"expected a model name, got {model!r}")
@@ -433,7 +434,7 @@ def parse_request(source, rid, spec, levels) -> Request:
         prompt = tuple(check_int(source, f"{where} prompt", t) for t in tokens)
         prompt_len = len(prompt)
     elif "text" in spec:
-        if "L1" in levels:
+        if L1 in levels:
             reject(source, where, "a text prompt needs a tokenizer: L1 schedules take prompt_len")
         text = spec["text"]
         if not isinstance(text, str) or not text:

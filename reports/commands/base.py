@@ -19,6 +19,7 @@ from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.engines import EngineError, load_engine_factory
+from kvparity.suites.levels import L2, L3, LEVELS
 from kvparity.suites.runners import RunOptions, model_set
 
 
@@ -54,7 +55,7 @@ def model_help() -> str:
             "a seeded random model")
 
 
-def common_options(command, levels=("L1", "L2", "L3", "all"), default_level=None):
+def common_options(command, levels=(*LEVELS, "all"), default_level=None):
     """--impl, --level, --repeat-oracle, --engine, --model, --device and
     --policy, as far as the command's levels use them. Without a
     ``default_level``, --level is the ``levels`` setting (checked in
@@ -64,15 +65,15 @@ def common_options(command, levels=("L1", "L2", "L3", "all"), default_level=None
         command.add_argument("--level", metavar="LEVELS", help=LEVELS_HELP)
     elif levels:
         command.add_argument("--level", choices=levels, default=default_level, help=LEVEL_HELP)
-    if levels is None or "L2" in levels:
+    if levels is None or L2 in levels:
         command.add_argument("--repeat-oracle", action=argparse.BooleanOptionalAction, default=None,
                              help="run every solo trace twice and require equal bytes "
                              "(default: on when the device is a GPU)")
-    if levels and "L3" in levels:
+    if levels and L3 in levels:
         command.add_argument("--engine", metavar="MODULE:FACTORY",
                              help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
     command.add_argument("--model", metavar="NAME", help=model_help())
-    if levels is None or "L2" in levels:
+    if levels is None or L2 in levels:
         command.add_argument("--models", metavar="SET", default="default",
                              help="the architecture axis: the catalog schedules it names also run on these "
                              "architectures of mlx-lm's zoo: default (a hybrid, keys and values of different "

@@ -10,6 +10,7 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
+from kvparity.suites.levels import L1, L3, LEVELS
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
 from kvparity.suites.schedule import atomic_write_json
 from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure
@@ -26,7 +27,7 @@ REQUIRED = ("impl",)
 
 def arguments(command):
     command.add_argument("schedule", metavar="SCHEDULE", help="the failing schedule file")
-    common_options(command, levels=("L1", "L2", "L3"), default_level="L1")
+    common_options(command, levels=tuple(LEVELS), default_level=L1)
     expectations_option(command)  # declared divergences are not what a shrink follows
     command.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
                          f"(default: {OUTPUT_ROOT / 'bisect' / 'NAME-min.json'})")
@@ -35,10 +36,10 @@ def arguments(command):
 def level_of(args, schedule):
     """The level to bisect at: an arrivals schedule only at L3, an event
     schedule only at a level it declares."""
-    level = "L3" if is_arrivals(schedule) else args.level
-    if level == "L3" and args.level != "L3":
+    level = L3 if is_arrivals(schedule) else args.level
+    if level == L3 and args.level != L3:
         raise UsageError(f"{args.schedule}: an arrivals schedule: bisect it with --level L3")
-    if level != "L3" and level not in schedule.levels:
+    if level != L3 and level not in schedule.levels:
         raise UsageError(f"{args.schedule}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
     return level
 
@@ -68,19 +69,19 @@ def handle(args):
     level = level_of(args, schedule)
     out = output_path(args, schedule)
     use_device(args.device)
-    if level == "L3":
+    if level == L3:
         check_engine(args.engine)
     plan(args, [(level, schedule)])  # an L2 or L3 schedule must fit its model
     chosen = implementation(args.impl)
     print_configuration(args, policy=chosen_policy.name)
     # The variants the shrinker tries run fresh at L2: none is stored as a golden.
     runner, options = RUNNERS[level], run_options(args, use_cache=False)
-    shrinker = (ArrivalShrinker if level == "L3" else Shrinker)(
+    shrinker = (ArrivalShrinker if level == L3 else Shrinker)(
         lambda s: verdicts.judge(runner.run(s, chosen, options), chosen_policy, declared), schedule)
     if shrinker.first is None:
         return nothing_to_bisect(schedule, level, shrinker.original)
     first = shrinker.first
-    if level != "L3":
+    if level != L3:
         print(f"first event after which parity breaks: {schedule.events[first.event_index].label}")
     print(f"  {first.message()}")
     member = failures.failure_of(shrinker.original).member
@@ -90,9 +91,9 @@ def handle(args):
     minimal = shrinker.parse(doc)
     atomic_write_json(doc, out)
     print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
-          + ("" if level == "L3" else f" and {len(minimal.events)} of {len(schedule.events)} events")
+          + ("" if level == L3 else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
-    found = exposure(shrinker.run, minimal) if level != "L3" else None
+    found = exposure(shrinker.run, minimal) if level != L3 else None
     if found:
         print(f"most likely at fault: {found.sentence()}")
     replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")

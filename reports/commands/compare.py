@@ -6,6 +6,7 @@ from kvparity.reports.commands.base import CannotRun, UsageError, policy
 from kvparity.reports.commands.runs import print_summary
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l2 import compare_traces
+from kvparity.suites.levels import L2
 
 NAME = "compare"
 HELP = "compare a candidate trace directory with a golden one"
@@ -37,7 +38,7 @@ def handle(args):
         if name in candidate_traces:
             result = compare_traces(name, traces, candidate_traces[name], candidate["source"])
         else:  # nothing to compare: no evidence, never a pass
-            result = ScheduleResult(name, "L2", candidate["source"], ["trace"],
+            result = ScheduleResult(name, L2, candidate["source"], ["trace"],
                                     reason="the candidate has no trace of this schedule")
             for rid in traces:
                 result.row(rid)

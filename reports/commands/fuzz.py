@@ -21,6 +21,7 @@ from kvparity.suites.campaign import (
     LEVELS, Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign,
 )
 from kvparity.suites.evidence import FAILURES
+from kvparity.suites.levels import L1
 from kvparity.suites.runners import RUNNERS, RunOptions
 from kvparity.suites.schedule import atomic_write_json, parse
 from kvparity.suites.shrink import Shrinker
@@ -40,7 +41,7 @@ REQUIRED = ("impl",)
 
 def arguments(command):
     command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
-    command.add_argument("--level", choices=LEVELS, default="L1",
+    command.add_argument("--level", choices=LEVELS, default=L1,
                          help="L1 cache bytes or L2 model per row (default: %(default)s)")
     budget = command.add_mutually_exclusive_group(required=True)
     budget.add_argument("--minutes", type=float, metavar="M", help="run for M minutes")

@@ -27,6 +27,9 @@ def arguments(command):
     command.add_argument("--session", metavar="NAME", action="append",
                          help="run this nox session first (repeatable): nox -s NAME... writes the rows")
     command.add_argument("--noxfile", metavar="FILE", help="the noxfile of --session (default: nox's, ./noxfile.py)")
+    command.add_argument("--no-report-links", action="store_true",
+                         help="the rows' report directories are not published beside the page: name them, do not "
+                         "link them (a page links only what its readers can open)")
 
 
 def run_sessions(sessions, noxfile=None) -> int:
@@ -50,10 +53,10 @@ def handle(args):
         rows = matrix.gather(args.directories)
     except matrix.MatrixError as error:
         raise UsageError(str(error))
-    path, doc = matrix.write_matrix(rows, args.out, gate=args.gate)
+    path, doc = matrix.write_matrix(rows, args.out, gate=args.gate, report_links=not args.no_report_links)
     for row in doc["rows"]:
         state = (f"cannot install: {row['cannot_install']['reason']}" if row["cannot_install"]
                  else f"{row['headline']} (exit {row['exit_status']})")
-        print(f"{row['implementation']} @ {row['version']} x mlx-lm {row['mlx_lm']}: {state}")
+        print(f"{row['name']} on mlx-lm {row['mlx_lm']} ({row['implementation']}): {state}")
     print(f"matrix: {path}")
     return doc["exit_status"]

@@ -8,6 +8,7 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.runs import select
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.suites import l2
+from kvparity.suites.levels import L2
 from kvparity.suites.runners import RUNNERS, RunOptions
 
 NAME = "record"
@@ -30,7 +31,7 @@ def arguments(command):
 
 def fitted(args, selected):
     """Every selected L2 schedule fitted to its model: (schedule, model) pairs."""
-    runner, options = RUNNERS["L2"], RunOptions(model=args.model)  # --engine here is a flag, not an L3 engine
+    runner, options = RUNNERS[L2], RunOptions(model=args.model)  # --engine here is a flag, not an L3 engine
     out = []
     for _, schedule in selected:
         model = load_model(runner.model_name(schedule, options))
@@ -45,7 +46,7 @@ def handle(args):
     policy(args)  # refused like everywhere else, though recording applies none
     if args.engine:
         check_impl_spec(args.impl)
-    args.level = "L2"
+    args.level = L2
     new_path(args.out, "record")
     selected = select(args, args.schedule)
     use_device(args.device)

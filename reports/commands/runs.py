@@ -20,7 +20,7 @@ from kvparity.reports.environment import describe
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.evidence import PASS, crashed
 from kvparity.suites.flight import FLIGHT, IsolatedState
-from kvparity.suites.levels import LEVELS
+from kvparity.suites.levels import L3, LEVELS
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
@@ -50,7 +50,7 @@ def levels_of(args):
 
 
 def require_levels_option(command):
-    command.add_argument("--require-levels", metavar="L1,L2,L3",
+    command.add_argument("--require-levels", metavar=",".join(LEVELS),
                          help="levels that must be judged: a run in which one of them judged no schedule run "
                          "(every one mlx-lm defect, not supported, oracle cannot run, ...) cannot be judged "
                          "(exit 125) instead of passing on the other levels; a shard leaves it to kvparity merge")
@@ -111,7 +111,7 @@ def prepare(args, files=None):
     chosen_policy = policy(args)
     check_impl_spec(args.impl)
     selected = select(args, files)
-    if any(level == "L3" for level, _ in selected):
+    if any(level == L3 for level, _ in selected):
         check_engine(getattr(args, "engine", None))
     use_device(args.device)
     options = run_options(args)

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.suites import l2
 from kvparity.suites.adapter import patched
 from kvparity.suites.evidence import OracleFailed
+from kvparity.suites.levels import L2
 
 # What the backend may print instead of raising.
 BACKEND_WARNINGS = ("TMA", "No implementation", "error", "Error")
@@ -98,7 +99,7 @@ def solo_traces(model, schedule, twice=False):
 def schedule_doc(model, bits, group_size, requests, events, name="calibration") -> dict:
     return {
         "name": name,
-        "levels": ["L2"],
+        "levels": [L2],
         "kv": {"bits": bits, "group_size": group_size},
         "synthetic": {
             "kv_heads": model.n_kv_heads,

@@ -19,6 +19,7 @@ from kvparity.suites.calibration.backend import (
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
 from kvparity.suites.evidence import MLX_LM_DEFECT, OracleNondeterministic
 from kvparity.suites.l2 import fit_to_model, model_for, run_l2
+from kvparity.suites.levels import L2
 from kvparity.suites.schedule import catalog_paths, load, parse
 
 
@@ -142,11 +143,11 @@ def catalog(implementation, deadline, out=None, saved=lambda: None) -> List[dict
     ``run_l2``'s evidence per row (logit statistics and which checks
     diverged). No verdict: the tiers are what is being calibrated."""
     out = [] if out is None else out
-    for path in catalog_paths("L2"):
+    for path in catalog_paths(L2):
         if time.monotonic() > deadline:
             break
         schedule = load(path)
-        if "L2" not in schedule.levels:
+        if L2 not in schedule.levels:
             continue
         model = load_model(model_for(schedule))
         schedule, unfit = fit_to_model(schedule, model)
