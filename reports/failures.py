@@ -26,12 +26,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
-from kvparity.suites.levels import L1
+from kvparity.suites.levels import L1, LEVELS
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
 # keys.packed, values.scales, ... inside a tensor's name ("batch.keys.packed",
 # "resumed from stored entry ...: keys.scales")
+LEVEL_ORDER = list(LEVELS)
 _TENSOR = re.compile(r"(keys|values)\.(packed|scales|biases)")
 
 
@@ -70,16 +71,23 @@ class FailureGroup:
 
     @property
     def schedules(self) -> int:
-        return len({(f.verdict.evidence.schedule, f.verdict.evidence.path) for f in self.failures})
+        return len({(f.verdict.evidence.schedule, f.verdict.evidence.path, f.verdict.evidence.level)
+                    for f in self.failures})
 
     @property
     def rows(self) -> int:
         return sum(f.rows for f in self.failures)
 
     @property
+    def levels(self) -> List[str]:
+        return sorted({f.verdict.evidence.level for f in self.failures}, key=LEVEL_ORDER.index)
+
+    @property
     def example(self) -> Failure:
-        """The member to read first: the shortest schedule, then the earliest."""
-        return min(self.failures, key=lambda f: (f.verdict.evidence.events, len(f.verdict.rows)))
+        """The member to read first: at the lowest level (the cheapest to
+        shrink), the shortest schedule, then the earliest."""
+        return min(self.failures, key=lambda f: (LEVEL_ORDER.index(f.verdict.evidence.level),
+                                                 f.verdict.evidence.events, len(f.verdict.rows)))
 
     @property
     def at_fault(self) -> str:
@@ -97,7 +105,8 @@ class FailureGroup:
         example = self.example
         first = example.first
         return {
-            "level": self.level, "check": self.check, "tensor": self.tensor, "member": self.member,
+            "level": self.level, "levels": self.levels, "check": self.check, "tensor": self.tensor,
+            "member": self.member,
             "at_fault": self.at_fault,
             "exposure": None if self.exposure is None else {
                 "cause": self.exposure.cause, "cause_event": self.exposure.cause_event,
@@ -111,8 +120,9 @@ class FailureGroup:
                 "event": first.event if first is not None else example.member_event,
                 "request": first.request if first is not None else None,
                 "message": example.message,
-                "expected": None if first is None else repr(first.expected),
-                "actual": None if first is None else repr(first.actual),
+                # A raise has neither: its message says what happened.
+                "expected": None if first is None or first.expected is None else repr(first.expected),
+                "actual": None if first is None or first.actual is None else repr(first.actual),
             },
             "bisect": self.bisect_command(),
         }
@@ -121,12 +131,13 @@ class FailureGroup:
 def title(group: dict) -> str:
     """A group's one line, from its JSON form (a report's ``failures``): the
     member at fault, what diverged, where, and how much it explains."""
-    what = f"{group['check']}" + (f" on {group['tensor']}" if group["tensor"] else "")
+    what = group["check"] + (f" on {group['tensor']}" if group["tensor"] not in ("", group["check"]) else "")
     where = f"{group['at_fault']}" if group["at_fault"] else "member not known"
     if group["exposure"]:
         where += f", exposed by {group['exposure']['exposed_by']} at the next event"
     schedules, rows = group["schedules"], group["rows"]
-    return (f"{where}: {what} ({group['level']}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
+    levels = ", ".join(group.get("levels") or [group["level"]])
+    return (f"{where}: {what} ({levels}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
             f"{rows} row{'s' if rows != 1 else ''})")
 
 
@@ -164,9 +175,15 @@ def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> Li
         check = first.check if first is not None else verdict.verdict
         found = _TENSOR.search(first.tensor) if first is not None and first.tensor else None
         tensor = found.group(0) if found else (first.tensor if first is not None else "")
-        key = (verdict.evidence.level, check, tensor, failure.member)
-        groups.setdefault(key, FailureGroup(*key, options=dict(options or {}))).failures.append(failure)
-    return sorted(groups.values(), key=lambda g: (-g.schedules, -g.rows, g.level, g.check))
+        # One root cause seen at several levels (L1's bytes and L2's, both after filter) is one group;
+        # where no member is known (L3: the engine makes the calls) the level stays apart.
+        key = (check, tensor, failure.member, "" if failure.member else verdict.evidence.level)
+        group = groups.setdefault(key, FailureGroup(verdict.evidence.level, check, tensor, failure.member,
+                                                    options=dict(options or {})))
+        group.failures.append(failure)
+    for group in groups.values():
+        group.level = group.example.verdict.evidence.level
+    return sorted(groups.values(), key=lambda g: (-g.schedules, -g.rows, LEVEL_ORDER.index(g.level), g.check))
 
 
 def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int = 8) -> None:

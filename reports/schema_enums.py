@@ -33,6 +33,7 @@ ENUMS = {
     ("report.schema.json", "/$defs/scheduleResult/properties/level"): list(LEVELS),
     ("report.schema.json", "/$defs/scheduleResult/properties/stopped"): ["", *STOPS],
     ("report.schema.json", "/$defs/failureGroup/properties/level"): list(LEVELS),
+    ("report.schema.json", "/$defs/failureGroup/properties/levels/items"): list(LEVELS),
     ("report.schema.json", "/$defs/divergence/properties/kind"): [PARITY, HYGIENE],
     ("matrix.schema.json", "/properties/exit_status"): list(STATUS),
 }

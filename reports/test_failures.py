@@ -158,3 +158,20 @@ def test_require_levels_on_the_command_line(tmp_path, capsys):
     assert "L1 not judged (1 not supported)" in capsys.readouterr().out
     assert main([*args, "--require-levels", "L2"]) == EXIT_USAGE
     assert main([*args, "--require-levels", "L9"]) == EXIT_USAGE
+
+
+def test_one_root_cause_at_l1_and_l2_is_one_group():
+    """The filter bug seen in L1's bytes and in L2's is one group, which
+    names both levels and takes its example (and bisect) from L1."""
+    from kvparity.suites.l2 import run_l2
+
+    spec = f"{CONTROLS}:FilterSharedPaddingOffByOne"
+    impl = load_implementation(spec)
+    schedule = load(CATALOG / "leave-longest.json")
+    assert {"L1", "L2"} <= set(schedule.levels)
+    results = [verdicts.judge(run_l1(schedule, impl), CPU), verdicts.judge(run_l2(schedule, impl), CPU)]
+    assert [r.verdict for r in results] == [FAIL, FAIL]
+    (group,) = failures.group(results, {"impl": spec})
+    assert group.levels == ["L1", "L2"] and group.level == "L1" and group.member == "filter"
+    assert "(L1, L2; 2 schedule runs" in group.title()
+    assert "--level L1" in group.bisect_command()
