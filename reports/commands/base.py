@@ -187,11 +187,11 @@ def check_engine(spec):
         raise UsageError(str(error))
 
 
-def check_model_name(name):
+def check_model_name(name, what="--model"):
     """A name load_model knows: one of ``available_models`` or a random
-    model's variant (``-mha``, ``-3layers``)."""
+    model's variant (``-mha``, ``-3layers``); ``what`` names where it was given."""
     if name is not None and name not in available_models() and random_model(name) is None:
-        raise UsageError(f"--model {name!r}: unknown model (available: {', '.join(available_models())}; "
+        raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "
                          f"a random model's name may end in {MHA} or {DEEP}, or both in that order)")
 
 

@@ -8,11 +8,12 @@ import sys
 
 from kvparity.oracle.models import available_models
 from kvparity.reports.commands import (
-    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, models, probe, record, replay, run,
+    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, model_dir, models, probe, record, replay, run,
 )
 from kvparity.reports.verdicts import EXIT_USAGE
 
-COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, models, probe, record, calibrate, compare)
+COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, models, model_dir, probe, record, calibrate,
+            compare)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
