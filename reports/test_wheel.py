@@ -1,7 +1,7 @@
 """kvparity from its wheel, as a team uses it in its own repository: the
 wheel is built from this checkout, installed into a fresh virtual
 environment, and run from a directory holding only a cache module
-(``theircache.py``, a copy of impl/mlx_style.py) and the README's example
+(``theircache.py``, a copy of impl/mlx_style.py) and docs/protocol.md's example
 test file. The plugin, ``check``, ``run`` and ``bench`` must each hold for the
 cache and break for a negative control; every path printed exists."""
 
@@ -30,10 +30,13 @@ pytestmark = [
 ]
 
 
+PROTOCOL_PAGE = ROOT / "docs" / "protocol.md"
+
+
 def example_test_file() -> str:
-    """The README's complete test file, as a user copies it."""
-    found = re.search(r"```python\n(# test_cache_parity\.py.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert found, "README.md shows no test file starting '# test_cache_parity.py'"
+    """The protocol page's complete test file, as a user copies it."""
+    found = re.search(r"```python\n(# test_cache_parity\.py.*?)```", PROTOCOL_PAGE.read_text(), re.S)
+    assert found, f"{PROTOCOL_PAGE.name} shows no test file starting '# test_cache_parity.py'"
     return found.group(1)
 
 

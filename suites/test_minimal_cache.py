@@ -1,6 +1,7 @@
-"""The README's smallest cache passes the default gate: the catalog alone at
-L1 in the default run (its coverage line says every requirement was reached),
-every level with the slow tests."""
+"""The smallest cache (impl/minimal.py, where docs/protocol.md starts cache
+authors) passes the default gate: the catalog alone at L1 in the default run
+(its coverage line says every requirement was reached), every level with the
+slow tests."""
 
 import pytest
 
