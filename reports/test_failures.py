@@ -160,6 +160,7 @@ def test_require_levels_on_the_command_line(tmp_path, capsys):
     assert main([*args, "--require-levels", "L9"]) == EXIT_USAGE
 
 
+@pytest.mark.gqa_batched  # L2 on the default (grouped-query) model
 def test_one_root_cause_at_l1_and_l2_is_one_group():
     """The filter bug seen in L1's bytes and in L2's is one group, which
     names both levels and takes its example (and bisect) from L1."""
