@@ -16,7 +16,7 @@ import os
 import sys
 
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_USAGE
-from workflow_commands import error
+from workflow_commands import error, record_exit_status
 
 DEVICES = ("cpu", "gpu")
 
@@ -45,9 +45,7 @@ def main() -> int:
         return 0
     status, why = refused
     print(error("kvparity refuses to gate", why))
-    if os.environ.get("GITHUB_OUTPUT"):
-        with open(os.environ["GITHUB_OUTPUT"], "a", encoding="utf-8") as output:
-            output.write(f"exit-status={status}\n")
+    record_exit_status(status)
     return status
 
 

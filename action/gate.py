@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from kvparity.reports.verdicts import EXIT_USAGE
-from workflow_commands import error
+from workflow_commands import error, record_exit_status
 
 
 def gate_command(environ) -> list:
@@ -38,8 +38,7 @@ def main() -> int:
         command = gate_command(os.environ)
         print("+", shlex.join(command), flush=True)
         status = subprocess.run(command).returncode
-    with open(os.environ["GITHUB_OUTPUT"], "a", encoding="utf-8") as output:
-        output.write(f"exit-status={status}\n")
+    record_exit_status(status)
     return 0
 
 

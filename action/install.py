@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE
-from workflow_commands import error
+from workflow_commands import error, record_exit_status
 
 PROJECT_FILES = ("pyproject.toml", "setup.py")
 
@@ -48,9 +48,7 @@ def main() -> int:
         return 0
     print(error("kvparity gate", f"your project did not install (exit {status}): {command}; "
                 "set the action's input install to the command that installs it"))
-    if os.environ.get("GITHUB_OUTPUT"):
-        with open(os.environ["GITHUB_OUTPUT"], "a", encoding="utf-8") as output:
-            output.write(f"exit-status={EXIT_CANNOT_JUDGE}\n")
+    record_exit_status(EXIT_CANNOT_JUDGE)
     return EXIT_CANNOT_JUDGE
 
 

@@ -2,8 +2,11 @@
 
 A message is one line whatever it holds: ``%``, CR and LF are escaped, so a
 test's output cannot end the command early or start another one. Property
-values (``title=``) escape ``:`` and ``,`` too.
+values (``title=``) escape ``:`` and ``,`` too. The action's exit status
+goes to ``$GITHUB_OUTPUT`` the same way from every script.
 """
+
+import os
 
 
 def escape_data(text: str) -> str:
@@ -12,6 +15,13 @@ def escape_data(text: str) -> str:
 
 def escape_property(text: str) -> str:
     return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def record_exit_status(status: int):
+    """The action's ``exit-status`` output, in ``$GITHUB_OUTPUT`` (nothing outside a workflow)."""
+    if os.environ.get("GITHUB_OUTPUT"):
+        with open(os.environ["GITHUB_OUTPUT"], "a", encoding="utf-8") as output:
+            output.write(f"exit-status={status}\n")
 
 
 def error(title: str, message: str) -> str:

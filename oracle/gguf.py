@@ -230,6 +230,11 @@ class GGUFTokenizer:
         self.eos_token_ids = {self.eos_token_id}
         self.chat_template = metadata.get("tokenizer.chat_template")
 
+    @property
+    def tokenizers_tokenizer(self) -> Tokenizer:
+        """The ``tokenizers`` Tokenizer it wraps (what a model directory saves)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -64,7 +64,7 @@ def word_level_tokenizer(vocab_size: int):
 
 def _tokenizer_files(loaded: LoadedModel, directory: Path):
     if loaded.tokenizer is not None:  # SmolLM2: its own (oracle/gguf.py)
-        tokenizer, template = loaded.tokenizer._tok, loaded.tokenizer.chat_template
+        tokenizer, template = loaded.tokenizer.tokenizers_tokenizer, loaded.tokenizer.chat_template
         bos, eos = loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id
         names = {"bos_token": tokenizer.id_to_token(bos) if bos is not None else None,
                  "eos_token": tokenizer.id_to_token(eos) if eos is not None else None}

@@ -25,6 +25,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -101,17 +102,13 @@ class Row:
         return EXIT_CANNOT_JUDGE if self.record is None else self.record["exit_status"]
 
 
-_LISTED: dict = {}
-
-
+@lru_cache(maxsize=None)
 def listed_rows() -> dict:
     """rows.toml's rows by name; none where it is not there or not readable."""
-    if not _LISTED:
-        try:
-            _LISTED.update({row.name: row for row in load_rows(ROWS_FILE)})
-        except (RowsError, OSError):
-            pass
-    return _LISTED
+    try:
+        return {row.name: row for row in load_rows(ROWS_FILE)}
+    except (RowsError, OSError):
+        return {}
 
 
 def columns() -> List[str]:
