@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.reports.verdicts import ScheduleVerdict
+from kvparity.suites.adapter import WRITE
+from kvparity.suites.checks import OUTPUT_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.levels import L1, LEVELS
@@ -181,9 +183,46 @@ def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> Li
         group = groups.setdefault(key, FailureGroup(verdict.evidence.level, check, tensor, failure.member,
                                                     options=dict(options or {})))
         group.failures.append(failure)
-    for group in groups.values():
+    return _ordered(fold_outputs(list(groups.values())))
+
+
+def _ordered(groups: List[FailureGroup]) -> List[FailureGroup]:
+    """The largest group first; each group's level is its example's."""
+    for group in groups:
         group.level = group.example.verdict.evidence.level
-    return sorted(groups.values(), key=lambda g: (-g.schedules, -g.rows, LEVEL_ORDER.index(g.level), g.check))
+    return sorted(groups, key=lambda g: (-g.schedules, -g.rows, LEVEL_ORDER.index(g.level), g.check))
+
+
+def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
+    """Logits, tokens and log-probs say that a request's output broke, not
+    which tensor did; a bug in the cache shows there after its bytes. A
+    failure seen only in outputs joins the group whose member (or, once
+    ``explain`` named it, the member at fault) touched the request before it
+    diverged, where exactly one does: at L1 and L2 the member the failing
+    event called, at L3 (the engine makes the calls) the members that
+    reshaped its batch since it arrived, and the write. The others stay."""
+    homes = [g for g in groups if g.check not in OUTPUT_CHECKS and g.member]
+    kept = []
+    for outputs in groups:
+        if outputs.check not in OUTPUT_CHECKS or outputs in homes:
+            kept.append(outputs)
+            continue
+        for failure in list(outputs.failures):
+            touched = _touched(failure)
+            found = [g for g in homes if {g.member, g.at_fault} & touched]
+            if len(found) == 1:
+                found[0].failures.append(failure)
+                outputs.failures.remove(failure)
+        if outputs.failures:
+            kept.append(outputs)
+    return kept
+
+
+def _touched(failure: Failure) -> set:
+    """The members that acted on a failing request before its first divergence."""
+    if failure.first is not None and failure.first.reshaped:
+        return set(failure.first.reshaped) | {WRITE}
+    return {failure.member} - {""}
 
 
 def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int = 8) -> None:
@@ -202,6 +241,7 @@ def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int =
         minimal = shrinker.parse(shrinker.shrink(load(result.path)))
         chosen.shrunk = [e.label for e in minimal.events]
         chosen.exposure = exposure(at_level, minimal)
+    groups[:] = _ordered(fold_outputs(groups))  # a member at fault named now may take output-only failures
 
 
 def bisect_command(result, options: Dict[str, str]) -> Optional[str]:

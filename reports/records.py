@@ -110,7 +110,8 @@ def evidence_of(doc: dict) -> ScheduleResult:
     for row_doc in doc["rows"]:
         row = RowResult(row_doc["request"], metrics=_finite(row_doc.get("metrics") or {}),
                         series=_finite(row_doc.get("series") or {}))
-        row.divergences = [Divergence(**_fields(Divergence, d)) for d in row_doc["divergences"]]
+        row.divergences = [Divergence(**{**_fields(Divergence, d), "reshaped": tuple(d.get("reshaped") or ())})
+                           for d in row_doc["divergences"]]
         row.counts = {int(e): Counter(c) for e, c in row_doc["counts"].items()}
         result.rows.append(row)
     return result

@@ -6,6 +6,7 @@ level that judged nothing says so in the headline, and --require-levels
 makes such a run one that cannot be judged."""
 
 import json
+from dataclasses import replace
 import shlex
 from collections import Counter
 
@@ -176,3 +177,59 @@ def test_one_root_cause_at_l1_and_l2_is_one_group():
     assert group.levels == ["L1", "L2"] and group.level == "L1" and group.member == "filter"
     assert "(L1, L2; 2 schedule runs" in group.title()
     assert "--level L1" in group.bisect_command()
+
+
+@pytest.mark.gqa_batched  # L3's engine batches the grouped-query model
+def test_the_filter_bug_seen_at_l3_joins_its_group_through_the_members_the_engine_called():
+    """L3 compares outputs and the engine makes the calls, so its failures
+    name no member; the engine's filter calls before each divergence put them
+    with the L1 group at filter. Alone (no lower level) they stay unattributed,
+    and a run whose L3 divergence no filter preceded would stay apart."""
+    from kvparity.suites.arrivals import load as load_arrivals
+    from kvparity.suites.arrivals import L3_CATALOG
+    from kvparity.suites.l3 import run_l3
+
+    spec = f"{CONTROLS}:FilterSharedPaddingOffByOne"
+    impl = load_implementation(spec)
+    l1 = verdicts.judge(run_l1(load(CATALOG / "leave-longest.json"), impl), CPU)
+    l3 = [verdicts.judge(run_l3(load_arrivals(L3_CATALOG / f"{name}.json"), impl), CPU)
+          for name in ("staggered", "prompt-length-1")]
+    assert [r.verdict for r in l3] == [FAIL, FAIL]
+    for run in l3:
+        first = failures.failure_of(run).first
+        assert "filter" in first.reshaped and first.check in ("logprobs", "tokens")
+    (group,) = failures.group([l1, *l3], {"impl": spec})
+    assert group.levels == ["L1", "L3"] and group.member == "filter" and group.schedules == 3
+    assert group.level == "L1" and "--level L1" in group.bisect_command()
+    (alone,) = failures.group(l3)
+    assert alone.member == "" and "member not known" in alone.title()
+    # Had the engine never called filter before those divergences, nothing ties them to it.
+    unrelated = [replace(run, rows=tuple(replace(row, failing=tuple(replace(d, reshaped=("extend",))
+                                                                    for d in row.failing)) for row in run.rows))
+                 for run in l3]
+    assert len(failures.group([l1, *unrelated])) == 2
+
+
+@pytest.mark.gqa_batched  # L2 on the default (grouped-query) model
+def test_the_trim_bug_seen_only_in_l2_logits_joins_the_trim_group():
+    """At L2 the trim bug can show in the logits before any cache bytes are
+    compared; logits name no tensor, so those runs join the group of the
+    member that the failing event called, or, once explain has named it,
+    the member at fault (the trim of rollback-even's spec round)."""
+    from kvparity.suites.l2 import run_l2
+
+    spec = f"{CONTROLS}:TrimSlicesOnlyPackedWords"
+    impl = load_implementation(spec)
+    l1 = [verdicts.judge(run_l1(load(CATALOG / f"{name}.json"), impl), CPU) for name in ("spec-round-even", "bits-4")]
+    l2 = [verdicts.judge(run_l2(load(CATALOG / f"{name}.json"), impl), CPU)
+          for name in ("spec-round-even", "rollback-even")]
+    assert [failures.failure_of(r).first.check for r in l2] == ["logits", "logits"]
+    assert [failures.failure_of(r).member for r in l2] == ["update_and_fetch", "trim"]
+    runs = [*l1, *l2]
+    by_member = failures.group(runs, {"impl": spec})
+    assert len(by_member) == 2  # rollback-even's logits wait for the member at fault
+    run = lambda level: lambda schedule: verdicts.judge(run_l1(schedule, impl), CPU)  # noqa: E731
+    failures.explain(by_member, run)
+    (group,) = by_member
+    assert group.at_fault == "trim" and group.levels == ["L1", "L2"] and group.schedules == 4
+    assert (group.check, group.tensor) == ("bytes", "keys.scales")

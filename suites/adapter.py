@@ -61,6 +61,10 @@ CAPABILITIES: Dict[str, tuple] = {
     ),
 }
 OPTIONAL_MEMBERS = {member: capability for capability, (_, member) in CAPABILITIES.items()}
+# The members that change which rows the batch holds or how long they are; the
+# others run at every forward (a write, its mask) or only read.
+RESHAPING_MEMBERS = ("merge", "extend", "filter", "extract", "trim", "prepare", "finalize", "rollback")
+WRITE = "update_and_fetch"
 
 
 class ImplementationError(Exception):
@@ -205,6 +209,7 @@ class _Watch:
         self.counters: List[Counter] = []  # what the wrappers add to
         self.trails: List[list] = []  # the members called from outside, in order
         self.depth = 0  # members of the class running now, one inside another
+        self.outside_calls = 0  # calls from outside the class so far, over every run
 
     @contextmanager
     def counting(self, calls: Counter, trail: list):
@@ -226,6 +231,7 @@ class _Watch:
             for counter in self.counters:
                 counter[name] += 1
             if not self.depth:
+                self.outside_calls += 1
                 for trail in self.trails:
                     trail.append(name)
                 FLIGHT.member(name)
@@ -336,6 +342,14 @@ class Implementation:
             finally:
                 del _WATCHES[cls]
                 self.trail.clear()
+
+
+def calls_made(batch_class: type) -> Optional[int]:
+    """How many protocol members have been called from outside ``batch_class``
+    while runs watched it; None while none does. An engine notes it at the end
+    of each step, so that a divergence can be set beside the calls around it."""
+    watch = _WATCHES.get(batch_class)
+    return None if watch is None else watch.outside_calls
 
 
 def detect_capabilities(batch_class: type) -> Dict[str, bool]:

@@ -79,4 +79,7 @@ CHECKS: Dict[str, Check] = {
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),
 }
+# What the model returns, rather than what the cache holds: a wrong cache shows
+# here after the fact, so these checks say that something broke, not which tensor.
+OUTPUT_CHECKS = (LOGITS, TOKENS, LOGPROBS, LENGTH)
 HYGIENE_CHECKS = tuple(name for name, check in CHECKS.items() if check.kind == HYGIENE)

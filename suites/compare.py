@@ -6,7 +6,7 @@ Every comparison made here is one piece of evidence; every difference is a
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +29,9 @@ class Divergence:
     expected: object = None
     actual: object = None
     detail: str = ""
+    # L3, where the engine makes the calls: the members that reshaped the batch
+    # between the request's arrival and this divergence, in order of first call.
+    reshaped: Tuple[str, ...] = ()
 
     @property
     def event_index(self) -> int:

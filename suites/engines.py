@@ -60,7 +60,7 @@ from kvparity.oracle.generation import (
 )
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, installed_batch_generator_defect
 from kvparity.oracle.plan import fresh_rows, plan_for
-from kvparity.suites.adapter import ImplementationError, resolve
+from kvparity.suites.adapter import ImplementationError, calls_made, resolve
 from kvparity.suites.arrivals import EngineSettings
 
 DEFAULT_ENGINE = "kvparity.suites.engines:mlx_lm_batch_generator"
@@ -112,6 +112,7 @@ class EngineStep:
     finished: List[str] = field(default_factory=list)
     stored: List[str] = field(default_factory=list)  # rows whose cache went into the prompt cache
     from_store: List[str] = field(default_factory=list)  # arrivals that started from a stored entry
+    calls: Optional[int] = None  # adapter.calls_made at the end of the step, where the engine notes it
 
     @property
     def prompt_width(self) -> int:
@@ -362,6 +363,7 @@ class Serving:
                 caches = self.engine.batch_caches(self.generator)
                 if caches is not None:
                     first_step = FirstStep(step, tuple(record.generation_rows), held_layers(caches))
+            record.calls = calls_made(self.engine.batch_class)
             timeline.append(record)
             step += 1
         return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes, first_step)

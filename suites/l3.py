@@ -30,8 +30,8 @@ run has, ``#0 serve``; ``reports/verdicts.judge`` says what it means.
 """
 
 import time
-from dataclasses import replace
-from typing import Dict, List, Optional
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -39,7 +39,9 @@ from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, ge
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
-from kvparity.suites.adapter import ForwardRaised, MemberRaised, in_forward, layer_of
+from kvparity.suites.adapter import (
+    RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, in_forward, layer_of,
+)
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.checks import EXTRACT, LENGTH, LOGPROBS, QUANTIZED, TOKENS
 from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
@@ -104,7 +106,8 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     first_turns = [r for r in requests if r.continues is None]
     solos = generate_solos(result, loaded, first_turns, use_cache)
-    run = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
+    served = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
+    run, calls = served or (None, None)
     if run is not None:
         check_quantized(result, run, requests, loaded.plan)
         for request in requests:
@@ -128,7 +131,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                 if result.stopped:
                     return result
                 continue
-            compare_request(result, request, solo, run.outputs.get(request.id), origin)
+            compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
         result.seconds = time.perf_counter() - start
@@ -164,16 +167,40 @@ def solo_from_entry(result: ScheduleResult, loaded, request: EngineRequest, entr
     return solo
 
 
+@dataclass
+class CallTrail:
+    """The protocol members the engine called, in order, and where each of
+    its steps ended in that list (where the engine notes ``EngineStep.calls``)."""
+
+    members: List[str]
+    ends: Dict[int, int]  # engine step -> members called by its end
+    arrived: Dict[str, int]  # request -> the engine step it arrived at
+
+    def reshaped(self, rid: str, bad_step: Optional[int]) -> Tuple[str, ...]:
+        """The members that reshaped the batch from the request's arrival up
+        to the write that made its wrong token at ``bad_step``, in order of
+        first call: where its state can have gone wrong (a member leaves
+        wrong state that a later write exposes, as at L1). Empty when the
+        engine does not note its steps."""
+        if bad_step not in self.ends or rid not in self.arrived:
+            return ()
+        begin, end = self.ends.get(bad_step - 1, 0), self.ends[bad_step]
+        writes = [i for i in range(begin, end) if self.members[i] == WRITE]
+        window = self.members[self.ends.get(self.arrived[rid] - 1, 0):writes[-1] + 1 if writes else end]
+        return tuple(dict.fromkeys(m for m in window if m in RESHAPING_MEMBERS))
+
+
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
-          requests) -> Optional[EngineRun]:
-    """The engine's run, or None when it stopped: what raised is worded as at
-    every level (level, schedule, event, layer and frame)."""
+          requests) -> Optional[Tuple[EngineRun, CallTrail]]:
+    """The engine's run and the members it called, or None when it stopped:
+    what raised is worded as at every level (level, schedule, event, layer and frame)."""
     settings = schedule.engine
     everyone = list(schedule.requests)
     # The engine gets the class itself; while it serves, the class counts
     # the members the engine calls and names what raises.
     calls_before = dict(implementation.calls)
     with implementation.watching():
+        first_call, trail_start = calls_made(implementation.batch_class), len(implementation.trail)
         engine = make_engine(engine_spec, loaded.model, implementation.batch_class, settings)
         if schedule.conversation and not getattr(engine, "serves_conversations", False):
             result.stop(NOT_SUPPORTED, f"the engine {engine.name} does not serve conversations "
@@ -182,6 +209,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
         try:
             FLIGHT.event(SERVE_LABEL, 0, everyone)
             run = engine.serve(requests)
+            members = implementation.trail[trail_start:]
         except EngineUnsupported as error:
             result.stop(NOT_SUPPORTED, str(error))
             return None
@@ -209,7 +237,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
          "prompt_width": s.prompt_width, "generation_width": s.generation_width,
          "stored": s.stored, "from_store": s.from_store}
         for s in run.timeline or ()]
-    return run
+    ends = {s.step: s.calls - first_call for s in run.timeline or () if s.calls is not None and first_call is not None}
+    arrived = {rid: s.step for s in run.timeline or () for rid in s.arrived}
+    return run, CallTrail(members, ends, arrived)
 
 
 def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan):
@@ -264,10 +294,11 @@ def held_otherwise(held, bits: int, group_size: int, head_dim: int) -> Optional[
 
 
 def compare_request(result: ScheduleResult, request: EngineRequest, expected: SoloGeneration,
-                    actual: Optional[Generated], origin: str = ""):
+                    actual: Optional[Generated], origin: str = "", calls: Optional[CallTrail] = None):
     """Note one request's tokens and log-probs against its generation alone,
     up to and including the first differing token. ``origin``: the stored
-    entry both started from, in words (empty: from nothing)."""
+    entry both started from, in words (empty: from nothing); ``calls``: the
+    members the engine called, which name the one most likely at fault."""
     rid = request.id
     tokens = actual.tokens if actual is not None else []
     logprobs = actual.logprobs if actual is not None else []
@@ -280,7 +311,8 @@ def compare_request(result: ScheduleResult, request: EngineRequest, expected: So
         found.append(Divergence(
             check, f"{SERVE_LABEL}, engine step {step}", rid, tensor=LOGPROBS if check == LOGPROBS else TOKENS,
             step=i, index=index, expected=want, actual=got,
-            detail="; ".join(part for part in (f"token {i} at engine step {step}", origin, detail) if part)))
+            detail="; ".join(part for part in (f"token {i} at engine step {step}", origin, detail) if part),
+            reshaped=calls.reshaped(rid, step) if calls is not None else ()))
 
     for i, want in enumerate(expected.tokens):
         if i >= len(tokens):
