@@ -56,6 +56,8 @@ class SoloGeneration:
 
 def semantics(request) -> str:
     """Which mlx-lm computation the request is compared with, in words."""
+    if request.bits is None:
+        return "mlx-lm dense (no kv_bits)"
     if request.quantized_kv_start is None:
         return f"quantized from the first token ({request.bits}-bit, group {request.group_size})"
     return (f"mlx-lm kv_bits={request.bits} kv_group_size={request.group_size} "
@@ -65,9 +67,9 @@ def semantics(request) -> str:
 def generate_alone(model, request) -> SoloGeneration:
     """The request alone through generate_step, greedy (its default sampler)."""
     kwargs = dict(max_tokens=request.max_tokens, prefill_step_size=request.prefill_step_size)
-    if request.quantized_kv_start is None:
+    if request.bits is not None and request.quantized_kv_start is None:
         kwargs["prompt_cache"] = fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
-    else:
+    elif request.bits is not None:  # (None: dense, mlx-lm's default cache)
         kwargs.update(kv_bits=request.bits, kv_group_size=request.group_size,
                       quantized_kv_start=request.quantized_kv_start)
     tokens, logprobs = [], []

@@ -52,6 +52,9 @@ def quantization_of(model: nn.Module) -> Optional[dict]:
     return config
 
 
+TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}  # a random model's dtype, as torch names it
+
+
 def word_level_tokenizer(vocab_size: int):
     """A ``tokenizers`` word-level tokenizer of ``vocab_size`` tokens, split on whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -71,7 +74,8 @@ def _tokenizer_files(loaded: LoadedModel, directory: Path):
     else:
         tokenizer, template = word_level_tokenizer(loaded.vocab_size), CHAT_TEMPLATE
         # No token ends a generation: a server stops at max_tokens, as the oracle's solo run does.
-        names = {"bos_token": None, "eos_token": None}
+        # A pad token all the same: some servers' chat paths refuse a tokenizer without one.
+        names = {"bos_token": None, "eos_token": None, "pad_token": word(0)}
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
               "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False, **names}
@@ -87,6 +91,8 @@ def write_model_dir(loaded: LoadedModel, directory) -> Path:
     if quantization is not None:
         config["quantization"] = quantization
     config["kvparity_model"] = {"name": loaded.name, "sha256": loaded.sha256}
+    if config.get("dtype") in TORCH_DTYPES:  # servers that read config.json with torch know only its names
+        config["dtype"] = TORCH_DTYPES[config["dtype"]]
     target = AtomicDirectory(directory.parent, directory.name)
     with target as staging:
         weights = dict(tree_flatten(loaded.model.parameters()))

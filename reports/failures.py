@@ -28,7 +28,7 @@ from kvparity.suites.adapter import WRITE
 from kvparity.suites.checks import OUTPUT_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
-from kvparity.suites.levels import L1, LEVELS
+from kvparity.suites.levels import L1, L4, LEVELS
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
@@ -134,12 +134,12 @@ def title(group: dict) -> str:
     """A group's one line, from its JSON form (a report's ``failures``): the
     member at fault, what diverged, where, and how much it explains."""
     what = group["check"] + (f" on {group['tensor']}" if group["tensor"] not in ("", group["check"]) else "")
-    where = f"{group['at_fault']}" if group["at_fault"] else "member not known"
+    levels = group.get("levels") or [group["level"]]
+    where = group["at_fault"] or ("the server" if levels == [L4] else "member not known")
     if group["exposure"]:
         where += f", exposed by {group['exposure']['exposed_by']} at the next event"
     schedules, rows = group["schedules"], group["rows"]
-    levels = ", ".join(group.get("levels") or [group["level"]])
-    return (f"{where}: {what} ({levels}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
+    return (f"{where}: {what} ({', '.join(levels)}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
             f"{rows} row{'s' if rows != 1 else ''})")
 
 
@@ -248,7 +248,7 @@ def bisect_command(result, options: Dict[str, str]) -> Optional[str]:
     """``kvparity bisect`` for a schedule run from a file, with the options
     (``--impl``, ``--model``, ...: name -> value) the run was given; None
     for a run whose process died (bisect replays in its own process)."""
-    if not result.path or died(result):
+    if not result.path or died(result) or result.level == L4:  # bisect replays a cache, not a server
         return None
     words = ["kvparity", "bisect", _shown(result.path), "--level", result.level]
     for name, value in options.items():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-from kvparity.suites.levels import LEVELS
+from kvparity.suites.levels import CACHE_LEVELS, LEVELS
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"
@@ -52,7 +52,8 @@ class Setting:
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("impl", "MODULE:FACTORY", "the batch cache class under test (a class, or a factory returning one)",
             "none: required", option="--impl"),
-    Setting("levels", ",".join(LEVELS), f"the levels that run: all, or some of {', '.join(LEVELS)}", "all", LIST,
+    Setting("levels", ",".join(LEVELS), f"the levels that run: all ({', '.join(CACHE_LEVELS)}), or some of "
+            f"{', '.join(LEVELS)} (L4 with a server)", "all", LIST,
             "--level"),
     Setting("engine", "MODULE:FACTORY", "L3: the engine serving arrivals", "mlx-lm's BatchGenerator",
             option="--engine"),
@@ -166,7 +167,7 @@ def check_levels(value: str, source: str) -> None:
 def levels_of(value: Optional[str]) -> tuple:
     """The levels a ``levels`` value names (None or ``all``: every level)."""
     if value is None or value.strip() == ALL_LEVELS:
-        return tuple(LEVELS)
+        return CACHE_LEVELS
     return tuple(dict.fromkeys(v.strip() for v in value.split(",")))
 
 

@@ -153,8 +153,8 @@ def test_argparses_own_errors_exit_as_usage_errors_do(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == EXIT_USAGE > 127, argv  # argparse's 2 would read as "bad" to git bisect run
-    assert main(["check", "--level", "L4"]) == EXIT_USAGE
-    assert "levels 'L4': expected some of L1, L2, L3, or all" in outcome(capsys)[1]
+    assert main(["check", "--level", "L9"]) == EXIT_USAGE
+    assert "levels 'L9': expected some of L1, L2, L3, L4, or all" in outcome(capsys)[1]
 
 
 def test_calibrate_refuses_unknown_phases_and_an_unwritable_out_before_any_work(tmp_path, no_work, capsys):

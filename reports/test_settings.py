@@ -52,7 +52,7 @@ def test_the_command_line_then_the_nearest_pyproject_then_the_default(tmp_path):
 @pytest.mark.parametrize("table, message", [
     ('imp = "x:Y"\n', "[tool.kvparity]: unknown imp (known: impl, levels"),
     ("impl = 3\n", "[tool.kvparity] impl: expected a string, got 3"),
-    ('levels = "L1,L4"\n', "[tool.kvparity] levels 'L1,L4': expected some of L1, L2, L3, or all"),
+    ('levels = "L1,L9"\n', "[tool.kvparity] levels 'L1,L9': expected some of L1, L2, L3, L4, or all"),
     ('impl = "x:Y"\n[tool.kvparity.extra]\n', "unknown extra"),
 ])
 def test_a_bad_table_is_a_usage_error_naming_the_file_and_key(tmp_path, monkeypatch, capsys, table, message):

@@ -53,7 +53,11 @@ DEFAULT_KV = {"bits": 4, "group_size": 64}
 
 KV_FIELDS = ("bits", "group_size", "quantized_kv_start")
 REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size",
-                  "continues", "system")
+                  "continues", "system", "arrival_ms", "endpoint")
+# L4: which OpenAI endpoint a request is sent to, and how long a step of
+# ``arrival`` lasts where a request gives no ``arrival_ms``.
+ENDPOINTS = ("completions", "chat")
+STEP_MS = 50
 PROMPT_FIELDS = ("prompt_len", "prompt", "text")
 SYSTEM = "system"  # the shared system prompt's id (its synthetic tokens are drawn from it and its seed)
 
@@ -80,6 +84,13 @@ class ArrivalRequest:
     # tokens; ``arrival`` counts engine steps after that request finished.
     continues: Optional[str] = None
     system: bool = False  # the prompt starts with the file's shared system prompt
+    arrival_ms: Optional[int] = None  # L4: sent this long after the run began (None: arrival * STEP_MS)
+    endpoint: str = ENDPOINTS[0]  # L4: /v1/completions, or /v1/chat/completions with one user message
+
+    @property
+    def sent_at_ms(self) -> int:
+        """L4: when the request is sent, in milliseconds after the run began."""
+        return self.arrival * STEP_MS if self.arrival_ms is None else self.arrival_ms
 
 
 @dataclass(frozen=True)
@@ -237,6 +248,9 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
     if not isinstance(system, bool):
         reject(source, f"{where} system", f"expected true or false, got {system!r}")
     own_kv = _kv(source, f"{where} kv", spec.get("kv", {}), kv)
+    endpoint = spec.get("endpoint", ENDPOINTS[0])
+    if endpoint not in ENDPOINTS:
+        reject(source, f"{where} endpoint", f"expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
     return ArrivalRequest(
         id=rid,
         arrival=check_int(source, f"{where} arrival", spec["arrival"]),
@@ -248,6 +262,8 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
                                     spec.get("prefill_step_size", default_step), 1),
         continues=continues,
         system=system,
+        arrival_ms=check_int(source, f"{where} arrival_ms", spec["arrival_ms"]) if "arrival_ms" in spec else None,
+        endpoint=endpoint,
         **_prompt(source, where, spec),
     )
 

@@ -49,6 +49,8 @@ ALIAS = "alias"
 STORED = "stored"
 STORED_NBYTES = "stored_nbytes"
 QUANTIZED = "quantized"
+ALONE = "alone"
+KV_APPLIED = "kv_applied"
 
 # Every check, in the order the reports list them.
 CHECKS: Dict[str, Check] = {
@@ -65,9 +67,9 @@ CHECKS: Dict[str, Check] = {
     NBYTES: Check(PARITY, "nbytes counts at least the bytes the rows' columns occupy"),
     RAISED: Check(PARITY, "a member or the engine raised: nothing after it was compared"),
     LOGITS: Check(PARITY, "each row's logits equal (or reach the policy's tier of) the request run alone", BY_TIER),
-    TOKENS: Check(PARITY, "greedy (L2) or generated (L3) tokens equal the request run alone", BY_TIER),
-    LOGPROBS: Check(PARITY, "L3: the log-probabilities of each generated token"),
-    LENGTH: Check(PARITY, "L3: how many tokens each request generated"),
+    TOKENS: Check(PARITY, "greedy (L2) or generated (L3, L4) tokens equal the request run alone", BY_TIER),
+    LOGPROBS: Check(PARITY, "L3, L4: the log-probabilities of each generated token"),
+    LENGTH: Check(PARITY, "L3, L4: how many tokens each request generated"),
     STORED: Check(PARITY, "a stored prompt cache keeps its bytes from its store on, and a join from the store "
                           "starts from the prefix, and the bytes, mlx-lm's store holding the same entries gives"),
     # Parity: the store's byte budget sums it (LRUPromptCache.insert_cache), so
@@ -75,6 +77,10 @@ CHECKS: Dict[str, Check] = {
     STORED_NBYTES: Check(PARITY, "nbytes of a stored prompt cache equals the bytes of its arrays"),
     QUANTIZED: Check(PARITY, "L3: after the engine's first step that generated a token, every layer's cache holds "
                              "(packed, scales, biases) triples of the requested bits and group size"),
+    ALONE: Check(PARITY, "L4: a request served among others gets the tokens and log-probs the same server gives "
+                         "it alone"),
+    KV_APPLIED: Check(PARITY, "L4: a server that declares quantized KV answers as mlx-lm's kv_bits run, where "
+                              "that run and the dense one differ, not as the dense one"),
     PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),

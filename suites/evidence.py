@@ -78,6 +78,7 @@ class ScheduleResult:
     called: Dict[int, List[str]] = field(default_factory=dict)  # event index -> members its replay called, in order
     raised_by: str = ""  # the protocol member whose raising stopped the run (or the model's forward), if one did
     timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
+    server: dict = field(default_factory=dict)  # L4: the server, its log's end, throughput and latency
     seconds: float = 0.0
 
     def __post_init__(self):

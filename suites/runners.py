@@ -20,9 +20,9 @@ from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SMOLLM2, load_model, zoo_models
-from kvparity.suites import arrivals, l1, l2, l3
+from kvparity.suites import arrivals, l1, l2, l3, l4
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
-from kvparity.suites.levels import L1, L2, L3
+from kvparity.suites.levels import L1, L2, L3, L4
 from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
 
 # A label for the progress line and a run: implementation -> ScheduleResult.
@@ -36,6 +36,7 @@ class RunOptions:
     repeat_oracle: Optional[bool] = None  # L2: None for the device's default
     use_cache: bool = True  # L2: reuse stored solo traces (bisect's variants do not)
     models: Tuple[str, ...] = ()  # the architecture axis's models (see ``model_set``)
+    server: Optional[l4.ServerUnderTest] = None  # L4: the server under test
 
     @property
     def real_model(self) -> bool:
@@ -227,4 +228,24 @@ class L3Runner(Runner):
         return out
 
 
-RUNNERS = {runner.level: runner for runner in (L1Runner(), L2Runner(), L3Runner())}
+class L4Runner(L3Runner):
+    """A server over HTTP serving arrivals: its own catalog (arrival times in
+    milliseconds, bursts up to the concurrency), each file once."""
+
+    level = L4
+
+    def catalog(self, options):
+        return [load_schedule(p) for p in arrivals.catalog_paths(L4_CATALOG)]
+
+    def variants(self, schedule, options):
+        return [("", replace(options, models=()))]
+
+    def run(self, schedule, implementation, options):
+        return l4.run_l4(schedule, options.server, options.forced, use_cache=options.use_cache)
+
+    def runs(self, schedule, options):
+        return Runner.runs(self, schedule, options)
+
+
+L4_CATALOG = CATALOG / "l4"
+RUNNERS = {runner.level: runner for runner in (L1Runner(), L2Runner(), L3Runner(), L4Runner())}

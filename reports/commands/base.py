@@ -19,7 +19,7 @@ from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.engines import EngineError, load_engine_factory
-from kvparity.suites.levels import L2, L3, LEVELS
+from kvparity.suites.levels import L2, L3, L4, LEVELS
 from kvparity.suites.runners import RunOptions, model_set
 
 
@@ -69,6 +69,8 @@ def common_options(command, levels=(*LEVELS, "all"), default_level=None):
         command.add_argument("--repeat-oracle", action=argparse.BooleanOptionalAction, default=None,
                              help="run every solo trace twice and require equal bytes "
                              "(default: on when the device is a GPU)")
+    if levels and L4 in levels:
+        server_options(command)
     if levels and L3 in levels:
         command.add_argument("--engine", metavar="MODULE:FACTORY",
                              help="L3 engine as package.module:factory (default: mlx-lm's BatchGenerator)")
@@ -84,6 +86,61 @@ def common_options(command, levels=(*LEVELS, "all"), default_level=None):
                          help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
 
 
+def server_options(command):
+    """L4: the server under test and what it declares."""
+    group = command.add_argument_group("L4, a server over HTTP")
+    group.add_argument("--server", metavar="COMMAND",
+                       help="start this server for each L4 run, on a free loopback port: a command line with "
+                       "{model} (the model directory) and {port}, e.g. 'python -m mlx_lm server --model {model} "
+                       "--port {port}'")
+    group.add_argument("--url", help="L4 against a server you run, on a loopback address (http://127.0.0.1:PORT); "
+                       "it must serve the model kvparity model-dir writes")
+    group.add_argument("--kv-bits", type=int, metavar="N",
+                       help="the KV bits the server declares (as given in its command); none: a dense server")
+    group.add_argument("--kv-group-size", type=int, default=64, metavar="N", help="with --kv-bits (default: 64)")
+    group.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
+                       help="with --kv-bits: the token from which the server quantizes (default: 0)")
+    group.add_argument("--prefill-step-size", type=int, default=2048, metavar="N",
+                       help="the server's prefill chunk, which mlx-lm's solo run repeats (default: 2048, "
+                       "mlx_lm.server's)")
+    group.add_argument("--concurrency", type=int, default=8, metavar="N",
+                       help="requests in flight at most (default: 8)")
+    group.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long a started server may take to answer (default: 300)")
+
+
+def server_of(args):
+    """L4's server from the command line, checked before anything runs; None without one."""
+    from kvparity.suites.l4 import ServerUnderTest
+    from kvparity.suites.server_process import ServerUsageError, command_line, loopback_url
+
+    command, url = getattr(args, "server", None), getattr(args, "url", None)
+    if command is None and url is None:
+        return None
+    if command is not None and url is not None:
+        raise UsageError("--server and --url: give one (a server kvparity starts, or one you run)")
+    try:
+        if command is not None:
+            command_line(command, "MODEL", 1)
+        else:
+            url = loopback_url(url)
+    except ServerUsageError as error:
+        raise UsageError(str(error))
+    for name in ("kv_bits", "kv_group_size", "prefill_step_size", "concurrency"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
+    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, args.quantized_kv_start,
+                           args.prefill_step_size, args.concurrency, args.ready_timeout)
+
+
+def judges_a_server_only(args) -> bool:
+    """Every level the command runs judges the server given (L4): no class is under test."""
+    given = getattr(args, "server", None) or getattr(args, "url", None)
+    return bool(given) and all(LEVELS[name].needs_server for name in settings.levels_of(args.level)
+                               if name in LEVELS)
+
+
 def expectations_option(command):
     command.add_argument("--expectations", metavar="FILE",
                          help="declared divergences (JSON): what matches one is an expected divergence and does not "
@@ -93,7 +150,7 @@ def expectations_option(command):
 def run_options(args, use_cache=True) -> RunOptions:
     return RunOptions(model=args.model, engine=getattr(args, "engine", None),
                       repeat_oracle=getattr(args, "repeat_oracle", None), use_cache=use_cache,
-                      models=models_of(args))
+                      models=models_of(args), server=server_of(args))
 
 
 def models_of(args):
@@ -130,7 +187,7 @@ def configure(args, names, required=()):
     if "levels" in names and args.level is None:
         args.level = settings.ALL_LEVELS
     args.configuration = configuration
-    if "impl" in required and args.impl is None:
+    if "impl" in required and args.impl is None and not judges_a_server_only(args):
         raise UsageError(settings.no_implementation(configuration))
     return configuration
 
@@ -139,7 +196,13 @@ def print_configuration(args, out=None, **resolved):
     """What is under test and where each setting came from, before the verdict."""
     configuration = getattr(args, "configuration", None)
     if configuration is not None:
-        print("\n".join(configuration.lines(resolved)), file=out or sys.stdout)
+        lines = configuration.lines(resolved)
+        server = server_of(args) if hasattr(args, "server") else None
+        if server is not None:  # L4: the server is under test (and a class, where one is named too)
+            lines.insert(0, f"server under test: {server.name}")
+            if judges_a_server_only(args) and args.impl is None:
+                lines = [line for line in lines if not line.startswith("under test:")]
+        print("\n".join(lines), file=out or sys.stdout)
     if hasattr(args, "device"):  # the command runs on a device use_device checked
         print(f"device: {known_answer.checked().summary}", file=out or sys.stdout)
 

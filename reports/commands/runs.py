@@ -13,14 +13,17 @@ import mlx.core as mx
 from kvparity.reports import failures, settings, shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    load_model, model_or_default, policy, print_configuration, run_options, use_device,
+    judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, server_of,
+    use_device,
 )
 from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
+from kvparity.suites.adapter import Implementation
 from kvparity.suites.evidence import PASS, crashed
 from kvparity.suites.flight import FLIGHT, IsolatedState
-from kvparity.suites.levels import L3, LEVELS
+from kvparity.suites.levels import L3, L4, LEVELS
+from kvparity.suites.server_process import ServerNeverReady
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
@@ -113,11 +116,15 @@ def prepare(args, files=None):
     selected = select(args, files)
     if any(level == L3 for level, _ in selected):
         check_engine(getattr(args, "engine", None))
+    if any(level == L4 for level, _ in selected) and server_of(args) is None:
+        raise UsageError("L4 judges a server: give --server 'COMMAND {model} {port}' or --url http://127.0.0.1:PORT")
     use_device(args.device)
     options = run_options(args)
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
     runs = plan(args, selected, options)
+    if args.impl is None and judges_a_server_only(args):  # the server is under test, not a class
+        return chosen_policy, runs, Implementation(options.server.name, object)
     return chosen_policy, runs, implementation(args.impl)
 
 
@@ -142,6 +149,8 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
             results.append(verdicts.judge(result, policy, expectations))
         except ModelUnavailable as error:
             raise CannotRun(str(error))
+        except ServerNeverReady as error:
+            raise CannotRun(f"{label}: {error}" + (f"\n{error.log_tail}" if error.log_tail else ""))
         if progress:
             progress.advance(label)
     return results

@@ -1,0 +1,390 @@
+"""L4, a real server over HTTP: what a team ships, judged from outside.
+
+The server under test serves a kvparity model written as a model directory
+(``oracle/model_dir.py``). An arrivals file's requests are sent to it by an
+asynchronous HTTP client at their ``arrival_ms`` (or ``arrival`` steps of
+``STEP_MS``), at most ``concurrency`` in flight, greedy, with ``logprobs``,
+to ``/v1/completions`` or ``/v1/chat/completions``. Each request's tokens
+and log-probs are compared with
+
+(a) the same request served alone by a fresh instance of the same server
+    (check ``alone``): a server's prompt cache would make a repeated prompt
+    something else than alone;
+(b) mlx-lm's solo ``generate_step`` with the KV settings the server declares
+    to kvparity (none: dense), on the prompt tokens the server's own
+    tokenizer makes of the text (checks ``tokens``, ``logprobs``, ``length``);
+(c) where it declares quantized KV, mlx-lm's dense solo run (``kv_applied``):
+    answers that equal the dense run and not the quantized one, where those
+    differ, mean the server did not quantize.
+
+Log-probs are compared bit for bit: a JSON number of a float32 is exact. A
+server that rounds them is detected (its values are not float32 values) and
+the precision it gives is said with each divergence, never hidden.
+
+A server that dies or answers garbage is its FAIL, with its log's end; one
+that never becomes ready cannot be judged here (``ServerNeverReady`` goes up
+to the command); a bad command template is a usage error.
+"""
+
+import asyncio
+import math
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import httpx
+import numpy as np
+from mlx_lm.utils import load_tokenizer
+
+from kvparity.oracle.generation import cached_generate_alone, semantics
+from kvparity.oracle.model_dir import text_of, write_model_dir
+from kvparity.oracle.models import load_model
+from kvparity.suites.arrivals import ArrivalSchedule, check_fits
+from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TOKENS
+from kvparity.suites.compare import Divergence
+from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
+from kvparity.suites.levels import L4
+from kvparity.suites.server_process import (
+    AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem,
+)
+
+REQUEST_TIMEOUT = 300.0  # seconds one request may take before the server counts as hung
+LOG_LINES = 200  # how much of the server's log the report keeps
+
+
+@dataclass(frozen=True)
+class ServerUnderTest:
+    """The server as the command line gives it, with what it declares."""
+
+    command: Optional[str] = None  # a template with {model} and {port}
+    url: Optional[str] = None  # a loopback server the user runs
+    kv_bits: Optional[int] = None  # None: a dense server
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+    prefill_step_size: int = 2048  # mlx_lm.server's default
+    concurrency: int = 8
+    ready_timeout: float = 300.0
+
+    @property
+    def name(self) -> str:
+        kv = f" (kv_bits {self.kv_bits}, group {self.kv_group_size}, from token {self.quantized_kv_start})" \
+            if self.kv_bits else " (dense)"
+        return (self.command or self.url) + kv
+
+    def oracle(self, request, dense: bool = False):
+        """The request as mlx-lm's solo run gets it under the declared settings."""
+        quantized = self.kv_bits is not None and not dense
+        return replace(request, bits=self.kv_bits if quantized else None, group_size=self.kv_group_size,
+                       quantized_kv_start=self.quantized_kv_start if quantized else None,
+                       prefill_step_size=self.prefill_step_size)
+
+
+@dataclass
+class Answer:
+    """One request's answer, as the server gave it."""
+
+    tokens: List[int]
+    logprobs: List[float]
+    prompt_tokens: Optional[int]  # usage.prompt_tokens, where given
+    sent: float  # seconds after the traffic began
+    done: float
+    error: str = ""  # an HTTP error, a timeout or an answer of the wrong shape
+
+    @property
+    def seconds(self) -> float:
+        return self.done - self.sent
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A request as L4 sends it: its text, endpoint, and the tokens mlx-lm's run starts from."""
+
+    id: str
+    text: str
+    endpoint: str
+    max_tokens: int
+    at_ms: int
+    prompt: tuple  # what the server's tokenizer makes of the text, the way the server calls it
+
+
+_MODEL_DIRS: Dict[str, Path] = {}
+_MODEL_ROOT: Optional[tempfile.TemporaryDirectory] = None
+
+
+def model_dir(loaded) -> Path:
+    """The model as a directory a server loads, written once per process."""
+    global _MODEL_ROOT
+    if loaded.sha256 not in _MODEL_DIRS:
+        _MODEL_ROOT = _MODEL_ROOT or tempfile.TemporaryDirectory(prefix="kvparity-l4-models-")
+        _MODEL_DIRS[loaded.sha256] = write_model_dir(loaded, Path(_MODEL_ROOT.name) / loaded.name)
+    return _MODEL_DIRS[loaded.sha256]
+
+
+def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optional[str] = None,
+           use_cache: bool = True) -> ScheduleResult:
+    loaded = load_model(model_name or schedule.model)
+    result = ScheduleResult(schedule.name, L4, server.name, [SERVE], path=schedule.path, model=loaded.name,
+                            model_sha256=loaded.sha256)
+    for rid in schedule.requests:
+        result.row(rid)
+    start = time.perf_counter()
+    unfit = check_fits(schedule, loaded.plan, loaded.vocab_size, loaded.tokenizer is not None)
+    if unfit or schedule.conversation or any(r.continues for r in schedule.requests.values()):
+        result.stop(NOT_SUPPORTED, unfit or "L4 does not send conversations yet (turns that continue a request, "
+                                            "a prompt cache in the engine block): judge them at L3")
+        return result
+    directory = model_dir(loaded)
+    tokenizer = load_tokenizer(directory)  # the tokenizer the server loads, from the same files
+    sent = to_send(schedule, loaded, tokenizer)
+    everyone = [s.id for s in sent]
+    try:
+        alone = {s.id: serve(server, directory, [s], concurrency=1, log=None)[0][s.id] for s in sent}
+        together, log, timing = serve(server, directory, sent, server.concurrency, log=True)
+    except (ServerDied, ServerGarbage) as problem:
+        said = f"the server {_kind(problem)}: {problem}"
+        result.raised_by = "the server"
+        result.server = {"command": server.command or "", "url": server.url or "", "log": problem.log_tail}
+        result.stop(FAIL, f"{L4} {schedule.name}: {said}")
+        result.note(0, RAISED, everyone, 0, [Divergence(RAISED, SERVE_LABEL, detail=said)])
+        return result
+    result.server = {"command": server.command or "", "url": server.url or "", "log": log, **timing}
+    precision = precision_of([v for a in together.values() for v in a.logprobs])
+    for s in sent:
+        request = next(r for r in engine_requests(schedule, loaded.vocab_size, loaded.tokenizer) if r.id == s.id)
+        request = replace(request, prompt=s.prompt)
+        expected = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(request), loaded.sha256, use_cache),
+                              tokenizer)
+        dense = None
+        if server.kv_bits is not None:
+            dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(request, dense=True),
+                                                     loaded.sha256, use_cache), tokenizer)
+        compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together,
+                semantics(server.oracle(request)))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
+    """Each request's text (its own, or its synthetic tokens as the model's
+    text), and the prompt tokens the server's tokenizer makes of it."""
+    out = []
+    for request, spec in zip(engine_requests(schedule, loaded.vocab_size, loaded.tokenizer),
+                             schedule.requests.values()):
+        text = spec.text if spec.text is not None else (
+            text_of(request.prompt) if loaded.tokenizer is None else loaded.tokenizer.decode(list(request.prompt)))
+        if spec.endpoint == "chat":
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=True)
+        else:
+            prompt = tokenizer.encode(text)
+        out.append(Sent(spec.id, text, spec.endpoint, spec.max_tokens, spec.sent_at_ms, tuple(int(t) for t in prompt)))
+    return out
+
+
+def cut_at_eos(solo, tokenizer):
+    """mlx-lm's run up to the end-of-sequence token, where a server stops."""
+    stops = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    for i, token in enumerate(solo.tokens):
+        if token in stops:
+            return replace(solo, tokens=solo.tokens[:i], logprobs=solo.logprobs[:i])
+    return solo
+
+
+def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log):
+    """The requests sent to a fresh server (or the attached one): their
+    answers, the server's log's end, and throughput and latency."""
+    with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
+        if server.url:
+            running = AttachedServer(server.url)
+        else:
+            env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(Path(scratch) / "hub"))
+            (Path(scratch) / "hub").mkdir()
+            running = LaunchedServer(server.command, directory, Path(scratch) / "server.log",
+                                     ready_timeout=server.ready_timeout, env=env)
+        with running:
+            began = time.perf_counter()
+            answers = asyncio.run(traffic(running.url, sent, concurrency))
+            wall = time.perf_counter() - began
+            running.check_alive()
+            tail = running.log_tail(LOG_LINES) if log else ""
+    return answers, tail, timing_of(answers, wall)
+
+
+async def traffic(url: str, sent: List[Sent], concurrency: int) -> Dict[str, Answer]:
+    """Every request at its time, at most ``concurrency`` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, trust_env=False) as client:
+        model = await served_model(client)
+        began = time.perf_counter()
+
+        async def one(s: Sent) -> Answer:
+            await asyncio.sleep(max(0.0, s.at_ms / 1000 - (time.perf_counter() - began)))
+            async with gate:
+                return await ask(client, model, s, began)
+
+        answers = await asyncio.gather(*(one(s) for s in sent))
+    return {s.id: a for s, a in zip(sent, answers)}
+
+
+async def served_model(client) -> Optional[str]:
+    """The id the server lists first (what its requests name), or None."""
+    listed = (await client.get("/v1/models")).json().get("data") or []
+    return listed[0].get("id") if listed and isinstance(listed[0], dict) else None
+
+
+async def ask(client, model: Optional[str], s: Sent, began: float) -> Answer:
+    body = {"max_tokens": s.max_tokens, "temperature": 0.0, "logprobs": True, "stream": False}
+    if model:
+        body["model"] = model
+    if s.endpoint == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": s.text}]
+    else:
+        path, body["prompt"] = "/v1/completions", s.text
+    sent = time.perf_counter() - began
+    try:
+        response = await client.post(path, json=body)
+    except httpx.HTTPError as error:
+        return Answer([], [], None, sent, time.perf_counter() - began,
+                      f"{path}: no answer ({type(error).__name__}: {error})")
+    done = time.perf_counter() - began
+    if response.status_code != 200:
+        return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}")
+    try:
+        tokens, logprobs, prompt_tokens = read_answer(response.json())
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        return Answer([], [], None, sent, done, f"{path}: an answer without per-token ids and log-probs "
+                                                f"({type(error).__name__}: {error}): {response.text[:300]}")
+    return Answer(tokens, logprobs, prompt_tokens, sent, done)
+
+
+def read_answer(doc: dict):
+    """(token ids, their log-probs, usage.prompt_tokens) of an OpenAI answer:
+    ``logprobs.content`` entries with ``id`` (mlx_lm.server), or the legacy
+    completions form with ``tokens`` and ``token_logprobs``."""
+    choice = doc["choices"][0]
+    logprobs = choice["logprobs"]
+    if "content" in logprobs:
+        entries = logprobs["content"]
+        tokens, values = [int(e["id"]) for e in entries], [float(e["logprob"]) for e in entries]
+    else:
+        tokens, values = [int(t) for t in logprobs["tokens"]], [float(v) for v in logprobs["token_logprobs"]]
+    if len(tokens) != len(values):
+        raise ValueError(f"{len(tokens)} tokens but {len(values)} log-probs")
+    return tokens, values, (doc.get("usage") or {}).get("prompt_tokens")
+
+
+def timing_of(answers: Dict[str, Answer], wall: float) -> dict:
+    """Throughput and latency, information beside the verdict."""
+    seconds = sorted(a.seconds for a in answers.values())
+    tokens = sum(len(a.tokens) for a in answers.values())
+    return {"requests": len(answers), "tokens": tokens, "wall seconds": round(wall, 3),
+            "tokens per second": round(tokens / wall, 2) if wall > 0 else None,
+            "latency p50 ms": round(1000 * _quantile(seconds, 0.5), 1),
+            "latency p95 ms": round(1000 * _quantile(seconds, 0.95), 1)}
+
+
+def _quantile(values: List[float], q: float) -> float:
+    return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)] if values else 0.0
+
+
+def precision_of(values: List[float]) -> Optional[int]:
+    """None when every log-prob is a float32 value (compared bit for bit);
+    else the decimal places the server rounds to."""
+    if all(float(np.float32(v)) == v for v in values):
+        return None
+    return max(len(repr(v).partition(".")[2]) for v in values)
+
+
+def same(a: float, b: float) -> bool:
+    """Bit for bit, as doubles (a float32 is one exactly)."""
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def in_flight_with(rid: str, answers: Dict[str, Answer]) -> List[str]:
+    """The requests whose time at the server overlapped this one's: batched with it, or queued beside it."""
+    mine = answers[rid]
+    return sorted(o for o, a in answers.items() if o != rid and a.sent < mine.done and mine.sent < a.done)
+
+
+def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, precision, together,
+            oracle: str):
+    """One request's evidence: (a) against itself alone, (b) against
+    mlx-lm's run with the declared settings, (c) against the dense one."""
+    rid = s.id
+    beside = in_flight_with(rid, together)
+    where = f"in flight with {', '.join(beside)}" if beside else "alone at the server"
+    rounded = "" if precision is None else f"the server rounds log-probs to {precision} decimal places"
+    row = result.row(rid)
+    row.metrics = {"tokens compared": 0, "log-prob values compared": 0, "oracle": oracle,
+                   "latency ms": round(1000 * got.seconds, 1), "in flight with": len(beside),
+                   "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals"}
+    for answer, what in ((got, "among the others"), (alone, "alone")):
+        if answer.error:
+            result.note(0, TOKENS, [rid], 0, [Divergence(TOKENS, SERVE_LABEL, rid, tensor=TOKENS,
+                                                         detail=f"served {what}: {answer.error}")])
+            return
+    if got.prompt_tokens is not None and got.prompt_tokens != len(s.prompt):
+        result.note(0, TOKENS, [rid], 1, [Divergence(
+            TOKENS, SERVE_LABEL, rid, tensor="prompt", expected=len(s.prompt), actual=got.prompt_tokens,
+            detail="prompt tokens: the server's usage against its tokenizer's tokens of the text")])
+        return
+    found = diff(rid, ALONE, alone.tokens, alone.logprobs, got, f"against itself served alone; {where}")
+    result.note(0, ALONE, [rid], len(got.tokens), found[:1])
+    wanted = [float(v[t].item()) for t, v in zip(expected.tokens, expected.logprobs)]
+    found = diff(rid, None, expected.tokens, wanted, got, "; ".join(
+        p for p in (f"against mlx-lm's solo run ({oracle})", where, rounded) if p), precision)
+    made = min(len(got.tokens), len(expected.tokens))
+    row.metrics["tokens compared"] = row.metrics["log-prob values compared"] = made
+    result.note(0, TOKENS, [rid], made, [d for d in found if d.check in (TOKENS, LENGTH)][:1])
+    result.note(0, LOGPROBS, [rid], made, [d for d in found if d.check == LOGPROBS][:1])
+    if dense is not None:
+        dense_values = [float(v[t].item()) for t, v in zip(dense.tokens, dense.logprobs)]
+        differs = next((i for i, (a, b, x, y) in enumerate(zip(dense.tokens, expected.tokens, dense_values, wanted))
+                        if a != b or not same(x, y)), None)
+        if differs is not None:  # else mlx-lm's two runs agree here and cannot tell
+            as_dense = got.tokens == dense.tokens and all(same(a, b) for a, b in zip(got.logprobs, dense_values))
+            result.note(0, KV_APPLIED, [rid], 1, [Divergence(
+                KV_APPLIED, SERVE_LABEL, rid, tensor=LOGPROBS,
+                detail=f"the server declares {oracle}, but answers as mlx-lm's dense run (no kv_bits), token for "
+                       f"token and log-prob for log-prob, where the two differ (first at token {differs}): it did not "
+                       f"quantize its KV cache")]
+                if as_dense else [])
+
+
+def diff(rid: str, check: Optional[str], tokens: List[int], values: List[float], got: Answer, against: str,
+         precision: Optional[int] = None) -> List[Divergence]:
+    """The first differences of ``got`` from (tokens, values), in order:
+    a log-prob at a position, then a token (after which the texts differ)."""
+    found = []
+    for i, want in enumerate(tokens):
+        if i >= len(got.tokens):
+            found.append(Divergence(check or LENGTH, SERVE_LABEL, rid, tensor=TOKENS, step=i, expected=len(tokens),
+                                    actual=len(got.tokens), detail=f"token {i} never came; {against}"))
+            break
+        if i < len(values) and not same(values[i], got.logprobs[i]):
+            hint = ""
+            if precision is not None and round(values[i], precision) == got.logprobs[i]:
+                hint = f"; equal once rounded to {precision} decimal places"
+            found.append(Divergence(check or LOGPROBS, SERVE_LABEL, rid, tensor=LOGPROBS, step=i,
+                                    expected=values[i], actual=got.logprobs[i],
+                                    detail=f"log-prob of token {i}; {against}{hint}"))
+        if got.tokens[i] != want:
+            found.append(Divergence(check or TOKENS, SERVE_LABEL, rid, tensor=TOKENS, step=i, expected=want,
+                                    actual=got.tokens[i], detail=f"token {i}; {against}"))
+            break
+    else:
+        if len(got.tokens) > len(tokens):
+            found.append(Divergence(check or LENGTH, SERVE_LABEL, rid, tensor=TOKENS, step=len(tokens),
+                                    expected=len(tokens), actual=len(got.tokens),
+                                    detail=f"more tokens than asked for; {against}"))
+    return found
+
+
+def _kind(problem: ServerProblem) -> str:
+    return "died" if isinstance(problem, ServerDied) else "answered garbage"

@@ -1,0 +1,159 @@
+"""L4, a real server over HTTP: mlx-lm's own server passes, dense and with
+--kv-bits; each negative-control server fails naming the request, the token
+position and the comparison that broke; a server that dies is a FAIL with
+its last log lines, one that never answers cannot be judged, and bad input
+is refused before anything runs. No process is left behind."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvparity.reports.cli import main
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
+from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TOKENS
+from kvparity.suites.l4 import Answer, diff, precision_of, read_answer
+from kvparity.suites.runners import L4_CATALOG
+
+BURST = str(L4_CATALOG / "burst.json")
+MLX_LM = f"{sys.executable} -m mlx_lm server --model {{model}} --port {{port}}"
+KV = "--kv-bits 4 --kv-group-size 64 --quantized-kv-start 0"
+
+
+def control(name: str) -> str:
+    return f"{sys.executable} -m kvparity.impl.servers.{name} --model {{model}} --port {{port}}"
+
+
+def servers_running() -> list:
+    """Processes serving a model directory L4 wrote (none may outlive a run)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "kvparity-l4-models" in line:
+            found.append(line)
+    return found
+
+
+def report(out: Path) -> dict:
+    (directory,) = out.iterdir()
+    return json.loads((directory / "report.json").read_text())
+
+
+def test_the_answer_shapes_of_openai_servers():
+    mlx_lm = {"choices": [{"logprobs": {"content": [{"id": 3, "logprob": -0.5}, {"id": 9, "logprob": -1.25}]}}],
+              "usage": {"prompt_tokens": 4}}
+    assert read_answer(mlx_lm) == ([3, 9], [-0.5, -1.25], 4)
+    legacy = {"choices": [{"logprobs": {"tokens": [3], "token_logprobs": [-0.5]}}]}
+    assert read_answer(legacy) == ([3], [-0.5], None)
+    with pytest.raises(ValueError):
+        read_answer({"choices": [{"logprobs": {"tokens": [3, 4], "token_logprobs": [-0.5]}}]})
+    with pytest.raises(KeyError):
+        read_answer({"choices": [{"text": "no log-probs"}]})
+
+
+def test_rounded_log_probs_are_detected_and_said():
+    exact = [-1.1376628875732422, -2.09375]  # float32 values
+    assert precision_of(exact) is None
+    assert precision_of([-1.1377, -2.0938]) == 4
+    got = Answer([7, 8], [-1.1377, -2.0938], None, 0.0, 1.0)
+    found = diff("a", None, [7, 8], exact, got, "against mlx-lm", precision=4)
+    assert [(d.check, d.step) for d in found] == [(LOGPROBS, 0), (LOGPROBS, 1)]
+    assert "equal once rounded to 4 decimal places" in found[0].detail
+    # A token that differs stops the comparison: later tokens follow other text.
+    found = diff("a", ALONE, [7, 8], exact, Answer([7, 5], exact, None, 0.0, 1.0), "against itself alone")
+    assert [(d.check, d.step, d.expected, d.actual) for d in found] == [(ALONE, 1, 8, 5)]
+    assert diff("a", None, [7, 8], exact, Answer([7, 8], list(exact), None, 0.0, 1.0), "") == []
+
+
+@pytest.mark.parametrize("args, said", [
+    ([], "L4 judges a server: give --server"),
+    (["--server", MLX_LM, "--url", "http://127.0.0.1:8080"], "--server and --url: give one"),
+    (["--server", "python -m mlx_lm server --model {model}"], "{port}"),
+    (["--url", "http://example.com:8080"], "127.0.0.1, localhost or [::1]"),
+    (["--server", MLX_LM, "--concurrency", "0"], "--concurrency 0"),
+])
+def test_bad_server_input_is_refused_before_anything_runs(args, said, tmp_path, capsys):
+    assert main(["run", "--level", "L4", "--schedule", BURST, "--out", str(tmp_path), *args]) == EXIT_USAGE
+    assert said in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_server_that_dies_is_its_fail_with_its_last_log_lines(tmp_path, capsys):
+    dies = f"{sys.executable} -c \"import sys; print('cannot load {{model}}', file=sys.stderr); sys.exit(3)\" {{port}}"
+    assert main(["run", "--level", "L4", "--schedule", BURST, "--server", dies, "--out", str(tmp_path)]) == EXIT_BROKEN
+    out = capsys.readouterr().out
+    assert "the server died" in out and "status 3" in out and "cannot load" in out
+    doc = report(tmp_path)
+    (run,) = doc["results"]
+    assert run["verdict"] == "FAIL" and "cannot load" in run["server"]["log"]
+    assert not servers_running()
+
+
+def test_a_server_that_never_answers_cannot_be_judged(tmp_path, capsys):
+    silent = f"{sys.executable} -c \"import time; time.sleep(60)\" {{model}} {{port}}"
+    args = ["run", "--level", "L4", "--schedule", BURST, "--server", silent, "--ready-timeout", "2", "--no-report"]
+    assert main(args) == EXIT_CANNOT_JUDGE
+    assert "2" in capsys.readouterr().err
+    assert not servers_running()
+
+
+@pytest.mark.slow  # mlx-lm's server started twice per schedule, on two models
+@pytest.mark.parametrize("kv", [(), ("--kv-bits", "4")], ids=["dense", "kv-bits-4"])
+def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(kv, tmp_path, capsys):
+    command = MLX_LM + (f" {KV}" if kv else "")
+    assert main(["run", "--level", "L4", "--server", command, *kv, "--out", str(tmp_path)]) == EXIT_OK
+    doc = report(tmp_path)
+    assert len(doc["results"]) >= 2 and all(r["verdict"] == "pass" for r in doc["results"])
+    for run in doc["results"]:
+        assert run["server"]["tokens per second"] > 0 and run["server"]["log"]
+        assert all(row["metrics"]["tokens compared"] > 0 for row in run["rows"])
+        assert any(row["metrics"]["in flight with"] > 0 for row in run["rows"])  # it was concurrent
+    assert not servers_running()
+
+
+@pytest.mark.slow  # each control is a server started twice per schedule
+@pytest.mark.parametrize("name, kv, checks", [
+    ("swaps_rows", (), {ALONE}),
+    ("rounds_logprobs", (), {LOGPROBS}),
+    ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TOKENS, LOGPROBS}),
+])
+def test_each_negative_control_server_fails_naming_request_position_and_comparison(name, kv, checks, tmp_path):
+    command = control(name) + (f" {KV}" if kv else "")
+    args = ["run", "--level", "L4", "--schedule", BURST, "--server", command, *kv, "--out", str(tmp_path)]
+    assert main(args) == EXIT_BROKEN
+    (run,) = report(tmp_path)["results"]
+    assert run["verdict"] == "FAIL"
+    broke = {(d["check"], d["request"]) for row in run["rows"] for d in row["divergences"]}
+    assert checks <= {check for check, _ in broke}, broke
+    # each names the request and, where it is a token's, its position
+    positioned = [d for row in run["rows"] for d in row["divergences"] if d["check"] in (ALONE, TOKENS, LOGPROBS)]
+    assert positioned and all(d["request"] and d["step"] is not None for d in positioned)
+    assert not servers_running()
+
+
+@pytest.mark.slow
+def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(tmp_path):
+    """An interrupted run (SIGINT while the server serves) stops it."""
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-m", "kvparity", "run", "--level", "L4", "--schedule", BURST,
+                              "--server", MLX_LM, "--no-report"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while not servers_running() and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.2)
+    assert servers_running(), "the server never started"
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while servers_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not servers_running()
+    assert child.returncode == 130
