@@ -148,7 +148,7 @@ def test_bisect_takes_expectations_and_follows_the_bug_not_the_declared_differen
 GOOD = {"check": "extract", "reason": "by design"}
 BAD = {
     "an unknown check": ({"divergences": [dict(GOOD, check="extrct")]}, "divergences[0].check: unknown check 'extrct'"),
-    "an unknown level": ({"divergences": [dict(GOOD, levels=["L4"])]}, "divergences[0].levels: unknown level 'L4'"),
+    "an unknown level": ({"divergences": [dict(GOOD, levels=["L9"])]}, "divergences[0].levels: unknown level 'L9'"),
     "an unknown event kind": ({"divergences": [GOOD, dict(GOOD, events=["jion"])]},
                               "divergences[1].events: unknown event 'jion'"),
     "an unknown field in a declaration": ({"divergences": [dict(GOOD, schedule="x")]},
