@@ -152,14 +152,19 @@ def ecosystem(session, name):
     if installed.returncode != 0:
         cannot_install(session, row, _why(installed))
     kvparity = str(bin_dir / "kvparity") if bin_dir else "kvparity"
-    command = [kvparity, "run", "--impl", row.impl, "--out", str(out)]
+    env = {}
+    if row.server:  # L4: the server from the row's environment, found on its PATH
+        command = [kvparity, "run", "--level", "L4", "--server", row.server, *row.declares, "--out", str(out)]
+        env["PATH"] = f"{environment / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    else:
+        command = [kvparity, "run", "--impl", row.impl, "--out", str(out)]
     if row.engine:
         command += ["--engine", row.engine]
     if row.expectations:
         command += ["--expectations", str(ROOT / row.expectations)]
     # A verdict (0 holds, 1 broken, 125 cannot judge) is the row's cell, in
     # its report; usage errors (129) and kvparity's own bugs fail the session.
-    session.run(*command, *session.posargs, success_codes=[0, 1, 125], external=bin_dir is not None)
+    session.run(*command, *session.posargs, success_codes=[0, 1, 125], external=bin_dir is not None, env=env)
 
 
 PAGE = ROOT / "reports" / "examples" / "matrix"  # the checked-in matrix: rows/ and page/

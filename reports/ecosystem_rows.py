@@ -33,12 +33,19 @@ class Row:
     name: str  # unique; the row's directory under the output root
     implementation: str  # what the matrix calls it
     version: str  # the implementation's version, as the matrix shows it
-    impl: str  # --impl: package.module:Class
     install: Tuple[str, ...]  # exact pip requirements, as its users install it
     python: str  # PEP 440 specifier of the Pythons it supports
+    impl: Optional[str] = None  # --impl: package.module:Class (a cache row)
     install_no_deps: Tuple[str, ...] = ()  # installed afterwards with --no-deps
     engine: Optional[str] = None  # --engine for L3
     expectations: Optional[str] = None  # --expectations: the row's declared divergences, from the repository root
+    server: Optional[str] = None  # L4 --server: the command, found on the row environment's PATH (a server row)
+    declares: Tuple[str, ...] = ()  # L4: what the server declares to kvparity (--kv-bits 4 ...)
+
+    @property
+    def under_test(self) -> str:
+        """The class, or the server's command."""
+        return self.impl or self.server
 
     def python_supported(self, version: str) -> bool:
         return version in SpecifierSet(self.python)
@@ -54,15 +61,15 @@ class Row:
     def cannot_install(self, reason: str, session: str) -> dict:
         """The row's cannot-install.json: its cell says why, never a gap."""
         package = self.install_no_deps[0] if self.install_no_deps else self.install[0]
-        return {"format": CANNOT_INSTALL_FORMAT, "implementation": self.impl, "package": package.split("==")[0],
+        return {"format": CANNOT_INSTALL_FORMAT, "implementation": self.under_test, "package": package.split("==")[0],
                 "version": self.version, "mlx_lm": self.pinned("mlx-lm"), "reason": reason,
                 "command": " ".join(["uv pip install", *self.install]
                                     + (["&& uv pip install --no-deps", *self.install_no_deps] if self.install_no_deps else [])),
                 "session": session}
 
 
-REQUIRED = tuple(f.name for f in fields(Row) if f.name not in ("install_no_deps", "engine", "expectations"))
-LISTS = ("install", "install_no_deps")
+REQUIRED = ("name", "implementation", "version", "install", "python")
+LISTS = ("install", "install_no_deps", "declares")
 
 
 def _row(path, index: int, entry) -> Row:
@@ -85,6 +92,10 @@ def _row(path, index: int, entry) -> Row:
             raise RowsError(f"{where}: field {field!r} must be a non-empty string")
     if not NAME.fullmatch(name):
         raise RowsError(f"{where}: field 'name' must be lower-case letters, digits, '.', '_' and '-'")
+    if ("impl" in entry) == ("server" in entry):
+        raise RowsError(f"{where}: give 'impl' (a cache class) or 'server' (an L4 server command), one of them")
+    if "server" in entry and ("engine" in entry or "expectations" in entry):
+        raise RowsError(f"{where}: a server row takes no 'engine' or 'expectations' (L4 runs the server's own)")
     for field in ("impl", "engine"):
         if field in entry and not SPEC.fullmatch(entry[field]):
             raise RowsError(f"{where}: field {field!r} must be package.module:Class, got {entry[field]!r}")

@@ -22,6 +22,7 @@ The runs are judged again from their evidence by the verdicts' own code
 import html
 import json
 import os
+import shlex
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from kvparity.suites.evidence import (
     EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, OUTCOMES, PASS,
 )
-from kvparity.suites.levels import LEVELS
+from kvparity.suites.levels import L4, LEVELS
 from kvparity.suites.shrink import first_failure
 
 SCHEMA = "kvparity.matrix/1"
@@ -89,7 +90,8 @@ class Row:
         """What the matrix calls the row: the package and its version, as
         rows.toml names it, else as the report's environment does."""
         listed = listed_rows().get(self.folder.name)
-        if listed is not None and listed.impl == self.implementation:
+        if listed is not None and (listed.impl == self.implementation if listed.impl
+                                   else self.implementation.startswith(f"{listed.server} (")):
             return f"{listed.implementation} {listed.version}"
         package = (self.record or {}).get("environment", {}).get("implementation_package")
         version = self.version or "unknown version"
@@ -241,6 +243,10 @@ def _schedule_of(row: Row, name: str, path: Optional[str], level: str):
     if not schedule:
         return None, False, None
     schedule = _from_here(schedule)
+    served = next((r["server"] for r in row.record["results"] if r.get("server", {}).get("command")), None)
+    if level == L4 and served:  # a server: the same command and declarations, on that schedule alone
+        return schedule, minimal.is_file(), shlex.join(["kvparity", "run", "--level", L4, "--schedule", str(schedule),
+                                                        "--server", served["command"], *served["declares"]])
     replay = f"kvparity replay {schedule} --level {level} --impl {row.implementation}"
     policy = row.record["policy"]
     replay += f" --policy {_from_here(policy['path']) if policy['path'] else policy['name']}"

@@ -31,8 +31,23 @@ def test_a_good_row(tmp_path):
     path = tmp_path / "rows.toml"
     path.write_text(GOOD + 'install_no_deps = ["pkg-extra==2"]\nengine = "pkg.engine:Engine"\n')
     (row,) = load_rows(path)
-    assert row == Row("pkg-1.0", "pkg BatchCache", "1.0", "pkg.cache:BatchCache", ("pkg==1.0", "mlx-lm==0.31.3"),
-                      ">=3.10", ("pkg-extra==2",), "pkg.engine:Engine")
+    assert row == Row("pkg-1.0", "pkg BatchCache", "1.0", ("pkg==1.0", "mlx-lm==0.31.3"), ">=3.10",
+                      impl="pkg.cache:BatchCache", install_no_deps=("pkg-extra==2",), engine="pkg.engine:Engine")
+
+
+def test_a_server_row_and_its_mistakes(tmp_path):
+    """An L4 row names a server command instead of a class, never both, and no engine."""
+    path = tmp_path / "rows.toml"
+    server = GOOD.replace('impl = "pkg.cache:BatchCache"\n', 'server = "pkg-serve --model {model} --port {port}"\n')
+    path.write_text(server + 'declares = ["--kv-bits", "4"]\n')
+    (row,) = load_rows(path)
+    assert row.server.startswith("pkg-serve") and row.impl is None and row.declares == ("--kv-bits", "4")
+    assert row.under_test == row.server
+    for text, says in ((GOOD + 'server = "pkg-serve {model} {port}"\n', "give 'impl'"),
+                       (server.replace("server = ", "engine = \"pkg.engine:Engine\"\nserver = "), "no 'engine'")):
+        path.write_text(text)
+        with pytest.raises(RowsError, match=says):
+            load_rows(path)
 
 
 @pytest.mark.parametrize("text, says", [

@@ -53,6 +53,7 @@ from kvparity.suites.server_process import (
     AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem,
 )
 
+FIRST = "first"  # --quantized-kv-start first: quantized from the first token
 REQUEST_TIMEOUT = 300.0  # seconds one request may take before the server counts as hung
 LOG_LINES = 200  # how much of the server's log the report keeps
 
@@ -65,16 +66,26 @@ class ServerUnderTest:
     url: Optional[str] = None  # a loopback server the user runs
     kv_bits: Optional[int] = None  # None: a dense server
     kv_group_size: int = 64
-    quantized_kv_start: int = 0
+    # mlx-lm's kv_bits conversion from this token (a dense prefill converted
+    # after it), or None: quantized from the first token (QuantizedKVCache
+    # from the start, as BatchGenerator(kv_bits) and most batched servers do).
+    quantized_kv_start: Optional[int] = 0
     prefill_step_size: int = 2048  # mlx_lm.server's default
     concurrency: int = 8
     ready_timeout: float = 300.0
 
     @property
     def name(self) -> str:
-        kv = f" (kv_bits {self.kv_bits}, group {self.kv_group_size}, from token {self.quantized_kv_start})" \
-            if self.kv_bits else " (dense)"
+        start = "the first token" if self.quantized_kv_start is None else f"token {self.quantized_kv_start}"
+        kv = f" (kv_bits {self.kv_bits}, group {self.kv_group_size}, from {start})" if self.kv_bits else " (dense)"
         return (self.command or self.url) + kv
+
+    def options(self) -> List[str]:
+        """What it declares, as kvparity's command line says it (a finding's reproduction)."""
+        kv = ["--kv-bits", str(self.kv_bits), "--kv-group-size", str(self.kv_group_size),
+              "--quantized-kv-start", FIRST if self.quantized_kv_start is None else str(self.quantized_kv_start)] \
+            if self.kv_bits is not None else []
+        return kv + ["--prefill-step-size", str(self.prefill_step_size), "--concurrency", str(self.concurrency)]
 
     def oracle(self, request, dense: bool = False):
         """The request as mlx-lm's solo run gets it under the declared settings."""
@@ -143,16 +154,19 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     sent = to_send(schedule, loaded, tokenizer)
     everyone = [s.id for s in sent]
     try:
-        alone = {s.id: serve(server, directory, [s], concurrency=1, log=None)[0][s.id] for s in sent}
-        together, log, timing = serve(server, directory, sent, server.concurrency, log=True)
+        token_id = tokenizer.convert_tokens_to_ids if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        alone = {s.id: serve(server, directory, [s], 1, None, token_id)[0][s.id] for s in sent}
+        together, log, timing = serve(server, directory, sent, server.concurrency, True, token_id)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
         result.raised_by = "the server"
-        result.server = {"command": server.command or "", "url": server.url or "", "log": problem.log_tail}
+        result.server = {"command": server.command or "", "url": server.url or "", "declares": server.options(),
+                         "log": problem.log_tail}
         result.stop(FAIL, f"{L4} {schedule.name}: {said}")
         result.note(0, RAISED, everyone, 0, [Divergence(RAISED, SERVE_LABEL, detail=said)])
         return result
-    result.server = {"command": server.command or "", "url": server.url or "", "log": log, **timing}
+    result.server = {"command": server.command or "", "url": server.url or "", "declares": server.options(),
+                     "log": log, **timing}
     precision = precision_of([v for a in together.values() for v in a.logprobs])
     for s in sent:
         request = next(r for r in engine_requests(schedule, loaded.vocab_size, loaded.tokenizer) if r.id == s.id)
@@ -195,7 +209,7 @@ def cut_at_eos(solo, tokenizer):
     return solo
 
 
-def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log):
+def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log, token_id=None):
     """The requests sent to a fresh server (or the attached one): their
     answers, the server's log's end, and throughput and latency."""
     with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
@@ -208,14 +222,14 @@ def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrenc
                                      ready_timeout=server.ready_timeout, env=env)
         with running:
             began = time.perf_counter()
-            answers = asyncio.run(traffic(running.url, sent, concurrency))
+            answers = asyncio.run(traffic(running.url, sent, concurrency, token_id))
             wall = time.perf_counter() - began
             running.check_alive()
             tail = running.log_tail(LOG_LINES) if log else ""
     return answers, tail, timing_of(answers, wall)
 
 
-async def traffic(url: str, sent: List[Sent], concurrency: int) -> Dict[str, Answer]:
+async def traffic(url: str, sent: List[Sent], concurrency: int, token_id) -> Dict[str, Answer]:
     """Every request at its time, at most ``concurrency`` in flight."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -226,7 +240,7 @@ async def traffic(url: str, sent: List[Sent], concurrency: int) -> Dict[str, Ans
         async def one(s: Sent) -> Answer:
             await asyncio.sleep(max(0.0, s.at_ms / 1000 - (time.perf_counter() - began)))
             async with gate:
-                return await ask(client, model, s, began)
+                return await ask(client, model, s, began, token_id)
 
         answers = await asyncio.gather(*(one(s) for s in sent))
     return {s.id: a for s, a in zip(sent, answers)}
@@ -238,7 +252,7 @@ async def served_model(client) -> Optional[str]:
     return listed[0].get("id") if listed and isinstance(listed[0], dict) else None
 
 
-async def ask(client, model: Optional[str], s: Sent, began: float) -> Answer:
+async def ask(client, model: Optional[str], s: Sent, began: float, token_id) -> Answer:
     body = {"max_tokens": s.max_tokens, "temperature": 0.0, "logprobs": True, "stream": False}
     if model:
         body["model"] = model
@@ -256,24 +270,36 @@ async def ask(client, model: Optional[str], s: Sent, began: float) -> Answer:
     if response.status_code != 200:
         return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}")
     try:
-        tokens, logprobs, prompt_tokens = read_answer(response.json())
+        tokens, logprobs, prompt_tokens = read_answer(response.json(), token_id)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         return Answer([], [], None, sent, done, f"{path}: an answer without per-token ids and log-probs "
                                                 f"({type(error).__name__}: {error}): {response.text[:300]}")
     return Answer(tokens, logprobs, prompt_tokens, sent, done)
 
 
-def read_answer(doc: dict):
+def read_answer(doc: dict, token_id=None):
     """(token ids, their log-probs, usage.prompt_tokens) of an OpenAI answer:
-    ``logprobs.content`` entries with ``id`` (mlx_lm.server), or the legacy
-    completions form with ``tokens`` and ``token_logprobs``."""
+    ``logprobs.content`` entries with an ``id`` (mlx_lm.server) or only a
+    ``token`` (OpenAI's chat form), or the legacy completions form with
+    ``tokens`` and ``token_logprobs``; ``token_id`` maps a token's text to
+    its id (the server's tokenizer) where the answer gives no ids."""
     choice = doc["choices"][0]
     logprobs = choice["logprobs"]
+
+    def id_of(entry):
+        if isinstance(entry, dict) and "id" in entry:
+            return int(entry["id"])
+        text = entry["token"] if isinstance(entry, dict) else entry
+        found = token_id(text) if token_id is not None and isinstance(text, str) else None
+        if found is None:
+            raise ValueError(f"token {text!r} is no token of the model's vocabulary")
+        return int(found)
+
     if "content" in logprobs:
         entries = logprobs["content"]
-        tokens, values = [int(e["id"]) for e in entries], [float(e["logprob"]) for e in entries]
+        tokens, values = [id_of(e) for e in entries], [float(e["logprob"]) for e in entries]
     else:
-        tokens, values = [int(t) for t in logprobs["tokens"]], [float(v) for v in logprobs["token_logprobs"]]
+        tokens, values = [id_of(t) for t in logprobs["tokens"]], [float(v) for v in logprobs["token_logprobs"]]
     if len(tokens) != len(values):
         raise ValueError(f"{len(tokens)} tokens but {len(values)} log-probs")
     return tokens, values, (doc.get("usage") or {}).get("prompt_tokens")

@@ -98,8 +98,10 @@ def server_options(command):
     group.add_argument("--kv-bits", type=int, metavar="N",
                        help="the KV bits the server declares (as given in its command); none: a dense server")
     group.add_argument("--kv-group-size", type=int, default=64, metavar="N", help="with --kv-bits (default: 64)")
-    group.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
-                       help="with --kv-bits: the token from which the server quantizes (default: 0)")
+    group.add_argument("--quantized-kv-start", default="0", metavar="N|first",
+                       help="with --kv-bits: the token from which the server converts its cache as mlx-lm's "
+                       "kv_bits does (a dense prefill, then quantized), or first: quantized from the first token, "
+                       "as BatchGenerator(kv_bits) and most batched servers do (default: 0)")
     group.add_argument("--prefill-step-size", type=int, default=2048, metavar="N",
                        help="the server's prefill chunk, which mlx-lm's solo run repeats (default: 2048, "
                        "mlx_lm.server's)")
@@ -111,7 +113,7 @@ def server_options(command):
 
 def server_of(args):
     """L4's server from the command line, checked before anything runs; None without one."""
-    from kvparity.suites.l4 import ServerUnderTest
+    from kvparity.suites.l4 import FIRST, ServerUnderTest
     from kvparity.suites.server_process import ServerUsageError, command_line, loopback_url
 
     command, url = getattr(args, "server", None), getattr(args, "url", None)
@@ -126,11 +128,18 @@ def server_of(args):
             url = loopback_url(url)
     except ServerUsageError as error:
         raise UsageError(str(error))
+    start = args.quantized_kv_start
+    if start == FIRST:
+        start = None
+    elif not start.isdigit():
+        raise UsageError(f"--quantized-kv-start {start}: expected a token index (0 or more) or {FIRST}")
+    else:
+        start = int(start)
     for name in ("kv_bits", "kv_group_size", "prefill_step_size", "concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
-    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, args.quantized_kv_start,
+    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start,
                            args.prefill_step_size, args.concurrency, args.ready_timeout)
 
 
