@@ -28,7 +28,8 @@ from kvparity.suites.adapter import WRITE
 from kvparity.suites.checks import OUTPUT_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
-from kvparity.suites.levels import L1, L4, LEVELS
+from kvparity.suites.l3 import PREFILL_MODES
+from kvparity.suites.levels import L1, L3, L4, LEVELS
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
@@ -251,6 +252,10 @@ def bisect_command(result, options: Dict[str, str]) -> Optional[str]:
     if not result.path or died(result) or result.level == L4:  # bisect replays a cache, not a server
         return None
     words = ["kvparity", "bisect", _shown(result.path), "--level", result.level]
+    # An L3 run of the catalog is one of its prefill variants: the command repeats it.
+    size = next((size for mode, size in PREFILL_MODES.items() if f"({mode})" in result.schedule), None)
+    if result.level == L3 and size is not None:
+        words += ["--prefill-batch-size", str(size)]
     for name, value in options.items():
         if value is not None:
             words += [f"--{name}", str(value)]

@@ -50,7 +50,7 @@ from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
 from kvparity.suites.levels import L4
 from kvparity.suites.server_process import (
-    AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem,
+    AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem, stopping_on_signals,
 )
 
 FIRST = "first"  # --quantized-kv-start first: quantized from the first token
@@ -220,7 +220,7 @@ def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrenc
             (Path(scratch) / "hub").mkdir()
             running = LaunchedServer(server.command, directory, Path(scratch) / "server.log",
                                      ready_timeout=server.ready_timeout, env=env)
-        with running:
+        with stopping_on_signals(), running:  # SIGTERM and SIGHUP leave through the with, as Ctrl-C does
             began = time.perf_counter()
             answers = asyncio.run(traffic(running.url, sent, concurrency, token_id))
             wall = time.perf_counter() - began

@@ -157,3 +157,25 @@ def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(t
         time.sleep(0.2)
     assert not servers_running()
     assert child.returncode == 130
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_leaves_no_server_behind(tmp_path):
+    """What a CI runner sends to cancel a job: the server goes with the run."""
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-m", "kvparity", "run", "--level", "L4", "--schedule", BURST,
+                              "--server", MLX_LM, "--no-report"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not servers_running() and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.2)
+    assert servers_running(), "the server never started"
+    os.killpg(child.pid, signal.SIGTERM)  # the whole job, as a runner cancels it
+    child.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while servers_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not servers_running()

@@ -209,7 +209,7 @@ def print_configuration(args, out=None, **resolved):
         server = server_of(args) if hasattr(args, "server") else None
         if server is not None:  # L4: the server is under test (and a class, where one is named too)
             lines.insert(0, f"server under test: {server.name}")
-            if judges_a_server_only(args) and args.impl is None:
+            if judges_a_server_only(args):
                 lines = [line for line in lines if not line.startswith("under test:")]
         print("\n".join(lines), file=out or sys.stdout)
     if hasattr(args, "device"):  # the command runs on a device use_device checked

@@ -1,5 +1,6 @@
 """``kvparity bisect``: the first event after which a schedule breaks, and a minimal schedule that breaks the same way."""
 
+import copy
 from pathlib import Path
 
 from kvparity.oracle.atomic import OUTPUT_ROOT
@@ -10,7 +11,8 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
-from kvparity.suites.levels import L1, L3, LEVELS
+from kvparity.suites import arrivals
+from kvparity.suites.levels import CACHE_LEVELS, L1, L3
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
 from kvparity.suites.schedule import atomic_write_json
 from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure
@@ -27,8 +29,11 @@ REQUIRED = ("impl",)
 
 def arguments(command):
     command.add_argument("schedule", metavar="SCHEDULE", help="the failing schedule file")
-    common_options(command, levels=tuple(LEVELS), default_level=L1)
+    common_options(command, levels=CACHE_LEVELS, default_level=L1)  # a replay of a cache: not a server (L4)
     expectations_option(command)  # declared divergences are not what a shrink follows
+    command.add_argument("--prefill-batch-size", type=int, metavar="N",
+                         help="L3: the engine's prefill batch size, over the file's engine block (the run's "
+                         "'prefill_batch_size=1' variant is 1)")
     command.add_argument("--out", metavar="FILE", help="where the minimal schedule goes "
                          f"(default: {OUTPUT_ROOT / 'bisect' / 'NAME-min.json'})")
 
@@ -42,6 +47,19 @@ def level_of(args, schedule):
     if level != L3 and level not in schedule.levels:
         raise UsageError(f"{args.schedule}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
     return level
+
+
+def with_prefill_batch_size(args, schedule):
+    """The arrivals schedule with --prefill-batch-size written into its engine
+    block, so that the minimal schedule written holds it too."""
+    size = args.prefill_batch_size
+    if size is None:
+        return schedule
+    if not is_arrivals(schedule) or size < 1:
+        raise UsageError(f"--prefill-batch-size {size}: a number of 1 or more, for an arrivals schedule (L3)")
+    doc = copy.deepcopy(schedule.doc)
+    doc.setdefault("engine", {})["prefill_batch_size"] = size
+    return arrivals.parse(doc, source=args.schedule)
 
 
 def output_path(args, schedule) -> Path:
@@ -65,7 +83,7 @@ def handle(args):
     chosen_policy, declared = policy(args), expectations(args)
     check_impl_spec(args.impl)
     check_model_name(args.model)
-    schedule = load_schedule(args.schedule)
+    schedule = with_prefill_batch_size(args, load_schedule(args.schedule))
     level = level_of(args, schedule)
     out = output_path(args, schedule)
     use_device(args.device)

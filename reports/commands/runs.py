@@ -123,7 +123,7 @@ def prepare(args, files=None):
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
     runs = plan(args, selected, options)
-    if args.impl is None and judges_a_server_only(args):  # the server is under test, not a class
+    if judges_a_server_only(args):  # the server is under test, not a class
         return chosen_policy, runs, Implementation(options.server.name, object)
     return chosen_policy, runs, implementation(args.impl)
 
