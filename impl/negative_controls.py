@@ -17,6 +17,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache, _tokens
+from kvparity.impl.minimal import MinimalBatchQuantizedKVCache
+from kvparity.impl.minimal import _columns as minimal_columns
 
 
 class LeftPaddingOffByOne(BatchQuantizedKVCache):
@@ -246,6 +248,24 @@ class FilterSharedPaddingOffByOne(BatchQuantizedKVCache):
             self.values = _tokens(tuple(x[rows] for x in self.values), start, None)
         self._idx -= shared
         self.left_padding = self.left_padding - shared
+
+
+class FilterKeepsAMarginColumn(MinimalBatchQuantizedKVCache):
+    """A newcomer's bug, on the minimal cache: filter keeps one column of the
+    padding every survivor shares "as a margin" (``shared - 1``). It shows as
+    a column every row pads at L1, a wrong layout at L2, and a forward that
+    raises at L3: one member to fix."""
+
+    caught_by = "shared_padding"
+
+    def filter(self, batch_indices):
+        rows = mx.array(batch_indices)
+        self.offset, self.left_padding = self.offset[rows], self.left_padding[rows]
+        shared = min(self.left_padding.tolist()) - 1
+        if self.keys is not None:
+            self.keys, self.values = (minimal_columns(tuple(x[rows] for x in t), shared, self._size)
+                                      for t in (self.keys, self.values))
+        self._size, self.left_padding = self._size - shared, self.left_padding - shared
 
 
 class TrimSlicesOnlyPackedWords(BatchQuantizedKVCache):

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.reports.verdicts import ScheduleVerdict
-from kvparity.suites.adapter import WRITE
-from kvparity.suites.checks import OUTPUT_CHECKS
+from kvparity.suites.adapter import WRITE, ForwardRaised
+
+OUTSIDE_MEMBERS = (ForwardRaised.FRAME, "the engine")  # what raises where no protocol member runs
+from kvparity.suites.checks import OUTPUT_CHECKS, RAISED
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.l3 import PREFILL_MODES
@@ -51,6 +53,14 @@ class Failure:
     @property
     def rows(self) -> int:
         return sum(row.verdict in (FAIL, REFUSED) for row in self.verdict.rows)
+
+    @property
+    def what(self) -> Tuple[str, str]:
+        """(check, tensor) of its first failure: keys.packed, values.scales, ... (its row and event do not count)."""
+        if self.first is None:
+            return self.verdict.verdict, ""
+        found = _TENSOR.search(self.first.tensor) if self.first.tensor else None
+        return self.first.check, found.group(0) if found else self.first.tensor
 
     @property
     def message(self) -> str:
@@ -86,6 +96,16 @@ class FailureGroup:
         return sorted({f.verdict.evidence.level for f in self.failures}, key=LEVEL_ORDER.index)
 
     @property
+    def seen_as(self) -> List[str]:
+        """What its runs saw first, each with its levels: "layout on keys.packed (L2)"."""
+        seen: Dict[str, set] = {}
+        for f in self.failures:
+            check, tensor = f.what
+            seen.setdefault(check + (f" on {tensor}" if tensor not in ("", check) else ""), set()).add(
+                f.verdict.evidence.level)
+        return [f"{what} ({', '.join(sorted(levels, key=LEVEL_ORDER.index))})" for what, levels in seen.items()]
+
+    @property
     def example(self) -> Failure:
         """The member to read first: at the lowest level (the cheapest to
         shrink), the shortest schedule, then the earliest."""
@@ -116,6 +136,7 @@ class FailureGroup:
                 "exposed_by": self.exposure.exposed_by, "exposed_at": self.exposure.exposed_at,
                 "sentence": self.exposure.sentence()},
             "shrunk_events": list(self.shrunk),
+            "seen_as": self.seen_as,
             "schedules": self.schedules, "rows": self.rows,
             "members": sorted({f.verdict.evidence.schedule for f in self.failures}),
             "example": {
@@ -174,10 +195,7 @@ def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> Li
         failure = failure_of(verdict)
         if failure is None:
             continue
-        first = failure.first
-        check = first.check if first is not None else verdict.verdict
-        found = _TENSOR.search(first.tensor) if first is not None and first.tensor else None
-        tensor = found.group(0) if found else (first.tensor if first is not None else "")
+        check, tensor = failure.what
         # One root cause seen at several levels (L1's bytes and L2's, both after filter) is one group;
         # where no member is known (L3: the engine makes the calls) the level stays apart.
         key = (check, tensor, failure.member, "" if failure.member else verdict.evidence.level)
@@ -188,35 +206,61 @@ def group(verdicts: List[ScheduleVerdict], options: Dict[str, str] = None) -> Li
 
 
 def _ordered(groups: List[FailureGroup]) -> List[FailureGroup]:
-    """The largest group first; each group's level is its example's."""
+    """One group per member at fault, the largest first; each group's level is its example's."""
     for group in groups:
         group.level = group.example.verdict.evidence.level
-    return sorted(groups, key=lambda g: (-g.schedules, -g.rows, LEVEL_ORDER.index(g.level), g.check))
+    return sorted(_by_member(groups), key=lambda g: (-g.schedules, -g.rows, LEVEL_ORDER.index(g.level), g.check))
+
+
+def _by_member(groups: List[FailureGroup]) -> List[FailureGroup]:
+    """Groups whose member at fault is one protocol member are one root cause
+    to fix, whatever each saw first (filter's shared padding at L1, its
+    layout at L2): the group whose example is the lowest level's (then the
+    largest) takes the others' runs, and ``seen_as`` keeps what each saw."""
+    homes: Dict[str, FailureGroup] = {}
+    kept = []
+    for group in sorted(groups, key=lambda g: (LEVEL_ORDER.index(g.level), -g.schedules, -g.rows)):
+        member = group.at_fault
+        if not member or member in OUTSIDE_MEMBERS:
+            kept.append(group)
+        elif member in homes:
+            homes[member].failures.extend(group.failures)
+        else:
+            homes[member] = group
+            kept.append(group)
+    return kept
 
 
 def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
     """Logits, tokens and log-probs say that a request's output broke, not
-    which tensor did; a bug in the cache shows there after its bytes. A
-    failure seen only in outputs joins the group whose member (or, once
-    ``explain`` named it, the member at fault) touched the request before it
-    diverged, where exactly one does: at L1 and L2 the member the failing
-    event called, at L3 (the engine makes the calls) the members that
-    reshaped its batch since it arrived, and the write. The others stay."""
-    homes = [g for g in groups if g.check not in OUTPUT_CHECKS and g.member]
+    which tensor did; a bug in the cache shows there after its bytes, or
+    makes the forward raise. Such a failure joins the largest group of the
+    member (or, once ``explain`` named it, the member at fault) that touched
+    the request before it diverged, where one member does: at L1 and L2 the
+    member the failing event called, at L3 (the engine makes the calls) the
+    members that reshaped its batch since it arrived, and the write. The
+    others stay."""
+    homes = [g for g in groups if not _output_only(g) and g.member]
     kept = []
     for outputs in groups:
-        if outputs.check not in OUTPUT_CHECKS or outputs in homes:
+        if not _output_only(outputs) or outputs in homes:
             kept.append(outputs)
             continue
         for failure in list(outputs.failures):
             touched = _touched(failure)
             found = [g for g in homes if {g.member, g.at_fault} & touched]
-            if len(found) == 1:
-                found[0].failures.append(failure)
+            if len({g.at_fault for g in found}) == 1:  # one member at fault: its largest group
+                max(found, key=lambda g: (g.schedules, g.rows)).failures.append(failure)
                 outputs.failures.remove(failure)
         if outputs.failures:
             kept.append(outputs)
     return kept
+
+
+def _output_only(group: FailureGroup) -> bool:
+    """Seen only in what the model returned, or where it raised outside every
+    protocol member (the forward or the engine, on a batch a member left wrong)."""
+    return group.check in OUTPUT_CHECKS or (group.check == RAISED and group.member in OUTSIDE_MEMBERS)
 
 
 def _touched(failure: Failure) -> set:
@@ -290,6 +334,8 @@ def lines(groups: List[FailureGroup]) -> List[str]:
             out.append(f"    cause: {g.exposure.sentence()}")
         if g.shrunk:
             out.append(f"    shrunk schedule: {'; '.join(g.shrunk)}")
+        if len(doc["seen_as"]) > 1:
+            out.append(f"    seen as: {'; '.join(doc['seen_as'])}")
         out.append(f"    first seen: {example['schedule']}: {example['message']}")
         if example["expected"] is not None or example["actual"] is not None:
             out.append(f"    expected: {example['expected']}")

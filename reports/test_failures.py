@@ -233,3 +233,26 @@ def test_the_trim_bug_seen_only_in_l2_logits_joins_the_trim_group():
     (group,) = by_member
     assert group.at_fault == "trim" and group.levels == ["L1", "L2"] and group.schedules == 4
     assert (group.check, group.tensor) == ("bytes", "keys.scales")
+
+
+@pytest.mark.gqa_batched  # L2 and L3 on grouped-query models
+def test_one_member_seen_three_ways_is_one_group():
+    """A newcomer's filter bug shows as shared padding at L1, a layout at L2
+    and a forward that raises at L3 (the engine's calls put filter before it):
+    one member to fix, one group, saying what each level saw first."""
+    from kvparity.suites.arrivals import L3_CATALOG
+    from kvparity.suites.arrivals import load as load_arrivals
+    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.l3 import run_l3
+
+    spec = f"{CONTROLS}:FilterKeepsAMarginColumn"
+    impl = load_implementation(spec)
+    runs = [verdicts.judge(run_l1(load(CATALOG / "kv-heads-1.json"), impl), CPU),
+            verdicts.judge(run_l2(load(CATALOG / "head-dim-128.json"), impl), CPU),
+            verdicts.judge(run_l3(load_arrivals(L3_CATALOG / "long-prompt-crosses-256.json")
+                                  .with_engine(prefill_batch_size=1), impl), CPU)]
+    assert [failures.failure_of(r).what[0] for r in runs] == ["shared_padding", "layout", "raised"]
+    (group,) = failures.group(runs, {"impl": spec})
+    assert group.at_fault == "filter" and group.levels == ["L1", "L2", "L3"] and group.level == "L1"
+    assert group.seen_as == ["shared_padding (L1)", "layout on keys.packed (L2)", "raised (L3)"]
+    assert "seen as: shared_padding (L1); layout on keys.packed (L2); raised (L3)" in "\n".join(failures.lines([group]))
