@@ -32,7 +32,7 @@ import os
 import struct
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -43,7 +43,7 @@ from mlx_lm.utils import load_tokenizer
 from kvparity.oracle.generation import cached_generate_alone, semantics
 from kvparity.oracle.model_dir import text_of, write_model_dir
 from kvparity.oracle.models import load_model
-from kvparity.suites.arrivals import ArrivalSchedule, check_fits
+from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
 from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TOKENS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
@@ -93,6 +93,25 @@ class ServerUnderTest:
         return replace(request, bits=self.kv_bits if quantized else None, group_size=self.kv_group_size,
                        quantized_kv_start=self.quantized_kv_start if quantized else None,
                        prefill_step_size=self.prefill_step_size)
+
+
+@dataclass
+class Dialect:
+    """How a server wants to be asked, learnt as it answers. OpenAI's legacy
+    completions take ``logprobs`` as the number of top tokens (0 to 5), its
+    chat completions (and mlx_lm.server, on both) as true or false: a server
+    that refuses one form is asked the other. ``token_id``: a token's text to
+    its id (the server's tokenizer), for answers that give no ids."""
+
+    token_id: Optional[object] = None
+    logprobs: Dict[str, object] = field(default_factory=lambda: {endpoint: True for endpoint in ENDPOINTS})
+
+    def refused_logprobs(self, endpoint: str, response) -> bool:
+        """Whether the server refused the form asked, which is then switched."""
+        if response.status_code != 400 or "logprobs" not in response.text or self.logprobs[endpoint] is not True:
+            return False
+        self.logprobs[endpoint] = 1
+        return True
 
 
 @dataclass
@@ -154,9 +173,9 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     sent = to_send(schedule, loaded, tokenizer)
     everyone = [s.id for s in sent]
     try:
-        token_id = tokenizer.convert_tokens_to_ids if hasattr(tokenizer, "convert_tokens_to_ids") else None
-        alone = {s.id: serve(server, directory, [s], 1, None, token_id)[0][s.id] for s in sent}
-        together, log, timing = serve(server, directory, sent, server.concurrency, True, token_id)
+        dialect = Dialect(getattr(tokenizer, "convert_tokens_to_ids", None))  # learnt alone, used together
+        alone = {s.id: serve(server, directory, [s], 1, None, dialect)[0][s.id] for s in sent}
+        together, log, timing = serve(server, directory, sent, server.concurrency, True, dialect)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
         result.raised_by = "the server"
@@ -167,6 +186,7 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
         return result
     result.server = {"command": server.command or "", "url": server.url or "", "declares": server.options(),
                      "log": log, **timing}
+    last_error = next((line.strip() for line in reversed(log.splitlines()) if "error" in line.lower()), "")
     precision = precision_of([v for a in together.values() for v in a.logprobs])
     for s in sent:
         request = next(r for r in engine_requests(schedule, loaded.vocab_size, loaded.tokenizer) if r.id == s.id)
@@ -178,7 +198,7 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
             dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(request, dense=True),
                                                      loaded.sha256, use_cache), tokenizer)
         compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together,
-                semantics(server.oracle(request)))
+                semantics(server.oracle(request)), last_error)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -209,7 +229,7 @@ def cut_at_eos(solo, tokenizer):
     return solo
 
 
-def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log, token_id=None):
+def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log, dialect):
     """The requests sent to a fresh server (or the attached one): their
     answers, the server's log's end, and throughput and latency."""
     with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
@@ -222,14 +242,14 @@ def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrenc
                                      ready_timeout=server.ready_timeout, env=env)
         with stopping_on_signals(), running:  # SIGTERM and SIGHUP leave through the with, as Ctrl-C does
             began = time.perf_counter()
-            answers = asyncio.run(traffic(running.url, sent, concurrency, token_id))
+            answers = asyncio.run(traffic(running.url, sent, concurrency, dialect))
             wall = time.perf_counter() - began
             running.check_alive()
             tail = running.log_tail(LOG_LINES) if log else ""
     return answers, tail, timing_of(answers, wall)
 
 
-async def traffic(url: str, sent: List[Sent], concurrency: int, token_id) -> Dict[str, Answer]:
+async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict[str, Answer]:
     """Every request at its time, at most ``concurrency`` in flight."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -240,7 +260,7 @@ async def traffic(url: str, sent: List[Sent], concurrency: int, token_id) -> Dic
         async def one(s: Sent) -> Answer:
             await asyncio.sleep(max(0.0, s.at_ms / 1000 - (time.perf_counter() - began)))
             async with gate:
-                return await ask(client, model, s, began, token_id)
+                return await ask(client, model, s, began, dialect)
 
         answers = await asyncio.gather(*(one(s) for s in sent))
     return {s.id: a for s, a in zip(sent, answers)}
@@ -252,8 +272,9 @@ async def served_model(client) -> Optional[str]:
     return listed[0].get("id") if listed and isinstance(listed[0], dict) else None
 
 
-async def ask(client, model: Optional[str], s: Sent, began: float, token_id) -> Answer:
-    body = {"max_tokens": s.max_tokens, "temperature": 0.0, "logprobs": True, "stream": False}
+async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect") -> Answer:
+    body = {"max_tokens": s.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
+            "stream": False}
     if model:
         body["model"] = model
     if s.endpoint == "chat":
@@ -263,6 +284,9 @@ async def ask(client, model: Optional[str], s: Sent, began: float, token_id) -> 
     sent = time.perf_counter() - began
     try:
         response = await client.post(path, json=body)
+        if dialect.refused_logprobs(s.endpoint, response):  # the other form of the same question, once
+            body["logprobs"] = dialect.logprobs[s.endpoint]
+            response = await client.post(path, json=body)
     except httpx.HTTPError as error:
         return Answer([], [], None, sent, time.perf_counter() - began,
                       f"{path}: no answer ({type(error).__name__}: {error})")
@@ -270,7 +294,7 @@ async def ask(client, model: Optional[str], s: Sent, began: float, token_id) -> 
     if response.status_code != 200:
         return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}")
     try:
-        tokens, logprobs, prompt_tokens = read_answer(response.json(), token_id)
+        tokens, logprobs, prompt_tokens = read_answer(response.json(), dialect.token_id)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         return Answer([], [], None, sent, done, f"{path}: an answer without per-token ids and log-probs "
                                                 f"({type(error).__name__}: {error}): {response.text[:300]}")
@@ -290,6 +314,8 @@ def read_answer(doc: dict, token_id=None):
         if isinstance(entry, dict) and "id" in entry:
             return int(entry["id"])
         text = entry["token"] if isinstance(entry, dict) else entry
+        if isinstance(text, int):
+            return text
         found = token_id(text) if token_id is not None and isinstance(text, str) else None
         if found is None:
             raise ValueError(f"token {text!r} is no token of the model's vocabulary")
@@ -339,7 +365,7 @@ def in_flight_with(rid: str, answers: Dict[str, Answer]) -> List[str]:
 
 
 def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, precision, together,
-            oracle: str):
+            oracle: str, last_error: str = ""):
     """One request's evidence: (a) against itself alone, (b) against
     mlx-lm's run with the declared settings, (c) against the dense one."""
     rid = s.id
@@ -352,8 +378,9 @@ def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expecte
                    "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals"}
     for answer, what in ((got, "among the others"), (alone, "alone")):
         if answer.error:
+            said = f"; the server's log's last error: {last_error}" if last_error else ""
             result.note(0, TOKENS, [rid], 0, [Divergence(TOKENS, SERVE_LABEL, rid, tensor=TOKENS,
-                                                         detail=f"served {what}: {answer.error}")])
+                                                         detail=f"served {what}: {answer.error}{said}")])
             return
     if got.prompt_tokens is not None and got.prompt_tokens != len(s.prompt):
         result.note(0, TOKENS, [rid], 1, [Divergence(

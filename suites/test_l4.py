@@ -14,7 +14,7 @@ import pytest
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TOKENS
-from kvparity.suites.l4 import Answer, diff, precision_of, read_answer
+from kvparity.suites.l4 import Answer, Dialect, Sent, ask, diff, precision_of, read_answer
 from kvparity.suites.runners import L4_CATALOG
 
 BURST = str(L4_CATALOG / "burst.json")
@@ -48,12 +48,46 @@ def test_the_answer_shapes_of_openai_servers():
     mlx_lm = {"choices": [{"logprobs": {"content": [{"id": 3, "logprob": -0.5}, {"id": 9, "logprob": -1.25}]}}],
               "usage": {"prompt_tokens": 4}}
     assert read_answer(mlx_lm) == ([3, 9], [-0.5, -1.25], 4)
-    legacy = {"choices": [{"logprobs": {"tokens": [3], "token_logprobs": [-0.5]}}]}
-    assert read_answer(legacy) == ([3], [-0.5], None)
+    legacy = {"choices": [{"logprobs": {"tokens": ["t3", "t9"], "token_logprobs": [-0.5, -1.25]}}]}
+    vocabulary = {"t3": 3, "t9": 9}.get
+    assert read_answer(legacy, vocabulary) == ([3, 9], [-0.5, -1.25], None)
+    chat = {"choices": [{"logprobs": {"content": [{"token": "t9", "logprob": -1.25, "bytes": [116, 57]}]}}]}
+    assert read_answer(chat, vocabulary) == ([9], [-1.25], None)
+    with pytest.raises(ValueError, match="no token of the model's vocabulary"):
+        read_answer({"choices": [{"logprobs": {"tokens": ["zz"], "token_logprobs": [-0.5]}}]}, vocabulary)
     with pytest.raises(ValueError):
         read_answer({"choices": [{"logprobs": {"tokens": [3, 4], "token_logprobs": [-0.5]}}]})
     with pytest.raises(KeyError):
         read_answer({"choices": [{"text": "no log-probs"}]})
+
+
+def test_a_server_that_wants_the_legacy_logprobs_form_is_asked_it_once_and_thereafter():
+    """OpenAI's legacy completions take logprobs as a count, mlx_lm.server as true:
+    a 400 about logprobs switches the form, for this request and the next."""
+    import asyncio
+
+    import httpx
+
+    asked = []
+
+    def legacy_server(request):
+        body = json.loads(request.content)
+        asked.append(body["logprobs"])
+        if body["logprobs"] is True:
+            return httpx.Response(400, json={"error": "`logprobs` must be an integer 0-5"})
+        return httpx.Response(200, json={"choices": [{"logprobs": {"tokens": ["t3"], "token_logprobs": [-0.5]}}],
+                                         "usage": {"prompt_tokens": 2}})
+
+    dialect = Dialect({"t3": 3}.get)
+    sent = Sent("a", "t1 t2", "completions", 1, 0, (1, 2))
+
+    async def twice():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(legacy_server), base_url="http://server") as c:
+            return [await ask(c, None, sent, 0.0, dialect) for _ in range(2)]
+
+    answers = asyncio.run(twice())
+    assert [(a.tokens, a.logprobs, a.error) for a in answers] == [([3], [-0.5], "")] * 2
+    assert asked == [True, 1, 1] and dialect.logprobs == {"completions": 1, "chat": True}
 
 
 def test_rounded_log_probs_are_detected_and_said():
