@@ -186,11 +186,12 @@ def crashed(record: dict) -> ScheduleResult:
 
 
 def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests,
-                said: str = ""):
+                said: str = "", reshaped=()):
     """The implementation's path raised where mlx-lm's solo path did not: a
     failure, worded the same at every level (``said``: how, where the
     raising member alone does not tell it)."""
     result.raised_by = raised.member
     said = said or str(raised)
     result.stop(FAIL, f"{result.level} {result.schedule}, event {label}: {said}")
-    result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=said)])
+    result.note(event_index, RAISED, requests, made=0, found=[Divergence(RAISED, label, detail=said,
+                                                                         reshaped=tuple(reshaped))])

@@ -228,7 +228,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
         except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
             raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")
             raised.layer = layer_of(error, loaded.model.layers)
-            note_raised(result, 0, SERVE_LABEL, raised, everyone)
+            # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
+            before = dict.fromkeys(m for m in implementation.trail[trail_start:] if m in RESHAPING_MEMBERS)
+            note_raised(result, 0, SERVE_LABEL, raised, everyone, reshaped=before)
             return None
     result.members = implementation.calls_since(calls_before)
     result.timeline = [
