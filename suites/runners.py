@@ -237,11 +237,14 @@ class L4Runner(L3Runner):
     def catalog(self, options):
         return [load_schedule(p) for p in arrivals.catalog_paths(L4_CATALOG)]
 
+    def model_name(self, schedule, options):
+        return SMOLLM2 if options.real_model else options.forced or schedule.model  # the catalog on the real model
+
     def variants(self, schedule, options):
         return [("", replace(options, models=()))]
 
     def run(self, schedule, implementation, options):
-        return l4.run_l4(schedule, options.server, options.forced, use_cache=options.use_cache)
+        return l4.run_l4(schedule, options.server, self.model_name(schedule, options), use_cache=options.use_cache)
 
     def runs(self, schedule, options):
         return Runner.runs(self, schedule, options)

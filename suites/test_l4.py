@@ -213,3 +213,14 @@ def test_sigterm_to_a_run_leaves_no_server_behind(tmp_path):
     while servers_running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not servers_running()
+
+
+@pytest.mark.real_model
+def test_mlx_lm_server_passes_l4_on_smollm2(tmp_path, capsys):
+    """The L4 catalog on the real model: its own tokenizer and chat template, its end-of-sequence token."""
+    assert main(["run", "--level", "L4", "--model", "smollm2", "--schedule", BURST, "--server", MLX_LM,
+                 "--out", str(tmp_path)]) == EXIT_OK
+    (run,) = report(tmp_path)["results"]
+    assert run["model"] == "smollm2" and run["verdict"] == "pass"
+    assert all(row["metrics"]["tokens compared"] > 0 for row in run["rows"])
+    assert not servers_running()
