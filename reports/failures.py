@@ -224,7 +224,9 @@ def _by_member(groups: List[FailureGroup]) -> List[FailureGroup]:
         if not member or member in OUTSIDE_MEMBERS:
             kept.append(group)
         elif member in homes:
-            homes[member].failures.extend(group.failures)
+            home = homes[member]
+            home.failures.extend(group.failures)
+            home.check, home.tensor = home.example.what  # the title says what its example shows
         else:
             homes[member] = group
             kept.append(group)

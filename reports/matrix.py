@@ -91,7 +91,8 @@ class Row:
         rows.toml names it, else as the report's environment does."""
         listed = listed_rows().get(self.folder.name)
         if listed is not None and (listed.impl == self.implementation if listed.impl
-                                   else self.implementation.startswith(f"{listed.server} (")):
+                                   else self.implementation == listed.server  # a server that cannot install
+                                   or self.implementation.startswith(f"{listed.server} (")):
             return f"{listed.implementation} {listed.version}"
         package = (self.record or {}).get("environment", {}).get("implementation_package")
         version = self.version or "unknown version"
@@ -276,7 +277,9 @@ def _finding(row: Row, group: dict) -> dict:
     return {"title": failures.title(group), "level": group["level"], "at_fault": group["at_fault"],
             "schedules": group["schedules"], "members": group["members"], "first": example["message"],
             "expected": example["expected"], "actual": example["actual"],
-            "shrunk_events": group.get("shrunk_events") or [], "file": str(schedule) if schedule else None,
+            "shrunk_events": group.get("shrunk_events") or [],
+            "seen_as": group["seen_as"] if len(group.get("seen_as") or []) > 1 else [],
+            "file": str(schedule) if schedule else None,
             "minimal": minimal, "replay": replay}
 
 
@@ -502,6 +505,8 @@ def render_markdown(doc: dict) -> str:
                 lines += [f"  - expected `{f['expected']}`, got `{f['actual']}`"]
             if f["shrunk_events"]:
                 lines += [f"  - shrunk schedule: {'; '.join(f['shrunk_events'])}"]
+            if f["seen_as"]:
+                lines += [f"  - seen as: {'; '.join(f['seen_as'])}"]
             if f["link"]:
                 lines += [f"  - [{what}]({f['link']})" + (f": `{f['replay']}`" if f["replay"] else "")]
             if f["schedules"] > 1:
@@ -556,6 +561,8 @@ def _findings_html(doc: dict) -> str:
                 parts.append(f"<div>expected <code>{e(f['expected'])}</code>, got <code>{e(f['actual'])}</code></div>")
             if f["shrunk_events"]:
                 parts.append(f"<div>shrunk schedule: <code>{e('; '.join(f['shrunk_events']))}</code></div>")
+            if f["seen_as"]:
+                parts.append(f"<div>seen as: {e('; '.join(f['seen_as']))}</div>")
             if f["link"]:
                 parts.append(f'<div><a class="schedule" href="{e(f["link"])}">{what}</a>'
                              + (f': <code class="replay">{e(f["replay"])}</code>' if f["replay"] else "") + "</div>")
