@@ -323,6 +323,7 @@ VARIANTS = [
     GrowthDropsTail,
     EmptyBatchPacksWholeElementsPerWord,
     FilterSharedPaddingOffByOne,
+    FilterKeepsAMarginColumn,
     TrimSlicesOnlyPackedWords,
     EmptyBatchSizesValuesLikeKeys,
 ]
