@@ -242,7 +242,7 @@ def test_a_cache_that_refuses_a_required_member_is_refused_at_l3(judged):
 # Which controls L3 catches on the catalog, and for the rest, why not (tested
 # below on the members BatchGenerator actually calls).
 CAUGHT_AT_L3 = {"MaskIgnoresLeftPadding", "RopeOffsetIgnoresLeftPadding", "ExtendForgetsExistingPadding",
-                "GrowthDropsTail", "FilterSharedPaddingOffByOne",
+                "GrowthDropsTail", "FilterSharedPaddingOffByOne", "FilterKeepsAMarginColumn",
                 # only with conversations: merge then sees filled rows of different
                 # lengths, and a row extracted into the store keeps decoding
                 "LeftPaddingOffByOne", "MergeRequantizes", "ExtractWritesTheBatch"}
