@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import httpx
 import numpy as np
 from mlx_lm.utils import load_tokenizer
 
@@ -46,6 +45,7 @@ from kvparity.oracle.models import load_model
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
 from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TOKENS
 from kvparity.suites.compare import Divergence
+from kvparity.suites.engines import EngineRequest
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
 from kvparity.suites.levels import L4
@@ -56,6 +56,7 @@ from kvparity.suites.server_process import (
 FIRST = "first"  # --quantized-kv-start first: quantized from the first token
 REQUEST_TIMEOUT = 300.0  # seconds one request may take before the server counts as hung
 LOG_LINES = 200  # how much of the server's log the report keeps
+SERVER = "the server"  # what failed at L4, where L1 to L3 name a protocol member
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class ServerUnderTest:
               "--quantized-kv-start", FIRST if self.quantized_kv_start is None else str(self.quantized_kv_start)] \
             if self.kv_bits is not None else []
         return kv + ["--prefill-step-size", str(self.prefill_step_size), "--concurrency", str(self.concurrency)]
+
+    def record(self, log: str, **timing) -> dict:
+        """What a report keeps of it (``ScheduleResult.server``): a finding's reproduction reads it."""
+        return {"command": self.command or "", "url": self.url or "", "declares": self.options(), "log": log,
+                **timing}
 
     def oracle(self, request, dense: bool = False):
         """The request as mlx-lm's solo run gets it under the declared settings."""
@@ -132,14 +138,22 @@ class Answer:
 
 @dataclass(frozen=True)
 class Sent:
-    """A request as L4 sends it: its text, endpoint, and the tokens mlx-lm's run starts from."""
+    """A request as L4 sends it: its text and endpoint, and the request
+    mlx-lm's solo run gets, whose prompt is what the server's tokenizer makes
+    of the text, the way the server calls it."""
 
-    id: str
+    request: EngineRequest
     text: str
     endpoint: str
-    max_tokens: int
     at_ms: int
-    prompt: tuple  # what the server's tokenizer makes of the text, the way the server calls it
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def prompt(self) -> tuple:
+        return self.request.prompt
 
 
 _MODEL_DIRS: Dict[str, Path] = {}
@@ -174,31 +188,27 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     everyone = [s.id for s in sent]
     try:
         dialect = Dialect(getattr(tokenizer, "convert_tokens_to_ids", None))  # learnt alone, used together
-        alone = {s.id: serve(server, directory, [s], 1, None, dialect)[0][s.id] for s in sent}
-        together, log, timing = serve(server, directory, sent, server.concurrency, True, dialect)
+        alone = {s.id: serve(server, directory, [s], 1, dialect)[0][s.id] for s in sent}
+        together, log, timing = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
-        result.raised_by = "the server"
-        result.server = {"command": server.command or "", "url": server.url or "", "declares": server.options(),
-                         "log": problem.log_tail}
+        result.raised_by = SERVER
+        result.server = server.record(problem.log_tail)
         result.stop(FAIL, f"{L4} {schedule.name}: {said}")
         result.note(0, RAISED, everyone, 0, [Divergence(RAISED, SERVE_LABEL, detail=said)])
         return result
-    result.server = {"command": server.command or "", "url": server.url or "", "declares": server.options(),
-                     "log": log, **timing}
+    result.server = server.record(log, **timing)
     last_error = next((line.strip() for line in reversed(log.splitlines()) if "error" in line.lower()), "")
     precision = precision_of([v for a in together.values() for v in a.logprobs])
     for s in sent:
-        request = next(r for r in engine_requests(schedule, loaded.vocab_size, loaded.tokenizer) if r.id == s.id)
-        request = replace(request, prompt=s.prompt)
-        expected = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(request), loaded.sha256, use_cache),
-                              tokenizer)
+        oracle = server.oracle(s.request)
+        expected = cut_at_eos(cached_generate_alone(loaded.model, oracle, loaded.sha256, use_cache), tokenizer)
         dense = None
         if server.kv_bits is not None:
-            dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(request, dense=True),
+            dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(s.request, dense=True),
                                                      loaded.sha256, use_cache), tokenizer)
-        compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together,
-                semantics(server.oracle(request)), last_error)
+        compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together, semantics(oracle),
+                last_error)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -216,7 +226,7 @@ def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
                                                    tokenize=True)
         else:
             prompt = tokenizer.encode(text)
-        out.append(Sent(spec.id, text, spec.endpoint, spec.max_tokens, spec.sent_at_ms, tuple(int(t) for t in prompt)))
+        out.append(Sent(replace(request, prompt=tuple(int(t) for t in prompt)), text, spec.endpoint, spec.sent_at_ms))
     return out
 
 
@@ -229,7 +239,8 @@ def cut_at_eos(solo, tokenizer):
     return solo
 
 
-def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, log, dialect):
+def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, dialect,
+          keep_log: bool = False):
     """The requests sent to a fresh server (or the attached one): their
     answers, the server's log's end, and throughput and latency."""
     with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
@@ -245,12 +256,14 @@ def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrenc
             answers = asyncio.run(traffic(running.url, sent, concurrency, dialect))
             wall = time.perf_counter() - began
             running.check_alive()
-            tail = running.log_tail(LOG_LINES) if log else ""
+            tail = running.log_tail(LOG_LINES) if keep_log else ""
     return answers, tail, timing_of(answers, wall)
 
 
 async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict[str, Answer]:
     """Every request at its time, at most ``concurrency`` in flight."""
+    import httpx  # here, not at the top: every command imports this module, few send traffic
+
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, trust_env=False) as client:
@@ -273,7 +286,8 @@ async def served_model(client) -> Optional[str]:
 
 
 async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect") -> Answer:
-    body = {"max_tokens": s.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
+    import httpx  # loaded by traffic already
+    body = {"max_tokens": s.request.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
             "stream": False}
     if model:
         body["model"] = model

@@ -14,6 +14,7 @@ import pytest
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TOKENS
+from kvparity.suites.engines import EngineRequest
 from kvparity.suites.l4 import Answer, Dialect, Sent, ask, diff, precision_of, read_answer
 from kvparity.suites.runners import L4_CATALOG
 
@@ -79,7 +80,9 @@ def test_a_server_that_wants_the_legacy_logprobs_form_is_asked_it_once_and_there
                                          "usage": {"prompt_tokens": 2}})
 
     dialect = Dialect({"t3": 3}.get)
-    sent = Sent("a", "t1 t2", "completions", 1, 0, (1, 2))
+    request = EngineRequest("a", (1, 2), arrival=0, max_tokens=1, bits=4, group_size=64, quantized_kv_start=0,
+                            prefill_step_size=2048)
+    sent = Sent(request, "t1 t2", "completions", 0)
 
     async def twice():
         async with httpx.AsyncClient(transport=httpx.MockTransport(legacy_server), base_url="http://server") as c:

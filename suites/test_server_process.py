@@ -19,7 +19,7 @@ import pytest
 
 import kvparity
 from kvparity.suites.server_process import (AttachedServer, LaunchedServer, ServerDied, ServerGarbage,
-                                            ServerNeverReady, ServerUsageError, command_line, free_port,
+                                            ServerNeverReady, ServerProblem, ServerUsageError, command_line, free_port,
                                             loopback_url, stopping_on_signals)
 
 # argv: MODE PORT [PIDFILE]. Modes: ok, never (sleeps, never listens), dies
@@ -132,6 +132,15 @@ def launched(template: str, tmp_path, **options) -> LaunchedServer:
     return LaunchedServer(template, tmp_path / "grandchild.pid", tmp_path / "logs" / "server.log", **options)
 
 
+def refused(server, problem: type) -> ServerProblem:
+    """What entering ``server`` raised, of type ``problem``, its message on one line."""
+    with pytest.raises(problem) as raised:
+        with server:
+            pytest.fail(f"entered a server that should have raised {problem.__name__}")
+    assert "\n" not in str(raised.value), str(raised.value)
+    return raised.value
+
+
 def models(url: str) -> dict:
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as response:
         return json.loads(response.read())
@@ -158,25 +167,20 @@ def test_ready_then_stopped_with_its_output_in_the_log(fake, tmp_path):
 def test_never_ready_is_stopped_and_named(fake, tmp_path):
     server = launched(fake("never"), tmp_path, ready_timeout=0.5)
     started = time.monotonic()
-    with pytest.raises(ServerNeverReady) as raised:
-        with server:
-            pytest.fail("entered a server that never listened")
+    problem = refused(server, ServerNeverReady)
     assert time.monotonic() - started < 5
-    message = str(raised.value)
-    assert "\n" not in message and "within 0.5 s" in message and "refused" in message, message
-    assert "fake server: loading forever" in raised.value.log_tail
+    message = str(problem)
+    assert "within 0.5 s" in message and "refused" in message, message
+    assert "fake server: loading forever" in problem.log_tail
     assert gone(server.process.pid)
 
 
 def test_died_at_start_names_its_status_and_last_words(fake, tmp_path):
-    server = launched(fake("dies"), tmp_path)
-    with pytest.raises(ServerDied) as raised:
-        with server:
-            pytest.fail("entered a server that died")
-    message = str(raised.value)
-    assert "\n" not in message and "exited with status 3 before it was ready" in message, message
+    problem = refused(launched(fake("dies"), tmp_path), ServerDied)
+    message = str(problem)
+    assert "exited with status 3 before it was ready" in message, message
     assert "cannot load the model" in message
-    assert "fake server: cannot load the model" in raised.value.log_tail
+    assert "fake server: cannot load the model" in problem.log_tail
 
 
 def test_a_second_run_appends_and_its_tail_is_its_own(fake, tmp_path):
@@ -190,12 +194,10 @@ def test_a_second_run_appends_and_its_tail_is_its_own(fake, tmp_path):
 
 def test_garbage_says_what_it_got(fake, tmp_path):
     server = launched(fake("garbage"), tmp_path)
-    with pytest.raises(ServerGarbage) as raised:
-        with server:
-            pytest.fail("entered a server that is not OpenAI's")
-    message = str(raised.value)
-    assert "\n" not in message and "<html><body>It works!" in message and '{"data": [...]}' in message, message
-    assert "listening on" in raised.value.log_tail
+    problem = refused(server, ServerGarbage)
+    message = str(problem)
+    assert "<html><body>It works!" in message and '{"data": [...]}' in message, message
+    assert "listening on" in problem.log_tail
     assert gone(server.process.pid)
 
 
@@ -215,13 +217,12 @@ def test_an_empty_200_is_garbage_and_the_servers_last_words_are_named(tmp_path):
 
         HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     '''))
-    with pytest.raises(ServerGarbage) as raised:
-        with launched(f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{port}}", tmp_path):
-            pytest.fail("entered a server that answered nothing")
-    message = str(raised.value)
-    assert "\n" not in message and "it answered an empty body" in message, message
+    problem = refused(launched(f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} {{port}}", tmp_path),
+                      ServerGarbage)
+    message = str(problem)
+    assert "it answered an empty body" in message, message
     assert "its last line: 'FileNotFoundError: Cache directory not found'" in message, message
-    assert "Traceback" in raised.value.log_tail
+    assert "Traceback" in problem.log_tail
 
 
 @pytest.mark.parametrize("mode", ["grandchild",
