@@ -25,12 +25,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.adapter import WRITE, ForwardRaised
-
-OUTSIDE_MEMBERS = (ForwardRaised.FRAME, "the engine")  # what raises where no protocol member runs
 from kvparity.suites.checks import OUTPUT_CHECKS, RAISED
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.l3 import PREFILL_MODES
+from kvparity.suites.l4 import SERVER
 from kvparity.suites.levels import L1, L3, L4, LEVELS
 from kvparity.suites.schedule import load
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
@@ -39,6 +38,7 @@ from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 # "resumed from stored entry ...: keys.scales")
 LEVEL_ORDER = list(LEVELS)
 _TENSOR = re.compile(r"(keys|values)\.(packed|scales|biases)")
+OUTSIDE_MEMBERS = (ForwardRaised.FRAME, ForwardRaised.ENGINE)  # what raises where no protocol member runs
 
 
 @dataclass
@@ -157,7 +157,7 @@ def title(group: dict) -> str:
     member at fault, what diverged, where, and how much it explains."""
     what = group["check"] + (f" on {group['tensor']}" if group["tensor"] not in ("", group["check"]) else "")
     levels = group.get("levels") or [group["level"]]
-    where = group["at_fault"] or ("the server" if levels == [L4] else "member not known")
+    where = group["at_fault"] or (SERVER if levels == [L4] else "member not known")
     if group["exposure"]:
         where += f", exposed by {group['exposure']['exposed_by']} at the next event"
     schedules, rows = group["schedules"], group["rows"]

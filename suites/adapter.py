@@ -118,6 +118,7 @@ class ForwardRaised(MemberRaised):
     refusal or a missing capability."""
 
     FRAME = "the model's forward"
+    ENGINE = "the engine"  # L3: the engine itself, outside the model and every member
 
     def __init__(self, error: BaseException, frame: str = FRAME):
         super().__init__(frame, error)

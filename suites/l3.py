@@ -186,8 +186,12 @@ class CallTrail:
             return ()
         begin, end = self.ends.get(bad_step - 1, 0), self.ends[bad_step]
         writes = [i for i in range(begin, end) if self.members[i] == WRITE]
-        window = self.members[self.ends.get(self.arrived[rid] - 1, 0):writes[-1] + 1 if writes else end]
-        return tuple(dict.fromkeys(m for m in window if m in RESHAPING_MEMBERS))
+        return reshaping(self.members[self.ends.get(self.arrived[rid] - 1, 0):writes[-1] + 1 if writes else end])
+
+
+def reshaping(members) -> Tuple[str, ...]:
+    """The members among ``members`` that reshape a batch, once each, in order of first call."""
+    return tuple(dict.fromkeys(m for m in members if m in RESHAPING_MEMBERS))
 
 
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
@@ -226,11 +230,11 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                 note_raised(result, 0, SERVE_LABEL, raised, everyone, said=what)
             return None
         except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
-            raised = ForwardRaised(error, ForwardRaised.FRAME if in_forward(error, loaded.model) else "the engine")
+            frame = ForwardRaised.FRAME if in_forward(error, loaded.model) else ForwardRaised.ENGINE
+            raised = ForwardRaised(error, frame)
             raised.layer = layer_of(error, loaded.model.layers)
             # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
-            before = dict.fromkeys(m for m in implementation.trail[trail_start:] if m in RESHAPING_MEMBERS)
-            note_raised(result, 0, SERVE_LABEL, raised, everyone, reshaped=before)
+            note_raised(result, 0, SERVE_LABEL, raised, everyone, reshaped=reshaping(implementation.trail[trail_start:]))
             return None
     result.members = implementation.calls_since(calls_before)
     result.timeline = [
