@@ -37,7 +37,9 @@ from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.reports import failures, records
 from kvparity.reports.documents import check_schema, load_checked
 from kvparity.reports.ecosystem_rows import CANNOT_INSTALL, ROWS_FILE, RowsError, load_rows
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, STATUS, ScheduleVerdict, gates
+from kvparity.reports.verdicts import (
+    EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, STATUS, ScheduleVerdict, gates, required_checks,
+)
 from kvparity.reports.writer import Architecture, architectures, model_order
 from kvparity.suites.checks import BY_TIER, CHECKS
 from kvparity.suites.evidence import (
@@ -219,12 +221,14 @@ def check_outcome(verdict: ScheduleVerdict, check: str, policy) -> Optional[str]
     for state in (FAIL, REPORTED, EXPECTED_DIVERGENCE):
         if state in states:
             return state
+    required = any(check in required_checks(row.evidence, level) for row in verdict.rows) if verdict.rows \
+        else check in level.requires
     stopped = verdict.evidence.stopped
     if stopped in STOPPED:
-        return stopped if check in level.requires or states else None
+        return stopped if required or states else None
     if PASS in states:
         return PASS
-    return NO_EVIDENCE if check in level.requires else None
+    return NO_EVIDENCE if required else None
 
 
 def _check_cell(verdicts, check, policy) -> Optional[Counter]:

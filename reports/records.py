@@ -109,7 +109,8 @@ def evidence_of(doc: dict) -> ScheduleResult:
     result.called = {int(e): list(members) for e, members in (doc.get("called") or {}).items()}
     for row_doc in doc["rows"]:
         row = RowResult(row_doc["request"], metrics=_finite(row_doc.get("metrics") or {}),
-                        series=_finite(row_doc.get("series") or {}))
+                        series=_finite(row_doc.get("series") or {}),
+                        requires=tuple(row_doc.get("requires") or ()))
         row.divergences = [Divergence(**{**_fields(Divergence, d), "reshaped": tuple(d.get("reshaped") or ())})
                            for d in row_doc["divergences"]]
         row.counts = {int(e): Counter(c) for e, c in row_doc["counts"].items()}

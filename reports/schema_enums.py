@@ -14,7 +14,7 @@ from pathlib import Path
 from kvparity.reports.expectations import MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import CHOICES, GATES
 from kvparity.reports.verdicts import STATUS
-from kvparity.suites.checks import HYGIENE, HYGIENE_CHECKS, PARITY
+from kvparity.suites.checks import CHECKS, HYGIENE, HYGIENE_CHECKS, PARITY
 from kvparity.suites.evidence import OUTCOMES, STOPS
 from kvparity.suites.levels import LEVELS, SCHEDULE_LEVELS
 
@@ -35,6 +35,7 @@ ENUMS = {
     ("report.schema.json", "/$defs/failureGroup/properties/level"): list(LEVELS),
     ("report.schema.json", "/$defs/failureGroup/properties/levels/items"): list(LEVELS),
     ("report.schema.json", "/$defs/divergence/properties/kind"): [PARITY, HYGIENE],
+    ("report.schema.json", "/$defs/check"): list(CHECKS),
     ("matrix.schema.json", "/properties/exit_status"): list(STATUS),
 }
 

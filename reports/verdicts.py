@@ -96,7 +96,7 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
     else:
         tier = None if not row.checks else (TIER_DIVERGED if gating else BIT_EXACT)
         required, logits_ok = BIT_EXACT, True
-    missing = [c for c in level.requires if not row.compared(c)]
+    missing = [c for c in required_checks(row, level) if not row.compared(c)]
     failing = tuple(gating) if logits_ok else tuple(gating) + tuple(
         d for d in undeclared if d.check == LOGITS and d not in gating)
     if gating or not logits_ok:
@@ -114,6 +114,11 @@ def _judge_row(result: ScheduleResult, row: RowResult, level: Level, policy: Pol
         verdict, reason = PASS, ""
     failing = failing if verdict == FAIL else ()
     return RowVerdict(row, verdict, reason, tier, required, MappingProxyType(declared), failing)
+
+
+def required_checks(row, level: Level) -> Tuple[str, ...]:
+    """The checks a row must have compared to pass: its own where its answer's form limits them, else its level's."""
+    return row.requires or level.requires
 
 
 def gates(divergence, level: Level, policy: Policy) -> bool:

@@ -51,6 +51,7 @@ STORED_NBYTES = "stored_nbytes"
 QUANTIZED = "quantized"
 ALONE = "alone"
 KV_APPLIED = "kv_applied"
+TEXT = "text"
 
 # Every check, in the order the reports list them.
 CHECKS: Dict[str, Check] = {
@@ -81,6 +82,8 @@ CHECKS: Dict[str, Check] = {
                          "it alone"),
     KV_APPLIED: Check(PARITY, "L4: a server that declares quantized KV answers as mlx-lm's kv_bits run, where "
                               "that run and the dense one differ, not as the dense one"),
+    TEXT: Check(PARITY, "L4: a streamed answer that carries no per-token ids and log-probs: its text equals the "
+                        "text mlx-lm's detokenizer makes of the solo run's tokens, and the text served alone"),
     PAD: Check(HYGIENE, "hygiene: pad columns are zero", BY_HYGIENE_POLICY),
     ALIAS: Check(HYGIENE, "hygiene: no memory shared between the batch, its sources and extracted rows",
                  BY_HYGIENE_POLICY),

@@ -9,7 +9,7 @@ nothing compared has no evidence, whatever else happened.
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from kvparity.suites.adapter import ForwardRaised, MemberRaised
 from kvparity.suites.checks import RAISED
@@ -44,6 +44,10 @@ class RowResult:
     counts: Dict[int, Counter] = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)  # L2: logit statistics
     series: dict = field(default_factory=dict)  # L2: per-step logit series (index = step)
+    # The checks this row stands on where its answer's form limits them, in
+    # place of its level's (L4: a server that streams text without per-token
+    # log-probs is judged on the text); empty: the level's.
+    requires: Tuple[str, ...] = ()
 
     def compared(self, check: str = None) -> int:
         return sum(n for per_event in self.counts.values() for c, n in per_event.items()
