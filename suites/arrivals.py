@@ -53,7 +53,7 @@ DEFAULT_KV = {"bits": 4, "group_size": 64}
 
 KV_FIELDS = ("bits", "group_size", "quantized_kv_start")
 REQUEST_FIELDS = ("arrival", "prompt_len", "prompt", "text", "seed", "max_tokens", "kv", "prefill_step_size",
-                  "continues", "system", "arrival_ms", "endpoint")
+                  "continues", "system", "arrival_ms", "endpoint", "stream")
 # L4: which OpenAI endpoint a request is sent to, and how long a step of
 # ``arrival`` lasts where a request gives no ``arrival_ms``.
 ENDPOINTS = ("completions", "chat")
@@ -86,6 +86,7 @@ class ArrivalRequest:
     system: bool = False  # the prompt starts with the file's shared system prompt
     arrival_ms: Optional[int] = None  # L4: sent this long after the run began (None: arrival * STEP_MS)
     endpoint: str = ENDPOINTS[0]  # L4: /v1/completions, or /v1/chat/completions with one user message
+    stream: bool = False  # L4: the answer is asked for as server-sent events
 
     @property
     def sent_at_ms(self) -> int:
@@ -244,9 +245,9 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
     continues = spec.get("continues")
     if continues is not None and (not isinstance(continues, str) or not continues):
         reject(source, f"{where} continues", f"expected a request id, got {continues!r}")
-    system = spec.get("system", False)
-    if not isinstance(system, bool):
-        reject(source, f"{where} system", f"expected true or false, got {system!r}")
+    for flag in ("system", "stream"):
+        if not isinstance(spec.get(flag, False), bool):
+            reject(source, f"{where} {flag}", f"expected true or false, got {spec[flag]!r}")
     own_kv = _kv(source, f"{where} kv", spec.get("kv", {}), kv)
     endpoint = spec.get("endpoint", ENDPOINTS[0])
     if endpoint not in ENDPOINTS:
@@ -261,9 +262,10 @@ def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:
         prefill_step_size=check_int(source, f"{where} prefill_step_size",
                                     spec.get("prefill_step_size", default_step), 1),
         continues=continues,
-        system=system,
+        system=spec.get("system", False),
         arrival_ms=check_int(source, f"{where} arrival_ms", spec["arrival_ms"]) if "arrival_ms" in spec else None,
         endpoint=endpoint,
+        stream=spec.get("stream", False),
         **_prompt(source, where, spec),
     )
 

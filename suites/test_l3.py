@@ -402,6 +402,7 @@ A, A2 = ("requests", "a"), ("requests", "a2")
     ([(A2 + ("kv",), {"bits": 8})], "request 'a2' kv: differs from 'a', which it continues"),
     ([(A2 + ("system",), True)], "request 'a2' system: a turn that continues another already starts with its prompt"),
     ([(A + ("system",), "yes")], "request 'a' system: expected true or false"),
+    ([(A + ("stream",), 1)], "request 'a' stream: expected true or false"),
     ([(("system",), None)], "request 'a' system: the file has no \"system\" prompt"),
     ([(("system", "size"), 1)], "system: unknown field 'size'"),
     ([(("system", "prompt_len"), None)], "system: give exactly one of prompt_len, prompt"),
