@@ -4,8 +4,8 @@ The server under test serves a kvparity model written as a model directory
 (``oracle/model_dir.py``). An arrivals file's requests are sent to it by an
 asynchronous HTTP client at their ``arrival_ms`` (or ``arrival`` steps of
 ``STEP_MS``), at most ``concurrency`` in flight, greedy, with ``logprobs``,
-to ``/v1/completions`` or ``/v1/chat/completions``. Each request's tokens
-and log-probs are compared with
+to ``/v1/completions`` or ``/v1/chat/completions``, whole or streamed as
+server-sent events. Each request's tokens and log-probs are compared with
 
 (a) the same request served alone by a fresh instance of the same server
     (check ``alone``): a server's prompt cache would make a repeated prompt
@@ -19,7 +19,10 @@ and log-probs are compared with
 
 Log-probs are compared bit for bit: a JSON number of a float32 is exact. A
 server that rounds them is detected (its values are not float32 values) and
-the precision it gives is said with each divergence, never hidden.
+the precision it gives is said with each divergence, never hidden. A stream
+that carries no per-token log-probs (mlx_lm.server's) is judged on its text
+(check ``text``): (a) the text served alone, (b) the text mlx-lm's own
+detokenizer makes of the solo run's tokens; the row says so.
 
 A server that dies or answers garbage is its FAIL, with its log's end; one
 that never becomes ready cannot be judged here (``ServerNeverReady`` goes up
@@ -43,7 +46,7 @@ from kvparity.oracle.generation import cached_generate_alone, semantics
 from kvparity.oracle.model_dir import text_of, write_model_dir
 from kvparity.oracle.models import load_model
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
-from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TOKENS
+from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TEXT, TOKENS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.engines import EngineRequest
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
@@ -130,6 +133,8 @@ class Answer:
     sent: float  # seconds after the traffic began
     done: float
     error: str = ""  # an HTTP error, a timeout or an answer of the wrong shape
+    text: Optional[str] = None  # a stream's text, where it carried no per-token log-probs
+    first: Optional[float] = None  # a stream: when its first token arrived
 
     @property
     def seconds(self) -> float:
@@ -146,6 +151,7 @@ class Sent:
     text: str
     endpoint: str
     at_ms: int
+    stream: bool = False
 
     @property
     def id(self) -> str:
@@ -208,7 +214,7 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
             dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(s.request, dense=True),
                                                      loaded.sha256, use_cache), tokenizer)
         compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together, semantics(oracle),
-                last_error)
+                last_error, tokenizer)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -226,7 +232,8 @@ def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
                                                    tokenize=True)
         else:
             prompt = tokenizer.encode(text)
-        out.append(Sent(replace(request, prompt=tuple(int(t) for t in prompt)), text, spec.endpoint, spec.sent_at_ms))
+        out.append(Sent(replace(request, prompt=tuple(int(t) for t in prompt)), text, spec.endpoint, spec.sent_at_ms,
+                        spec.stream))
     return out
 
 
@@ -288,7 +295,9 @@ async def served_model(client) -> Optional[str]:
 async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect") -> Answer:
     import httpx  # loaded by traffic already
     body = {"max_tokens": s.request.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
-            "stream": False}
+            "stream": s.stream}
+    if s.stream:
+        body["stream_options"] = {"include_usage": True}
     if model:
         body["model"] = model
     if s.endpoint == "chat":
@@ -297,10 +306,10 @@ async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dia
         path, body["prompt"] = "/v1/completions", s.text
     sent = time.perf_counter() - began
     try:
-        response = await client.post(path, json=body)
+        response, events, first = await post(client, path, body, s.stream, began)
         if dialect.refused_logprobs(s.endpoint, response):  # the other form of the same question, once
             body["logprobs"] = dialect.logprobs[s.endpoint]
-            response = await client.post(path, json=body)
+            response, events, first = await post(client, path, body, s.stream, began)
     except httpx.HTTPError as error:
         return Answer([], [], None, sent, time.perf_counter() - began,
                       f"{path}: no answer ({type(error).__name__}: {error})")
@@ -308,11 +317,53 @@ async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dia
     if response.status_code != 200:
         return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}")
     try:
+        if s.stream:
+            tokens, logprobs, prompt_tokens, text = read_stream(events, dialect.token_id)
+            return Answer(tokens, logprobs, prompt_tokens, sent, done, text=text, first=first)
         tokens, logprobs, prompt_tokens = read_answer(response.json(), dialect.token_id)
     except (ValueError, KeyError, TypeError, IndexError) as error:
+        shown = "\n".join(events)[:300] if s.stream else response.text[:300]
         return Answer([], [], None, sent, done, f"{path}: an answer without per-token ids and log-probs "
-                                                f"({type(error).__name__}: {error}): {response.text[:300]}")
+                                                f"({type(error).__name__}: {error}): {shown}")
     return Answer(tokens, logprobs, prompt_tokens, sent, done)
+
+
+async def post(client, path: str, body: dict, stream: bool, began: float):
+    """(the response, a stream's event data in order, when its first event
+    came); a whole answer's body is read by the response."""
+    if not stream:
+        return await client.post(path, json=body), [], None
+    events, first = [], None
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response, [], None
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                first = time.perf_counter() - began if first is None else first
+                events.append(line[len("data:"):].strip())
+    return response, events, first
+
+
+def read_stream(events: List[str], token_id=None):
+    """(token ids, log-probs, usage.prompt_tokens, text) of a stream of
+    OpenAI chunks: ids and log-probs where its chunks carry them (text None),
+    else only its text (mlx_lm.server streams none)."""
+    import json
+
+    if not events or events[-1] != "[DONE]":
+        raise ValueError("the stream did not end with [DONE]")
+    tokens, values, text, prompt_tokens = [], [], [], None
+    for data in events[:-1]:
+        chunk = json.loads(data)
+        prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+        for choice in chunk.get("choices") or []:
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            if choice.get("logprobs"):
+                more, logprobs, _ = read_answer({"choices": [choice]}, token_id)
+                tokens += more
+                values += logprobs
+    return tokens, values, prompt_tokens, None if tokens else "".join(text)
 
 
 def read_answer(doc: dict, token_id=None):
@@ -349,10 +400,15 @@ def timing_of(answers: Dict[str, Answer], wall: float) -> dict:
     """Throughput and latency, information beside the verdict."""
     seconds = sorted(a.seconds for a in answers.values())
     tokens = sum(len(a.tokens) for a in answers.values())
-    return {"requests": len(answers), "tokens": tokens, "wall seconds": round(wall, 3),
-            "tokens per second": round(tokens / wall, 2) if wall > 0 else None,
-            "latency p50 ms": round(1000 * _quantile(seconds, 0.5), 1),
-            "latency p95 ms": round(1000 * _quantile(seconds, 0.95), 1)}
+    timing = {"requests": len(answers), "tokens": tokens, "wall seconds": round(wall, 3),
+              "tokens per second": round(tokens / wall, 2) if wall > 0 else None,
+              "latency p50 ms": round(1000 * _quantile(seconds, 0.5), 1),
+              "latency p95 ms": round(1000 * _quantile(seconds, 0.95), 1)}
+    first = sorted(a.first - a.sent for a in answers.values() if a.first is not None)
+    if first:  # only a stream shows when its first token came
+        timing.update({"time to first token p50 ms": round(1000 * _quantile(first, 0.5), 1),
+                       "time to first token p95 ms": round(1000 * _quantile(first, 0.95), 1)})
+    return timing
 
 
 def _quantile(values: List[float], q: float) -> float:
@@ -379,7 +435,7 @@ def in_flight_with(rid: str, answers: Dict[str, Answer]) -> List[str]:
 
 
 def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, precision, together,
-            oracle: str, last_error: str = ""):
+            oracle: str, last_error: str = "", tokenizer=None):
     """One request's evidence: (a) against itself alone, (b) against
     mlx-lm's run with the declared settings, (c) against the dense one."""
     rid = s.id
@@ -400,6 +456,9 @@ def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expecte
         result.note(0, TOKENS, [rid], 1, [Divergence(
             TOKENS, SERVE_LABEL, rid, tensor="prompt", expected=len(s.prompt), actual=got.prompt_tokens,
             detail="prompt tokens: the server's usage against its tokenizer's tokens of the text")])
+        return
+    if got.text is not None or alone.text is not None:
+        compare_text(result, s, got, alone, expected, dense, oracle, where, tokenizer)
         return
     found = diff(rid, ALONE, alone.tokens, alone.logprobs, got, f"against itself served alone; {where}")
     result.note(0, ALONE, [rid], len(got.tokens), found[:1])
@@ -422,6 +481,62 @@ def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expecte
                        f"token and log-prob for log-prob, where the two differ (first at token {differs}): it did not "
                        f"quantize its KV cache")]
                 if as_dense else [])
+
+
+def compare_text(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, oracle: str,
+                 where: str, tokenizer):
+    """A stream of text without per-token log-probs: its text against the
+    same request's served alone and against mlx-lm's detokenizer over the
+    solo run's tokens, in place of tokens and log-probs (the row says so)."""
+    rid = s.id
+    row = result.row(rid)
+    row.requires = (TEXT, ALONE)
+    for unmade in ("tokens compared", "log-prob values compared", "log-prob precision"):
+        del row.metrics[unmade]  # a text carries neither
+    want, ends = detokenized(tokenizer, expected.tokens)
+    mine, theirs = text_of_answer(got, tokenizer), text_of_answer(alone, tokenizer)
+    row.metrics["text characters compared"] = len(mine)
+    # Alone, it streams mlx-lm's text where it holds (b): that text's tokens then place a divergence.
+    result.note(0, ALONE, [rid], 1, text_diff(rid, ALONE, theirs, mine, ends if theirs == want else None,
+                                              f"streamed text against itself served alone; {where}"))
+    result.note(0, TEXT, [rid], 1, text_diff(rid, TEXT, want, mine, ends,
+                                             f"streamed text against mlx-lm's solo run ({oracle}); {where}"))
+    if dense is not None:
+        dense_text = detokenized(tokenizer, dense.tokens)[0]
+        if dense_text != want:  # else mlx-lm's two runs read the same and cannot tell
+            result.note(0, KV_APPLIED, [rid], 1, [Divergence(
+                KV_APPLIED, SERVE_LABEL, rid, tensor=TEXT,
+                detail=f"the server declares {oracle}, but streams the text of mlx-lm's dense run (no kv_bits), "
+                       f"where the two differ: it did not quantize its KV cache")] if mine == dense_text else [])
+
+
+def text_of_answer(answer: Answer, tokenizer) -> str:
+    return answer.text if answer.text is not None else detokenized(tokenizer, answer.tokens)[0]
+
+
+def detokenized(tokenizer, tokens):
+    """mlx-lm's streaming detokenizer over tokens, as a server streams them:
+    the text, and how long it is after each token."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    ends = []
+    for token in tokens:
+        detokenizer.add_token(token)
+        ends.append(len(detokenizer.text))
+    detokenizer.finalize()
+    return detokenizer.text, ends
+
+
+def text_diff(rid: str, check: str, want: str, got: str, ends: Optional[List[int]], against: str) -> List[Divergence]:
+    """The first character where ``got`` leaves ``want``, with the token of
+    ``want`` it falls in where ``ends`` are known."""
+    if got == want:
+        return []
+    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    token = None if ends is None else next((i for i, end in enumerate(ends) if end > at), len(ends))
+    in_token = "" if token is None else f" (in token {token})"
+    return [Divergence(check, SERVE_LABEL, rid, tensor=TEXT, step=token, expected=want[at:at + 40],
+                       actual=got[at:at + 40], detail=f"character {at}{in_token}; {against}")]
 
 
 def diff(rid: str, check: Optional[str], tokens: List[int], values: List[float], got: Answer, against: str,

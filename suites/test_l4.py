@@ -7,18 +7,23 @@ is refused before anything runs. No process is left behind."""
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TOKENS
+from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
+from kvparity.suites import l4
 from kvparity.suites.engines import EngineRequest
-from kvparity.suites.l4 import Answer, Dialect, Sent, ask, diff, precision_of, read_answer
+from kvparity.suites.l4 import (
+    Answer, Dialect, Sent, ask, diff, precision_of, read_answer, read_stream, text_diff, timing_of,
+)
 from kvparity.suites.runners import L4_CATALOG
 
 BURST = str(L4_CATALOG / "burst.json")
+STREAMED = str(L4_CATALOG / "streamed.json")
 MLX_LM = f"{sys.executable} -m mlx_lm server --model {{model}} --port {{port}}"
 KV = "--kv-bits 4 --kv-group-size 64 --quantized-kv-start 0"
 
@@ -27,17 +32,30 @@ def control(name: str) -> str:
     return f"{sys.executable} -m kvparity.impl.servers.{name} --model {{model}} --port {{port}}"
 
 
-def servers_running() -> list:
-    """Processes serving a model directory L4 wrote (none may outlive a run)."""
+def serving(root: Path) -> list:
+    """Processes serving a model directory under root (none may outlive a run)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "kvparity-l4-models" in line:
+        if f"{root}/" in line:
             found.append(line)
     return found
+
+
+@pytest.fixture
+def servers_running(tmp_path_factory, monkeypatch):
+    """This test's servers: its runs, in process and in children, write their
+    model directories under a folder of its own, so a server another xdist
+    worker runs at the same moment is not taken for one left behind."""
+    root = tmp_path_factory.mktemp("models")
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.setattr(l4, "_MODEL_ROOT", None)
+    monkeypatch.setattr(l4, "_MODEL_DIRS", {})
+    return lambda: serving(root)
 
 
 def report(out: Path) -> dict:
@@ -107,6 +125,37 @@ def test_rounded_log_probs_are_detected_and_said():
     assert diff("a", None, [7, 8], exact, Answer([7, 8], list(exact), None, 0.0, 1.0), "") == []
 
 
+def test_streams_are_read_with_their_log_probs_or_as_text():
+    """OpenAI's chunks carry each token's log-prob; mlx_lm.server's carry
+    only text, which is then what is compared (read as the stream's text)."""
+    def data(chunk):
+        return json.dumps(chunk)
+
+    with_logprobs = [data({"choices": [{"delta": {"content": "t3"}, "logprobs": {"content": [
+                         {"id": 3, "logprob": -0.5}]}}]}),
+                     data({"choices": [{"delta": {"content": " t9"}, "logprobs": {"content": [
+                         {"id": 9, "logprob": -1.25}]}}]}),
+                     data({"choices": [], "usage": {"prompt_tokens": 4}}), "[DONE]"]
+    assert read_stream(with_logprobs) == ([3, 9], [-0.5, -1.25], 4, None)
+    text_only = [data({"choices": [{"text": "t3 "}]}), data({"choices": [{"text": "t9", "finish_reason": "length"}]}),
+                 data({"choices": [], "usage": {"prompt_tokens": 4}}), "[DONE]"]
+    assert read_stream(text_only) == ([], [], 4, "t3 t9")
+    with pytest.raises(ValueError, match=r"\[DONE\]"):
+        read_stream(text_only[:-1])  # a stream cut short is no answer
+    timing = timing_of({"a": Answer([], [], 4, 0.0, 1.0, text="t3", first=0.25)}, 1.0)
+    assert timing["time to first token p50 ms"] == 250.0
+
+
+def test_a_streamed_text_diverges_at_its_first_differing_character_and_token():
+    ends = [2, 5, 8]  # "t3 t9 t7": the text's length after each token
+    (found,) = text_diff("a", TEXT, "t3 t9 t7", "t3 t8 t7", ends, "against mlx-lm")
+    assert (found.check, found.request, found.step, found.expected, found.actual) == (TEXT, "a", 1, "9 t7", "8 t7")
+    assert "character 4 (in token 1)" in found.detail
+    (short,) = text_diff("a", ALONE, "t3 t9", "t3", None, "alone")
+    assert (short.step, short.expected, short.actual) == (None, " t9", "")
+    assert text_diff("a", TEXT, "t3", "t3", ends, "") == []
+
+
 @pytest.mark.parametrize("args, said", [
     ([], "L4 judges a server: give --server"),
     (["--server", MLX_LM, "--url", "http://127.0.0.1:8080"], "--server and --url: give one"),
@@ -120,7 +169,7 @@ def test_bad_server_input_is_refused_before_anything_runs(args, said, tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
-def test_a_server_that_dies_is_its_fail_with_its_last_log_lines(tmp_path, capsys):
+def test_a_server_that_dies_is_its_fail_with_its_last_log_lines(servers_running, tmp_path, capsys):
     dies = f"{sys.executable} -c \"import sys; print('cannot load {{model}}', file=sys.stderr); sys.exit(3)\" {{port}}"
     assert main(["run", "--level", "L4", "--schedule", BURST, "--server", dies, "--out", str(tmp_path)]) == EXIT_BROKEN
     out = capsys.readouterr().out
@@ -131,7 +180,7 @@ def test_a_server_that_dies_is_its_fail_with_its_last_log_lines(tmp_path, capsys
     assert not servers_running()
 
 
-def test_a_server_that_never_answers_cannot_be_judged(tmp_path, capsys):
+def test_a_server_that_never_answers_cannot_be_judged(servers_running, tmp_path, capsys):
     silent = f"{sys.executable} -c \"import time; time.sleep(60)\" {{model}} {{port}}"
     args = ["run", "--level", "L4", "--schedule", BURST, "--server", silent, "--ready-timeout", "2", "--no-report"]
     assert main(args) == EXIT_CANNOT_JUDGE
@@ -141,40 +190,44 @@ def test_a_server_that_never_answers_cannot_be_judged(tmp_path, capsys):
 
 @pytest.mark.slow  # mlx-lm's server started twice per schedule, on two models
 @pytest.mark.parametrize("kv", [(), ("--kv-bits", "4")], ids=["dense", "kv-bits-4"])
-def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(kv, tmp_path, capsys):
+def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(servers_running, kv, tmp_path, capsys):
     command = MLX_LM + (f" {KV}" if kv else "")
     assert main(["run", "--level", "L4", "--server", command, *kv, "--out", str(tmp_path)]) == EXIT_OK
     doc = report(tmp_path)
     assert len(doc["results"]) >= 2 and all(r["verdict"] == "pass" for r in doc["results"])
     for run in doc["results"]:
         assert run["server"]["tokens per second"] > 0 and run["server"]["log"]
-        assert all(row["metrics"]["tokens compared"] > 0 for row in run["rows"])
+        assert all(row["metrics"].get("tokens compared", 0) > 0 or row["metrics"].get("text characters compared", 0) > 0
+                   for row in run["rows"])
         assert any(row["metrics"]["in flight with"] > 0 for row in run["rows"])  # it was concurrent
     assert not servers_running()
 
 
 @pytest.mark.slow  # each control is a server started twice per schedule
-@pytest.mark.parametrize("name, kv, checks", [
-    ("swaps_rows", (), {ALONE}),
-    ("rounds_logprobs", (), {LOGPROBS}),
-    ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TOKENS, LOGPROBS}),
-])
-def test_each_negative_control_server_fails_naming_request_position_and_comparison(name, kv, checks, tmp_path):
+@pytest.mark.parametrize("name, kv, checks, schedule", [
+    ("swaps_rows", (), {ALONE}, BURST),
+    ("rounds_logprobs", (), {LOGPROBS}, BURST),
+    ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TOKENS, LOGPROBS}, BURST),
+    ("swaps_rows", (), {ALONE, TEXT}, STREAMED),  # streams of text: judged on the text
+    ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TEXT}, STREAMED),
+], ids=lambda v: Path(v).stem if isinstance(v, str) and v.endswith(".json") else None)
+def test_each_negative_control_server_fails_naming_request_position_and_comparison(name, kv, checks, schedule,
+                                                                                   servers_running, tmp_path):
     command = control(name) + (f" {KV}" if kv else "")
-    args = ["run", "--level", "L4", "--schedule", BURST, "--server", command, *kv, "--out", str(tmp_path)]
+    args = ["run", "--level", "L4", "--schedule", schedule, "--server", command, *kv, "--out", str(tmp_path)]
     assert main(args) == EXIT_BROKEN
     (run,) = report(tmp_path)["results"]
     assert run["verdict"] == "FAIL"
     broke = {(d["check"], d["request"]) for row in run["rows"] for d in row["divergences"]}
     assert checks <= {check for check, _ in broke}, broke
     # each names the request and, where it is a token's, its position
-    positioned = [d for row in run["rows"] for d in row["divergences"] if d["check"] in (ALONE, TOKENS, LOGPROBS)]
+    positioned = [d for row in run["rows"] for d in row["divergences"] if d["check"] in (ALONE, TOKENS, LOGPROBS, TEXT)]
     assert positioned and all(d["request"] and d["step"] is not None for d in positioned)
     assert not servers_running()
 
 
 @pytest.mark.slow
-def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(tmp_path):
+def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(servers_running, tmp_path):
     """An interrupted run (SIGINT while the server serves) stops it."""
     import signal
     import subprocess
@@ -197,7 +250,7 @@ def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(t
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_run_leaves_no_server_behind(tmp_path):
+def test_sigterm_to_a_run_leaves_no_server_behind(servers_running, tmp_path):
     """What a CI runner sends to cancel a job: the server goes with the run."""
     import signal
     import subprocess
@@ -219,7 +272,7 @@ def test_sigterm_to_a_run_leaves_no_server_behind(tmp_path):
 
 
 @pytest.mark.real_model
-def test_mlx_lm_server_passes_l4_on_smollm2(tmp_path, capsys):
+def test_mlx_lm_server_passes_l4_on_smollm2(servers_running, tmp_path, capsys):
     """The L4 catalog on the real model: its own tokenizer and chat template, its end-of-sequence token."""
     assert main(["run", "--level", "L4", "--model", "smollm2", "--schedule", BURST, "--server", MLX_LM,
                  "--out", str(tmp_path)]) == EXIT_OK
@@ -230,7 +283,7 @@ def test_mlx_lm_server_passes_l4_on_smollm2(tmp_path, capsys):
 
 
 @pytest.mark.slow  # 32 requests in flight, each also served alone
-def test_thirty_two_requests_in_flight(tmp_path, capsys):
+def test_thirty_two_requests_in_flight(servers_running, tmp_path, capsys):
     """Sent 10 ms apart, all 32 are at the server together. (Connected in the
     same instant, mlx_lm.server 0.32.2 resets some: http.server's listen
     backlog is 5. Plain httpx shows it: 8 of 32 dropped, none with a backlog of 64.)"""
