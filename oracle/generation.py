@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
 
 from kvparity.oracle.arrays import digest, handles
 from kvparity.oracle.atomic import AtomicDirectory
@@ -64,20 +64,31 @@ def semantics(request) -> str:
             f"quantized_kv_start={request.quantized_kv_start}")
 
 
-def generate_alone(model, request) -> SoloGeneration:
-    """The request alone through generate_step, greedy (its default sampler)."""
-    kwargs = dict(max_tokens=request.max_tokens, prefill_step_size=request.prefill_step_size)
-    if request.bits is not None and request.quantized_kv_start is None:
-        kwargs["prompt_cache"] = fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
-    elif request.bits is not None:  # (None: dense, mlx-lm's default cache)
-        kwargs.update(kv_bits=request.bits, kv_group_size=request.group_size,
-                      quantized_kv_start=request.quantized_kv_start)
+def generate_alone(model, request, prompt_cache: Optional[list] = None) -> SoloGeneration:
+    """The request alone through generate_step, greedy (its default sampler).
+    ``prompt_cache``: an empty list the caller keeps, which is left holding
+    the run's cache (mlx-lm's own: its kv_bits conversion replaces layers in
+    that list), prompt and every yielded token."""
+    cache = prompt_cache if prompt_cache is not None else []
+    cache[:] = (fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
+                if request.bits is not None and request.quantized_kv_start is None else make_prompt_cache(model))
     tokens, logprobs = [], []
-    for token, vector in generate_step(mx.array(request.prompt), model, **kwargs):
+    for token, vector in generate_step(mx.array(request.prompt), model, max_tokens=request.max_tokens,
+                                       prefill_step_size=request.prefill_step_size, prompt_cache=cache,
+                                       **conversion(request)):
         tokens.append(token)
         logprobs.append(vector)
     mx.eval(logprobs)
     return SoloGeneration(tokens, logprobs)
+
+
+def conversion(request) -> dict:
+    """generate_step's kv_bits arguments where the request converts its cache
+    at quantized_kv_start (none: dense, or QuantizedKVCache from the first token)."""
+    if request.bits is None or request.quantized_kv_start is None:
+        return {}
+    return dict(kv_bits=request.bits, kv_group_size=request.group_size,
+                quantized_kv_start=request.quantized_kv_start)
 
 
 # An engine serves one model: the key LRUPromptCache files its entries under.
@@ -132,20 +143,36 @@ class StoredPrefix:
         return f"stored entry #{self.number} ({self.kind}, {len(self.tokens)} tokens of {self.source!r}, step {self.step})"
 
 
-def generate_from_prefix(model, request, prompt: Sequence[int],
-                         stored: StoredPrefix) -> Tuple[SoloGeneration, int]:
+def fetched(stored: StoredPrefix, prompt: Sequence[int]):
+    """``fetch_nearest`` for ``prompt`` from an LRUPromptCache holding ``stored``."""
+    store = LRUPromptCache()
+    store.insert_cache(PROMPT_CACHE_MODEL, list(stored.tokens), list(stored.layers))
+    return fetch_nearest(store, prompt)
+
+
+def matched(stored: StoredPrefix, prompt: Sequence[int]) -> int:
+    """How many of ``prompt``'s tokens ``fetch_nearest`` takes from ``stored``."""
+    cache, rest = fetched(stored, prompt)
+    return 0 if cache is None else len(prompt) - len(rest)
+
+
+def generate_from_prefix(model, request, prompt: Sequence[int], stored: StoredPrefix,
+                         prompt_cache: Optional[list] = None) -> Tuple[SoloGeneration, int]:
     """``prompt`` alone through mlx-lm from ``stored``: an LRUPromptCache holding
     that entry, ``fetch_nearest`` (mlx-lm's deep copy and trim), then
     generate_step on the rest, greedy. Returns the generation and how many
-    prompt tokens came from the stored entry."""
-    store = LRUPromptCache()
-    store.insert_cache(PROMPT_CACHE_MODEL, list(stored.tokens), list(stored.layers))
-    cache, rest = fetch_nearest(store, prompt)
+    prompt tokens came from the stored entry; ``prompt_cache`` as in
+    ``generate_alone``."""
+    cache, rest = fetched(stored, prompt)
     if cache is None:
         raise ValueError(f"{stored.describe()} is no prefix of the prompt it was fetched for")
+    if prompt_cache is not None:
+        prompt_cache[:] = cache
+        cache = prompt_cache
     tokens, logprobs = [], []
     for token, vector in generate_step(mx.array(rest), model, max_tokens=request.max_tokens,
-                                       prefill_step_size=request.prefill_step_size, prompt_cache=cache):
+                                       prefill_step_size=request.prefill_step_size, prompt_cache=cache,
+                                       **conversion(request)):
         tokens.append(token)
         logprobs.append(vector)
     mx.eval(logprobs)
