@@ -84,13 +84,16 @@ class ArrivalRequest:
     # tokens; ``arrival`` counts engine steps after that request finished.
     continues: Optional[str] = None
     system: bool = False  # the prompt starts with the file's shared system prompt
-    arrival_ms: Optional[int] = None  # L4: sent this long after the run began (None: arrival * STEP_MS)
+    # L4: sent this long after the run began, a turn after the answer of the
+    # turn it continues (None: arrival * STEP_MS)
+    arrival_ms: Optional[int] = None
     endpoint: str = ENDPOINTS[0]  # L4: /v1/completions, or /v1/chat/completions with one user message
     stream: bool = False  # L4: the answer is asked for as server-sent events
 
     @property
     def sent_at_ms(self) -> int:
-        """L4: when the request is sent, in milliseconds after the run began."""
+        """L4: when the request is sent, in milliseconds after the run began
+        (a turn: after the answer of the turn it continues)."""
         return self.arrival * STEP_MS if self.arrival_ms is None else self.arrival_ms
 
 

@@ -24,6 +24,13 @@ that carries no per-token log-probs (mlx_lm.server's) is judged on its text
 (check ``text``): (a) the text served alone, (b) the text mlx-lm's own
 detokenizer makes of the solo run's tokens; the row says so.
 
+A turn of a conversation is sent after the answer of the turn it continues,
+asking the conversation so far. A server's prompt cache serves it (and a
+prompt sharing a system prompt) from a stored prefix: where the server says
+how many prompt tokens it took (``cached_tokens``), (b) and (c) start from
+the same stored prefix in mlx-lm's own LRUPromptCache (``SoloRuns``), and
+(a) is compared only where alone took the same (``unlike_alone``).
+
 A server that dies or answers garbage is its FAIL, with its log's end; one
 that never becomes ready cannot be judged here (``ServerNeverReady`` goes up
 to the command); a bad command template is a usage error.
@@ -40,9 +47,12 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
-from kvparity.oracle.generation import cached_generate_alone, semantics
+from kvparity.oracle.generation import (
+    StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, matched, semantics,
+)
 from kvparity.oracle.model_dir import text_of, write_model_dir
 from kvparity.oracle.models import load_model
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
@@ -51,7 +61,7 @@ from kvparity.suites.compare import Divergence
 from kvparity.suites.engines import EngineRequest
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
-from kvparity.suites.levels import L4
+from kvparity.suites.levels import L4, LEVELS
 from kvparity.suites.server_process import (
     AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem, stopping_on_signals,
 )
@@ -133,12 +143,19 @@ class Answer:
     sent: float  # seconds after the traffic began
     done: float
     error: str = ""  # an HTTP error, a timeout or an answer of the wrong shape
-    text: Optional[str] = None  # a stream's text, where it carried no per-token log-probs
+    text: Optional[str] = None  # the answer's text, where given
     first: Optional[float] = None  # a stream: when its first token arrived
+    cached: Optional[int] = None  # usage.prompt_tokens_details.cached_tokens: from the server's prompt cache
+    asked: object = None  # the prompt text, or the chat messages, it answers
 
     @property
     def seconds(self) -> float:
         return self.done - self.sent
+
+    @property
+    def text_only(self) -> bool:
+        """A stream of text without per-token ids and log-probs (mlx_lm.server's)."""
+        return not self.tokens and not self.error and self.text is not None
 
 
 @dataclass(frozen=True)
@@ -160,6 +177,10 @@ class Sent:
     @property
     def prompt(self) -> tuple:
         return self.request.prompt
+
+    @property
+    def continues(self) -> Optional[str]:
+        return self.request.continues
 
 
 _MODEL_DIRS: Dict[str, Path] = {}
@@ -184,9 +205,8 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
         result.row(rid)
     start = time.perf_counter()
     unfit = check_fits(schedule, loaded.plan, loaded.vocab_size, loaded.tokenizer is not None)
-    if unfit or schedule.conversation or any(r.continues for r in schedule.requests.values()):
-        result.stop(NOT_SUPPORTED, unfit or "L4 does not send conversations yet (turns that continue a request, "
-                                            "a prompt cache in the engine block): judge them at L3")
+    if unfit:
+        result.stop(NOT_SUPPORTED, unfit)
         return result
     directory = model_dir(loaded)
     tokenizer = load_tokenizer(directory)  # the tokenizer the server loads, from the same files
@@ -194,7 +214,8 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     everyone = [s.id for s in sent]
     try:
         dialect = Dialect(getattr(tokenizer, "convert_tokens_to_ids", None))  # learnt alone, used together
-        alone = {s.id: serve(server, directory, [s], 1, dialect)[0][s.id] for s in sent}
+        alone = {rid: answer for chain in conversations(sent)
+                 for rid, answer in serve(server, directory, chain, 1, dialect)[0].items()}
         together, log, timing = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
@@ -206,43 +227,126 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     result.server = server.record(log, **timing)
     last_error = next((line.strip() for line in reversed(log.splitlines()) if "error" in line.lower()), "")
     precision = precision_of([v for a in together.values() for v in a.logprobs])
+    # A turn's prompt is what the server's tokenizer makes of what it was asked (its conversation so far).
+    sent = [replace(s, request=replace(s.request, prompt=prompt_of(together[s.id].asked, tokenizer)))
+            if s.continues and together[s.id].asked is not None else s for s in sent]
+    solo = SoloRuns(loaded, server, tokenizer, use_cache, {s.id: s for s in sent}, together)
     for s in sent:
-        oracle = server.oracle(s.request)
-        expected = cut_at_eos(cached_generate_alone(loaded.model, oracle, loaded.sha256, use_cache), tokenizer)
-        dense = None
-        if server.kv_bits is not None:
-            dense = cut_at_eos(cached_generate_alone(loaded.model, server.oracle(s.request, dense=True),
-                                                     loaded.sha256, use_cache), tokenizer)
-        compare(result, s, together[s.id], alone[s.id], expected, dense, precision, together, semantics(oracle),
-                last_error, tokenizer)
+        expected, began = solo.run(s.id)
+        dense = solo.run(s.id, dense=True)[0] if server.kv_bits is not None and expected else None
+        oracle = semantics(server.oracle(s.request)) + (f", {began}" if began and expected else "")
+        compare(result, s, expected, dense, precision, together, alone, solo.sent, oracle, last_error, tokenizer,
+                why_not=began if not expected else "")
     result.seconds = time.perf_counter() - start
     return result
 
 
 def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
     """Each request's text (its own, or its synthetic tokens as the model's
-    text), and the prompt tokens the server's tokenizer makes of it."""
+    text), and the prompt tokens the server's tokenizer makes of it (a turn's
+    are known once the turns before it have their answers)."""
     out = []
     for request, spec in zip(engine_requests(schedule, loaded.vocab_size, loaded.tokenizer),
                              schedule.requests.values()):
         text = spec.text if spec.text is not None else (
             text_of(request.prompt) if loaded.tokenizer is None else loaded.tokenizer.decode(list(request.prompt)))
-        if spec.endpoint == "chat":
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=True)
-        else:
-            prompt = tokenizer.encode(text)
-        out.append(Sent(replace(request, prompt=tuple(int(t) for t in prompt)), text, spec.endpoint, spec.sent_at_ms,
-                        spec.stream))
+        s = Sent(request, text, spec.endpoint, spec.sent_at_ms, spec.stream)
+        out.append(s if s.continues else replace(s, request=replace(request, prompt=prompt_of(asked_of(s), tokenizer))))
     return out
 
 
+def conversations(sent: List[Sent]) -> List[List[Sent]]:
+    """Each first request with the turns that continue it, in order: what is
+    served alone together (a turn alone is its conversation alone)."""
+    root = {}
+    for s in sent:
+        root[s.id] = root[s.continues] if s.continues else s.id
+    return [[t for t in sent if root[t.id] == s.id] for s in sent if not s.continues]
+
+
+@dataclass
+class SoloRuns:
+    """mlx-lm's solo runs the answers are compared with. Fresh, where the
+    server took no prompt tokens from its prompt cache; else from the entry
+    an earlier request's run leaves (its prompt and answer, as mlx-lm's
+    server stores a finished request) in mlx-lm's own LRUPromptCache: the one
+    that gives the request as many cached tokens as the server says it took.
+    That earlier run is itself made as the server made it: from its own entry."""
+
+    loaded: object
+    server: ServerUnderTest
+    tokenizer: object
+    use_cache: bool
+    sent: Dict[str, Sent]
+    answers: Dict[str, Answer]
+    starts: Dict[tuple, tuple] = field(default_factory=dict)
+    entries: Dict[tuple, StoredPrefix] = field(default_factory=dict)
+
+    def run(self, rid: str, dense: bool = False):
+        """(mlx-lm's run, cut at the end of sequence; where it began), or
+        (None, why none is comparable)."""
+        request = self.server.oracle(self.sent[rid].request, dense)
+        stored, why = self.start(rid, dense)
+        if why:
+            return None, why
+        if stored is None:
+            fresh = cached_generate_alone(self.loaded.model, request, self.loaded.sha256, self.use_cache)
+            return cut_at_eos(fresh, self.tokenizer), ""
+        solo, cached = generate_from_prefix(self.loaded.model, request, request.prompt, stored)
+        return cut_at_eos(solo, self.tokenizer), f"from the prompt cache entry of {stored.source!r} ({cached} tokens)"
+
+    def start(self, rid: str, dense: bool):
+        """(the entry the request starts from, None: a fresh prefill; why no
+        entry gives what the server says, "" where one does)."""
+        if (rid, dense) not in self.starts:
+            got = self.answers[rid]
+            self.starts[rid, dense] = (None, "")
+            if got.cached:
+                prompt = self.sent[rid].prompt
+                # Those that had their answers before it was sent first (stored then), the latest first.
+                earlier = sorted((o for o in self.sent if self.answers[o].done < got.done and not self.answers[o].error),
+                                 key=lambda o: (self.answers[o].done > got.sent, -self.answers[o].done))
+                found = (self.entry(o, dense) for o in earlier if not self.start(o, dense)[1])
+                self.starts[rid, dense] = next(((e, "") for e in found if matched(e, prompt) == got.cached), (
+                    None, f"the server took {got.cached} prompt tokens from its prompt cache, and no request that "
+                          f"finished before it leaves mlx-lm's LRUPromptCache an entry that gives as many"))
+        return self.starts[rid, dense]
+
+    def entry(self, rid: str, dense: bool) -> StoredPrefix:
+        """What mlx-lm's server stores when a request finishes: its prompt and
+        its answer (through the end-of-sequence token), with the cache."""
+        if (rid, dense) not in self.entries:
+            request = self.server.oracle(self.sent[rid].request, dense)
+            stored, layers = self.start(rid, dense)[0], []
+            solo = generate_alone(self.loaded.model, request, layers) if stored is None else \
+                generate_from_prefix(self.loaded.model, request, request.prompt, stored, layers)[0]
+            kept = len(cut_at_eos(solo, self.tokenizer).tokens)
+            trim_prompt_cache(layers, len(solo.tokens) - kept)
+            self.entries[rid, dense] = StoredPrefix(0, tuple(request.prompt) + tuple(solo.tokens[:kept]), layers,
+                                                    rid, 0, "assistant")
+        return self.entries[rid, dense]
+
+
 def cut_at_eos(solo, tokenizer):
-    """mlx-lm's run up to the end-of-sequence token, where a server stops."""
-    stops = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    """mlx-lm's run through its first end-of-sequence token, where a server
+    stops (mlx_lm.server answers that token too, with its log-prob)."""
+    stops = stop_tokens(tokenizer)
     for i, token in enumerate(solo.tokens):
         if token in stops:
-            return replace(solo, tokens=solo.tokens[:i], logprobs=solo.logprobs[:i])
+            return replace(solo, tokens=solo.tokens[:i + 1], logprobs=solo.logprobs[:i + 1])
+    return solo
+
+
+def stop_tokens(tokenizer) -> set:
+    return set(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+
+def as_answered(solo, got: Answer, tokenizer):
+    """mlx-lm's run as the server's answer form gives it: without the stop
+    token where the answer leaves it out (OpenAI's servers do), or gives text."""
+    if solo.tokens and solo.tokens[-1] in stop_tokens(tokenizer) and (
+            got.text_only or len(got.tokens) == len(solo.tokens) - 1):
+        return replace(solo, tokens=solo.tokens[:-1], logprobs=solo.logprobs[:-1])
     return solo
 
 
@@ -277,13 +381,24 @@ async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict
         model = await served_model(client)
         began = time.perf_counter()
 
-        async def one(s: Sent) -> Answer:
-            await asyncio.sleep(max(0.0, s.at_ms / 1000 - (time.perf_counter() - began)))
-            async with gate:
-                return await ask(client, model, s, began, dialect)
+        by_id, turns, history = {s.id: s for s in sent}, {}, {}
 
-        answers = await asyncio.gather(*(one(s) for s in sent))
-    return {s.id: a for s, a in zip(sent, answers)}
+        async def one(s: Sent) -> Answer:
+            history[s.id], since = [], 0.0
+            if s.continues:  # a turn: sent its time after the turn it continues has its answer
+                earlier = await turns[s.continues]
+                if earlier.error:
+                    return Answer([], [], None, earlier.done, earlier.done,
+                                  f"not sent: the turn it continues, {s.continues!r}, got no answer")
+                history[s.id], since = history[s.continues] + [(by_id[s.continues], earlier)], earlier.done
+            await asyncio.sleep(max(0.0, since + s.at_ms / 1000 - (time.perf_counter() - began)))
+            async with gate:
+                return await ask(client, model, s, began, dialect, history[s.id])
+
+        for s in sent:
+            turns[s.id] = asyncio.ensure_future(one(s))
+        answers = await asyncio.gather(*turns.values())
+    return dict(zip(turns, answers))
 
 
 async def served_model(client) -> Optional[str]:
@@ -292,7 +407,33 @@ async def served_model(client) -> Optional[str]:
     return listed[0].get("id") if listed and isinstance(listed[0], dict) else None
 
 
-async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect") -> Answer:
+def asked_of(s: Sent, history=()):
+    """What a request sends: its text, after the turns of its conversation
+    and their answers (a chat's messages, or a completion's running text)."""
+    if s.endpoint == "chat":
+        messages = []
+        for earlier, answer in history:
+            messages += [{"role": "user", "content": earlier.text}, {"role": "assistant", "content": answer.text}]
+        return messages + [{"role": "user", "content": s.text}]
+    text = ""
+    for earlier, answer in history:
+        text = joined(joined(text, earlier.text), answer.text or "")
+    return joined(text, s.text)
+
+
+def joined(text: str, more: str) -> str:
+    """Two texts as one, a space between them where neither gives one."""
+    return text + more if not text or not more or text[-1].isspace() or more[0].isspace() else f"{text} {more}"
+
+
+def prompt_of(asked, tokenizer) -> tuple:
+    """The prompt tokens the server's tokenizer makes of what was asked, as the server calls it."""
+    if isinstance(asked, list):
+        return tuple(int(t) for t in tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True))
+    return tuple(int(t) for t in tokenizer.encode(asked))
+
+
+async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect", history=()) -> Answer:
     import httpx  # loaded by traffic already
     body = {"max_tokens": s.request.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
             "stream": s.stream}
@@ -300,10 +441,9 @@ async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dia
         body["stream_options"] = {"include_usage": True}
     if model:
         body["model"] = model
-    if s.endpoint == "chat":
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": s.text}]
-    else:
-        path, body["prompt"] = "/v1/completions", s.text
+    asked = asked_of(s, history)
+    path = "/v1/chat/completions" if s.endpoint == "chat" else "/v1/completions"
+    body["messages" if s.endpoint == "chat" else "prompt"] = asked
     sent = time.perf_counter() - began
     try:
         response, events, first = await post(client, path, body, s.stream, began)
@@ -312,20 +452,26 @@ async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dia
             response, events, first = await post(client, path, body, s.stream, began)
     except httpx.HTTPError as error:
         return Answer([], [], None, sent, time.perf_counter() - began,
-                      f"{path}: no answer ({type(error).__name__}: {error})")
+                      f"{path}: no answer ({type(error).__name__}: {error})", asked=asked)
     done = time.perf_counter() - began
     if response.status_code != 200:
-        return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}")
+        return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}",
+                      asked=asked)
     try:
         if s.stream:
-            tokens, logprobs, prompt_tokens, text = read_stream(events, dialect.token_id)
-            return Answer(tokens, logprobs, prompt_tokens, sent, done, text=text, first=first)
-        tokens, logprobs, prompt_tokens = read_answer(response.json(), dialect.token_id)
-    except (ValueError, KeyError, TypeError, IndexError) as error:
+            tokens, logprobs, usage, text = read_stream(events, dialect.token_id)
+        else:
+            doc = response.json()
+            (tokens, logprobs, _), usage = read_answer(doc, dialect.token_id), doc.get("usage") or {}
+            choice = doc["choices"][0]
+            text = choice.get("text", (choice.get("message") or {}).get("content"))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
         shown = "\n".join(events)[:300] if s.stream else response.text[:300]
         return Answer([], [], None, sent, done, f"{path}: an answer without per-token ids and log-probs "
-                                                f"({type(error).__name__}: {error}): {shown}")
-    return Answer(tokens, logprobs, prompt_tokens, sent, done)
+                                                f"({type(error).__name__}: {error}): {shown}", asked=asked)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return Answer(tokens, logprobs, usage.get("prompt_tokens"), sent, done, text=text, first=first,
+                  cached=cached if isinstance(cached, int) else None, asked=asked)
 
 
 async def post(client, path: str, body: dict, stream: bool, began: float):
@@ -346,24 +492,23 @@ async def post(client, path: str, body: dict, stream: bool, began: float):
 
 
 def read_stream(events: List[str], token_id=None):
-    """(token ids, log-probs, usage.prompt_tokens, text) of a stream of
-    OpenAI chunks: ids and log-probs where its chunks carry them (text None),
-    else only its text (mlx_lm.server streams none)."""
+    """(token ids, log-probs, usage, text) of a stream of OpenAI chunks: ids
+    and log-probs where its chunks carry them (mlx_lm.server's carry none)."""
     import json
 
     if not events or events[-1] != "[DONE]":
         raise ValueError("the stream did not end with [DONE]")
-    tokens, values, text, prompt_tokens = [], [], [], None
+    tokens, values, text, usage = [], [], [], {}
     for data in events[:-1]:
         chunk = json.loads(data)
-        prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+        usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or []:
             text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
             if choice.get("logprobs"):
                 more, logprobs, _ = read_answer({"choices": [choice]}, token_id)
                 tokens += more
                 values += logprobs
-    return tokens, values, prompt_tokens, None if tokens else "".join(text)
+    return tokens, values, usage, "".join(text)
 
 
 def read_answer(doc: dict, token_id=None):
@@ -434,19 +579,23 @@ def in_flight_with(rid: str, answers: Dict[str, Answer]) -> List[str]:
     return sorted(o for o, a in answers.items() if o != rid and a.sent < mine.done and mine.sent < a.done)
 
 
-def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, precision, together,
-            oracle: str, last_error: str = "", tokenizer=None):
+def compare(result: ScheduleResult, s: Sent, expected, dense, precision, together: Dict[str, Answer],
+            alones: Dict[str, Answer], sent: Dict[str, Sent], oracle: str, last_error: str = "", tokenizer=None,
+            why_not: str = ""):
     """One request's evidence: (a) against itself alone, (b) against
-    mlx-lm's run with the declared settings, (c) against the dense one."""
+    mlx-lm's run with the declared settings, (c) against the dense one.
+    ``expected`` None: no mlx-lm run is comparable, for ``why_not``."""
     rid = s.id
+    got = together[rid]
     beside = in_flight_with(rid, together)
     where = f"in flight with {', '.join(beside)}" if beside else "alone at the server"
     rounded = "" if precision is None else f"the server rounds log-probs to {precision} decimal places"
     row = result.row(rid)
     row.metrics = {"tokens compared": 0, "log-prob values compared": 0, "oracle": oracle,
                    "latency ms": round(1000 * got.seconds, 1), "in flight with": len(beside),
-                   "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals"}
-    for answer, what in ((got, "among the others"), (alone, "alone")):
+                   "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals",
+                   "prompt tokens from the server's cache": "not said" if got.cached is None else got.cached}
+    for answer, what in ((got, "among the others"), (alones[rid], "alone")):
         if answer.error:
             said = f"; the server's log's last error: {last_error}" if last_error else ""
             result.note(0, TOKENS, [rid], 0, [Divergence(TOKENS, SERVE_LABEL, rid, tensor=TOKENS,
@@ -457,11 +606,25 @@ def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expecte
             TOKENS, SERVE_LABEL, rid, tensor="prompt", expected=len(s.prompt), actual=got.prompt_tokens,
             detail="prompt tokens: the server's usage against its tokenizer's tokens of the text")])
         return
-    if got.text is not None or alone.text is not None:
-        compare_text(result, s, got, alone, expected, dense, oracle, where, tokenizer)
+    apart = unlike_alone(rid, together, alones, sent)
+    alone = alones[rid]
+    text = got.text_only or alone.text_only
+    # What this row stands on: what its answer's form and the server's prompt cache let be compared.
+    checks = (((TEXT,) if text else (TOKENS, LOGPROBS)) if expected is not None else ()) + (() if apart else (ALONE,))
+    if why_not:
+        row.metrics["mlx-lm's run not compared"] = why_not
+    if apart:
+        row.metrics["alone not compared"] = apart
+    row.requires = () if checks == LEVELS[L4].requires else checks
+    expected, dense = (None if run is None else as_answered(run, got, tokenizer) for run in (expected, dense))
+    if text:
+        compare_text(result, s, got, alone, expected, dense, oracle, where, tokenizer, apart)
         return
-    found = diff(rid, ALONE, alone.tokens, alone.logprobs, got, f"against itself served alone; {where}")
-    result.note(0, ALONE, [rid], len(got.tokens), found[:1])
+    if not apart:
+        found = diff(rid, ALONE, alone.tokens, alone.logprobs, got, f"against itself served alone; {where}")
+        result.note(0, ALONE, [rid], len(got.tokens), found[:1])
+    if expected is None:
+        return
     wanted = [float(v[t].item()) for t, v in zip(expected.tokens, expected.logprobs)]
     found = diff(rid, None, expected.tokens, wanted, got, "; ".join(
         p for p in (f"against mlx-lm's solo run ({oracle})", where, rounded) if p), precision)
@@ -483,22 +646,43 @@ def compare(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expecte
                 if as_dense else [])
 
 
+def unlike_alone(rid: str, together: Dict[str, Answer], alone: Dict[str, Answer], sent: Dict[str, Sent]) -> str:
+    """Why a request's answer among the others cannot be compared with its
+    answer alone ("" where it can): asked something else (its conversation's
+    earlier answers differed), or it or a turn before it started from another
+    prefix of the server's prompt cache (a stored prefix is not bit-identical
+    to a fresh prefill, and a turn's stored entry holds its start)."""
+    if together[rid].asked != alone[rid].asked:
+        return "asked something else alone: the answers of the turns before it differed"
+    turn = rid
+    while turn:
+        got, apart = together[turn].cached, alone[turn].cached
+        if got != apart:
+            whose = "it" if turn == rid else f"its conversation's turn {turn!r}"
+            return (f"{whose} took {got} prompt tokens from the server's prompt cache among the others and "
+                    f"{apart} alone (a stored prefix is not bit-identical to a fresh prefill)")
+        turn = sent[turn].continues
+    return ""
+
+
 def compare_text(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, expected, dense, oracle: str,
-                 where: str, tokenizer):
+                 where: str, tokenizer, apart: str = ""):
     """A stream of text without per-token log-probs: its text against the
     same request's served alone and against mlx-lm's detokenizer over the
     solo run's tokens, in place of tokens and log-probs (the row says so)."""
     rid = s.id
     row = result.row(rid)
-    row.requires = (TEXT, ALONE)
     for unmade in ("tokens compared", "log-prob values compared", "log-prob precision"):
         del row.metrics[unmade]  # a text carries neither
-    want, ends = detokenized(tokenizer, expected.tokens)
     mine, theirs = text_of_answer(got, tokenizer), text_of_answer(alone, tokenizer)
     row.metrics["text characters compared"] = len(mine)
-    # Alone, it streams mlx-lm's text where it holds (b): that text's tokens then place a divergence.
-    result.note(0, ALONE, [rid], 1, text_diff(rid, ALONE, theirs, mine, ends if theirs == want else None,
-                                              f"streamed text against itself served alone; {where}"))
+    want, ends = detokenized(tokenizer, expected.tokens) if expected is not None else (None, None)
+    if not apart:
+        # Alone, it streams mlx-lm's text where it holds (b): that text's tokens then place a divergence.
+        result.note(0, ALONE, [rid], 1, text_diff(rid, ALONE, theirs, mine, ends if theirs == want else None,
+                                                  f"streamed text against itself served alone; {where}"))
+    if expected is None:
+        return
     result.note(0, TEXT, [rid], 1, text_diff(rid, TEXT, want, mine, ends,
                                              f"streamed text against mlx-lm's solo run ({oracle}); {where}"))
     if dense is not None:

@@ -8,22 +8,27 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvparity.reports.cli import main
+from kvparity.reports.documents import load_checked
+from kvparity.reports.writer import SCHEMA_PATH
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
 from kvparity.suites import l4
 from kvparity.suites.engines import EngineRequest
 from kvparity.suites.l4 import (
-    Answer, Dialect, Sent, ask, diff, precision_of, read_answer, read_stream, text_diff, timing_of,
+    Answer, Dialect, Sent, ask, asked_of, conversations, diff, joined, precision_of, read_answer, read_stream,
+    text_diff, timing_of, unlike_alone,
 )
 from kvparity.suites.runners import L4_CATALOG
 
 BURST = str(L4_CATALOG / "burst.json")
 STREAMED = str(L4_CATALOG / "streamed.json")
+CONVERSATIONS = str(L4_CATALOG / "conversations.json")
 MLX_LM = f"{sys.executable} -m mlx_lm server --model {{model}} --port {{port}}"
 KV = "--kv-bits 4 --kv-group-size 64 --quantized-kv-start 0"
 
@@ -59,8 +64,9 @@ def servers_running(tmp_path_factory, monkeypatch):
 
 
 def report(out: Path) -> dict:
+    """The run's report.json, checked against the report schema."""
     (directory,) = out.iterdir()
-    return json.loads((directory / "report.json").read_text())
+    return load_checked(directory / "report.json", SCHEMA_PATH, AssertionError)
 
 
 def test_the_answer_shapes_of_openai_servers():
@@ -136,10 +142,11 @@ def test_streams_are_read_with_their_log_probs_or_as_text():
                      data({"choices": [{"delta": {"content": " t9"}, "logprobs": {"content": [
                          {"id": 9, "logprob": -1.25}]}}]}),
                      data({"choices": [], "usage": {"prompt_tokens": 4}}), "[DONE]"]
-    assert read_stream(with_logprobs) == ([3, 9], [-0.5, -1.25], 4, None)
+    assert read_stream(with_logprobs) == ([3, 9], [-0.5, -1.25], {"prompt_tokens": 4}, "t3 t9")
+    usage = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}
     text_only = [data({"choices": [{"text": "t3 "}]}), data({"choices": [{"text": "t9", "finish_reason": "length"}]}),
-                 data({"choices": [], "usage": {"prompt_tokens": 4}}), "[DONE]"]
-    assert read_stream(text_only) == ([], [], 4, "t3 t9")
+                 data({"choices": [], "usage": usage}), "[DONE]"]
+    assert read_stream(text_only) == ([], [], usage, "t3 t9")
     with pytest.raises(ValueError, match=r"\[DONE\]"):
         read_stream(text_only[:-1])  # a stream cut short is no answer
     timing = timing_of({"a": Answer([], [], 4, 0.0, 1.0, text="t3", first=0.25)}, 1.0)
@@ -154,6 +161,40 @@ def test_a_streamed_text_diverges_at_its_first_differing_character_and_token():
     (short,) = text_diff("a", ALONE, "t3 t9", "t3", None, "alone")
     assert (short.step, short.expected, short.actual) == (None, " t9", "")
     assert text_diff("a", TEXT, "t3", "t3", ends, "") == []
+
+
+def turn(rid, text, endpoint="completions", continues=None):
+    request = EngineRequest(rid, (), arrival=0, max_tokens=2, bits=None, group_size=64, quantized_kv_start=None,
+                            prefill_step_size=2048, continues=continues)
+    return Sent(request, text, endpoint, 0)
+
+
+def test_a_turn_asks_its_conversation_so_far_and_is_served_alone_with_it():
+    a, a2, b, a3 = turn("a", "t1 t2"), turn("a2", "t5", continues="a"), turn("b", "t7"), turn("a3", "t8", continues="a2")
+    answered = Answer([3], [-0.5], 2, 0.0, 1.0, text="t3")
+    assert asked_of(a2, [(a, answered)]) == "t1 t2 t3 t5"  # a space where neither text gives one
+    assert asked_of(replace(a2, endpoint="chat"), [(a, answered)]) == [
+        {"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3"}, {"role": "user", "content": "t5"}]
+    assert joined("Hi", " there") == "Hi there" and joined("", "t1") == "t1"
+    assert [[s.id for s in chain] for chain in conversations([a, a2, b, a3])] == [["a", "a2", "a3"], ["b"]]
+
+
+def test_alone_is_compared_only_where_the_server_started_it_from_the_same_prefix():
+    """A stored prefix is not bit-identical to a fresh prefill: a turn whose
+    conversation started from another user's stored system prompt among the
+    others, and fresh alone, is judged on mlx-lm's run, and says why."""
+    sent = {s.id: s for s in (turn("a", "t1"), turn("a2", "t5", continues="a"))}
+
+    def answer(cached, asked="t1"):
+        return Answer([3], [-0.5], 2, 0.0, 1.0, cached=cached, asked=asked)
+
+    alone = {"a": answer(0), "a2": answer(3, "t1 t3 t5")}
+    assert unlike_alone("a2", {"a": answer(0), "a2": answer(3, "t1 t3 t5")}, alone, sent) == ""
+    assert "its conversation's turn 'a' took 2 prompt tokens from the server's prompt cache among the others and 0" \
+        in unlike_alone("a2", {"a": answer(2), "a2": answer(3, "t1 t3 t5")}, alone, sent)
+    assert "asked something else alone" in unlike_alone("a2", {"a": answer(0), "a2": answer(3, "t1 t4 t5")}, alone,
+                                                        sent)
+    assert unlike_alone("a", {"a": answer(None)}, {"a": answer(None)}, sent) == ""  # a server that does not say
 
 
 @pytest.mark.parametrize("args, said", [
@@ -200,6 +241,11 @@ def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(servers_running, kv, tmp
         assert all(row["metrics"].get("tokens compared", 0) > 0 or row["metrics"].get("text characters compared", 0) > 0
                    for row in run["rows"])
         assert any(row["metrics"]["in flight with"] > 0 for row in run["rows"])  # it was concurrent
+    # the turns the server served from its prompt cache were judged from the same stored prefix
+    (talk,) = [run for run in doc["results"] if run["schedule"] == "conversations"]
+    prefixed = [row for row in talk["rows"] if "from the prompt cache entry of" in row["metrics"]["oracle"]]
+    assert len(prefixed) >= 4 and all(row["metrics"]["prompt tokens from the server's cache"] > 0
+                                      for row in prefixed)
     assert not servers_running()
 
 
@@ -210,6 +256,8 @@ def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(servers_running, kv, tmp
     ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TOKENS, LOGPROBS}, BURST),
     ("swaps_rows", (), {ALONE, TEXT}, STREAMED),  # streams of text: judged on the text
     ("ignores_kv_bits", ("--kv-bits", "4"), {KV_APPLIED, TEXT}, STREAMED),
+    # turns served from the server's prompt cache: judged from the same stored prefix
+    ("rounds_logprobs", (), {LOGPROBS}, CONVERSATIONS),
 ], ids=lambda v: Path(v).stem if isinstance(v, str) and v.endswith(".json") else None)
 def test_each_negative_control_server_fails_naming_request_position_and_comparison(name, kv, checks, schedule,
                                                                                    servers_running, tmp_path):
@@ -223,6 +271,9 @@ def test_each_negative_control_server_fails_naming_request_position_and_comparis
     # each names the request and, where it is a token's, its position
     positioned = [d for row in run["rows"] for d in row["divergences"] if d["check"] in (ALONE, TOKENS, LOGPROBS, TEXT)]
     assert positioned and all(d["request"] and d["step"] is not None for d in positioned)
+    # a turn the server served from its prompt cache fails against mlx-lm's run from the same stored prefix
+    prefixed = [row for row in run["rows"] if "from the prompt cache entry of" in row["metrics"]["oracle"]]
+    assert schedule != CONVERSATIONS or any(row["verdict"] == "FAIL" for row in prefixed)
     assert not servers_running()
 
 
