@@ -37,6 +37,7 @@ to the command); a bad command template is a usage error.
 """
 
 import asyncio
+import json
 import math
 import os
 import struct
@@ -494,8 +495,6 @@ async def post(client, path: str, body: dict, stream: bool, began: float):
 def read_stream(events: List[str], token_id=None):
     """(token ids, log-probs, usage, text) of a stream of OpenAI chunks: ids
     and log-probs where its chunks carry them (mlx_lm.server's carry none)."""
-    import json
-
     if not events or events[-1] != "[DONE]":
         raise ValueError("the stream did not end with [DONE]")
     tokens, values, text, usage = [], [], [], {}
@@ -586,16 +585,18 @@ def compare(result: ScheduleResult, s: Sent, expected, dense, precision, togethe
     mlx-lm's run with the declared settings, (c) against the dense one.
     ``expected`` None: no mlx-lm run is comparable, for ``why_not``."""
     rid = s.id
-    got = together[rid]
+    got, alone = together[rid], alones[rid]
+    text = got.text_only or alone.text_only  # a text carries no tokens or log-probs to count
     beside = in_flight_with(rid, together)
     where = f"in flight with {', '.join(beside)}" if beside else "alone at the server"
     rounded = "" if precision is None else f"the server rounds log-probs to {precision} decimal places"
     row = result.row(rid)
-    row.metrics = {"tokens compared": 0, "log-prob values compared": 0, "oracle": oracle,
-                   "latency ms": round(1000 * got.seconds, 1), "in flight with": len(beside),
-                   "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals",
+    row.metrics = {"oracle": oracle, "latency ms": round(1000 * got.seconds, 1), "in flight with": len(beside),
                    "prompt tokens from the server's cache": "not said" if got.cached is None else got.cached}
-    for answer, what in ((got, "among the others"), (alones[rid], "alone")):
+    if not text:
+        row.metrics.update({"tokens compared": 0, "log-prob values compared": 0,
+                            "log-prob precision": "float32, exact" if precision is None else f"{precision} decimals"})
+    for answer, what in ((got, "among the others"), (alone, "alone")):
         if answer.error:
             said = f"; the server's log's last error: {last_error}" if last_error else ""
             result.note(0, TOKENS, [rid], 0, [Divergence(TOKENS, SERVE_LABEL, rid, tensor=TOKENS,
@@ -607,8 +608,6 @@ def compare(result: ScheduleResult, s: Sent, expected, dense, precision, togethe
             detail="prompt tokens: the server's usage against its tokenizer's tokens of the text")])
         return
     apart = unlike_alone(rid, together, alones, sent)
-    alone = alones[rid]
-    text = got.text_only or alone.text_only
     # What this row stands on: what its answer's form and the server's prompt cache let be compared.
     checks = (((TEXT,) if text else (TOKENS, LOGPROBS)) if expected is not None else ()) + (() if apart else (ALONE,))
     if why_not:
@@ -673,11 +672,8 @@ def compare_text(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, ex
     same request's served alone and against mlx-lm's detokenizer over the
     solo run's tokens, in place of tokens and log-probs (the row says so)."""
     rid = s.id
-    row = result.row(rid)
-    for unmade in ("tokens compared", "log-prob values compared", "log-prob precision"):
-        del row.metrics[unmade]  # a text carries neither
     mine, theirs = text_of_answer(got, tokenizer), text_of_answer(alone, tokenizer)
-    row.metrics["text characters compared"] = len(mine)
+    result.row(rid).metrics["text characters compared"] = len(mine)
     want, ends = detokenized(tokenizer, expected.tokens) if expected is not None else (None, None)
     if not apart:
         # Alone, it streams mlx-lm's text where it holds (b): that text's tokens then place a divergence.

@@ -15,10 +15,10 @@ import pytest
 
 from kvparity.reports.cli import main
 from kvparity.reports.documents import load_checked
-from kvparity.reports.writer import SCHEMA_PATH
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
+from kvparity.reports.writer import SCHEMA_PATH
 from kvparity.suites import l4
+from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
 from kvparity.suites.engines import EngineRequest
 from kvparity.suites.l4 import (
     Answer, Dialect, Sent, ask, asked_of, conversations, diff, joined, precision_of, read_answer, read_stream,
