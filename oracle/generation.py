@@ -38,12 +38,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, QuantizedKVCache, make_prompt_cache, trim_prompt_cache
 
 from kvparity.oracle.arrays import digest, handles
-from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.machine import machine
 from kvparity.oracle.plan import fresh_rows
-from kvparity.oracle.trace import drop_entry, oracle_cache
+from kvparity.oracle.sealed import cached
+from kvparity.oracle.trace import oracle_cache
 
-GENERATION_FORMAT = "kvparity.l3-solo/1"
+GENERATION_FORMAT = "kvparity.l3-solo/2"  # 2: entries sealed
 # What a generation depends on, besides the model and the machine.
 GENERATION_FIELDS = ("prompt", "max_tokens", "bits", "group_size", "quantized_kv_start", "prefill_step_size")
 
@@ -190,31 +190,31 @@ def generation_key(request, model_sha256: str) -> str:
 
 
 def cached_generate_alone(model, request, model_sha256: str, use_cache: bool = True) -> SoloGeneration:
-    """``generate_alone``, reusing a stored result with the same content hash;
-    a stored result whose tensors do not match their sha256 is recomputed."""
+    """``generate_alone``, reusing a stored result with the same content hash
+    once its entry proves whole (``oracle/sealed.py``); else computed afresh."""
     if not use_cache:
         return generate_alone(model, request)
-    directory = oracle_cache() / "l3" / generation_key(request, model_sha256)
-    manifest_path = directory / "manifest.json"
-    if manifest_path.exists():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            tensors = mx.load(str(directory / "logprobs.safetensors"))
-            vectors = [tensors[f"logprobs{i}"] for i in range(len(manifest["tokens"]))]
-            if manifest["format"] == GENERATION_FORMAT and digest(vectors) == manifest["sha256"]:
-                return SoloGeneration(manifest["tokens"], vectors)
-        except (OSError, ValueError, KeyError, RuntimeError):
-            pass
-        drop_entry(directory)
-    solo = generate_alone(model, request)
-    try:
-        with AtomicDirectory(directory.parent, directory.name) as staging:
-            mx.save_safetensors(str(staging / "logprobs.safetensors"),
-                                {f"logprobs{i}": v for i, v in enumerate(solo.logprobs)})
-            (staging / "manifest.json").write_text(json.dumps({
-                "format": GENERATION_FORMAT, "tokens": solo.tokens, "sha256": digest(solo.logprobs),
-                "semantics": semantics(request),
-            }))
-    except FileExistsError:
-        pass  # another run stored the same result
-    return solo
+    return cached(oracle_cache() / "l3", generation_key(request, model_sha256), _load_generation,
+                  lambda: generate_alone(model, request),
+                  lambda solo, staging: _save_generation(solo, request, staging))
+
+
+def _save_generation(solo: SoloGeneration, request, staging):
+    mx.save_safetensors(str(staging / "logprobs.safetensors"),
+                        {f"logprobs{i}": v for i, v in enumerate(solo.logprobs)})
+    (staging / "manifest.json").write_text(json.dumps({
+        "format": GENERATION_FORMAT, "tokens": solo.tokens, "sha256": digest(solo.logprobs),
+        "semantics": semantics(request),
+    }))
+
+
+def _load_generation(directory) -> SoloGeneration:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    tensors = mx.load(str(directory / "logprobs.safetensors"))
+    tokens = manifest["tokens"]
+    if manifest["format"] != GENERATION_FORMAT or not all(type(t) is int for t in tokens):
+        raise ValueError(f"not a {GENERATION_FORMAT} entry")
+    vectors = [tensors[f"logprobs{i}"] for i in range(len(tokens))]
+    if len(tensors) != len(tokens) or digest(vectors) != manifest["sha256"]:
+        raise ValueError("the log-probs do not match their sha256")
+    return SoloGeneration(tokens, vectors)

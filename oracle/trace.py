@@ -7,16 +7,15 @@ match their hashes is refused, never compared.
 
 Solo runs are cached under ``<cache dir>/oracle/<key>/`` where the key hashes
 the model, the request, the calls it sees, the kv settings, the mlx and
-mlx-lm versions and the device: a second run of a suite reuses them.
+mlx-lm versions and the device: a second run of a suite reuses them, once
+the entry proves whole (``oracle/sealed.py``: its seal, its key, every byte).
 Several processes may share the cache (``pytest -n``, two CI jobs): an entry
-appears complete or not at all, and leaves the same way (``drop_entry``).
+appears complete or not at all, and leaves the same way.
 """
 
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -25,10 +24,10 @@ import mlx.core as mx
 from kvparity.oracle.gguf import cache_dir
 from kvparity.oracle.arrays import digest
 from kvparity.oracle.solo import SoloCall, SoloTrace
-from kvparity.oracle.atomic import STAGING, AtomicDirectory
+from kvparity.oracle.sealed import cached
 from kvparity.oracle.machine import machine
 
-FORMAT = "kvparity.trace/1"
+FORMAT = "kvparity.trace/2"  # 2: entries sealed
 
 
 class TraceError(Exception):
@@ -71,24 +70,21 @@ def _tensors(trace: SoloTrace):
 
 
 def save_trace(trace: SoloTrace, directory, metadata: Optional[dict] = None) -> Path:
-    """Write atomically: the directory appears complete or not at all. If it
-    already exists (another run wrote the same trace), theirs is kept."""
+    """Write the trace's two files into ``directory`` (made if missing; the
+    caller makes it appear atomically)."""
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     tensors, calls, snapshots = _tensors(trace)
-    try:
-        with AtomicDirectory(directory.parent, directory.name) as staging:
-            mx.save_safetensors(str(staging / "trace.safetensors"), tensors)
-            manifest = {
-                "format": FORMAT,
-                "request": trace.request,
-                "calls": calls,
-                "snapshots": snapshots,
-                "sha256": {name: digest([x]) for name, x in tensors.items()},
-                **(metadata or {}),
-            }
-            (staging / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
-    except FileExistsError:
-        pass
+    mx.save_safetensors(str(directory / "trace.safetensors"), tensors)
+    manifest = {
+        "format": FORMAT,
+        "request": trace.request,
+        "calls": calls,
+        "snapshots": snapshots,
+        "sha256": {name: digest([x]) for name, x in tensors.items()},
+        **(metadata or {}),
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
     return directory
 
 
@@ -97,13 +93,21 @@ def load_trace(directory) -> SoloTrace:
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
         tensors = mx.load(str(directory / "trace.safetensors"))
-    except (OSError, ValueError, RuntimeError) as error:
+    except (OSError, ValueError, RuntimeError, RecursionError) as error:
         raise TraceError(f"{directory}: unreadable trace: {error}") from None
+    try:
+        return _trace_of(manifest, tensors, directory)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise TraceError(f"{directory}: malformed manifest: {type(error).__name__}: {error}") from None
+
+
+def _trace_of(manifest: dict, tensors: dict, directory: Path) -> SoloTrace:
     if manifest.get("format") != FORMAT:
         raise TraceError(f"{directory}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if set(manifest["sha256"]) != set(tensors):
+        raise TraceError(f"{directory}: holds tensors {sorted(set(tensors) - set(manifest['sha256']))} "
+                         f"and misses {sorted(set(manifest['sha256']) - set(tensors))} (truncated trace)")
     for name, expected in manifest["sha256"].items():
-        if name not in tensors:
-            raise TraceError(f"{directory}: tensor {name} is missing (truncated trace)")
         if digest([tensors[name]]) != expected:
             raise TraceError(f"{directory}: tensor {name} does not match its sha256 (tampered trace)")
     trace = SoloTrace(manifest["request"])
@@ -122,32 +126,8 @@ def oracle_cache() -> Path:
     return Path(os.environ.get("KVPARITY_ORACLE_CACHE", cache_dir() / "oracle"))
 
 
-def drop_entry(directory):
-    """Remove a cache entry at once: it is renamed to a staging name of this
-    process, where no reader looks (and which the next writer removes should
-    this process die), then deleted. Deleting it in place would let another
-    process read it half gone, or leave a half-deleted entry that is never
-    stored again if this process were killed. Another process dropping the
-    same entry first is no error."""
-    directory = Path(directory)
-    if not directory.parent.is_dir():
-        return
-    doomed = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}-", dir=directory.parent))
-    try:
-        os.replace(directory, doomed)  # onto the empty staging directory: one rename
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def cached_solo(run, schedule, rid: str, model) -> SoloTrace:
-    """``run()`` computes the trace; reuse a stored one with the same key."""
-    directory = oracle_cache() / request_key(schedule, rid, model)
-    if (directory / "manifest.json").exists():
-        try:
-            return load_trace(directory)
-        except TraceError:
-            drop_entry(directory)  # recompute a damaged entry
-    trace = run()
-    save_trace(trace, directory, {"model": model.name, "model_sha256": model.sha256})
-    return trace
+    """``run()`` computes the trace; a stored one with the same key is used
+    only once its entry proves whole (``oracle/sealed.py``)."""
+    store = lambda trace, staging: save_trace(trace, staging, {"model": model.name, "model_sha256": model.sha256})
+    return cached(oracle_cache(), request_key(schedule, rid, model), load_trace, run, store)

@@ -83,6 +83,9 @@ class ScheduleResult:
     raised_by: str = ""  # the protocol member whose raising stopped the run (or the model's forward), if one did
     timeline: List[dict] = field(default_factory=list)  # L3: what the engine did, per engine step
     server: dict = field(default_factory=dict)  # L4: the server, its log's end, throughput and latency
+    # How the oracle's stored solo runs were had (oracle/sealed.py): reused,
+    # computed, dropped for not proving whole (and why); empty where none were.
+    solo_cache: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     def __post_init__(self):

@@ -34,7 +34,8 @@ import mlx.core as mx
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import load_model, random_model_for
 from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo, run_solos
-from kvparity.oracle.trace import cached_solo, drop_entry, oracle_cache, request_key
+from kvparity.oracle.sealed import drop_entry
+from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
 from kvparity.suites.adapter import Implementation, forward_of
 from kvparity.suites.compare import (
     TRIPLE, Divergence, compare_named, first_difference, in_words, left_padding_divergence, state_triples,

@@ -58,20 +58,11 @@ def writer(index: int, rendezvous: Path):
     when every writer is ready; writes what each call did and saw."""
     from kvparity.oracle import trace as trace_module
     from kvparity.oracle.models import load_model
+    from kvparity.oracle.sealed import LEDGER
     from kvparity.oracle.solo import run_solo
 
     model = load_model(MODEL)
-    damaged = []
-    load_trace = trace_module.load_trace
-
-    def watched_load(directory):
-        try:
-            return load_trace(directory)
-        except trace_module.TraceError as error:
-            damaged.append(str(error))
-            raise
-
-    trace_module.load_trace = watched_load
+    damaged = LEDGER.dropped  # every entry this process met that did not prove whole
     calls = []
     for run_pass in (1, 2):
         (rendezvous / f"ready-{run_pass}-{index}").touch()
@@ -133,7 +124,7 @@ def test_concurrent_writers_leave_every_entry_complete_and_none_lost(tmp_path):
             process.wait()
 
     # Never seen with only some of its files (an entry is claimed empty for an instant, then filled at once).
-    assert seen <= {frozenset(), frozenset({"manifest.json", "trace.safetensors"})}, seen
+    assert seen <= {frozenset(), frozenset({"manifest.json", "trace.safetensors", "seal.json"})}, seen
     reports = [json.loads((rendezvous / f"done-{i}.json").read_text()) for i in range(WRITERS)]
     assert [r["damaged"] for r in reports] == [[]] * WRITERS  # no reader met a half-written entry
     calls = [call for report in reports for call in report["calls"]]
@@ -152,7 +143,7 @@ def test_concurrent_writers_leave_every_entry_complete_and_none_lost(tmp_path):
 
 
 def test_a_dropped_entry_goes_at_once_and_dropping_it_twice_is_no_error(tmp_path):
-    from kvparity.oracle.trace import drop_entry
+    from kvparity.oracle.sealed import drop_entry
 
     entry = tmp_path / "key"
     entry.mkdir()

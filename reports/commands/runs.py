@@ -8,6 +8,7 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from kvparity.oracle.models import ModelUnavailable
+from kvparity.oracle.sealed import LEDGER, SOLO_CACHE_COUNTS
 import mlx.core as mx
 
 from kvparity.reports import failures, settings, shards, verdicts
@@ -137,14 +138,14 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
     for label, run in runs:
         try:
             if isolated is None:
-                result = run(implementation)
+                result = solo_cache_noted(run, implementation)
             elif label in isolated.done:
                 result = isolated.done[label]
             elif label in isolated.crashes:
                 result = crashed(isolated.crashes[label])
             else:
                 FLIGHT.run(label)
-                result = run(implementation)
+                result = solo_cache_noted(run, implementation)
                 isolated.keep(label, result)
             results.append(verdicts.judge(result, policy, expectations))
         except ModelUnavailable as error:
@@ -154,6 +155,25 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
         if progress:
             progress.advance(label)
     return results
+
+
+def solo_cache_noted(run, implementation):
+    """``run(implementation)``, its result saying how its stored solo runs were had."""
+    mark = LEDGER.mark()
+    result = run(implementation)
+    used = LEDGER.since(mark)
+    if any(used[how] for how in SOLO_CACHE_COUNTS):
+        result.solo_cache = used
+    return result
+
+
+def solo_cache_line(results) -> str:
+    """One line for the console when stored solo runs did not prove whole; else empty."""
+    dropped = [reason for r in results for reason in r.evidence.solo_cache.get("reasons", ())]
+    if not dropped:
+        return ""
+    return (f"solo-run cache: {len(dropped)} stored entr{'y' if len(dropped) == 1 else 'ies'} did not prove whole "
+            f"and were recomputed (first: {dropped[0]})")
 
 
 def shard_option(command):
@@ -255,6 +275,8 @@ def print_summary(results, verdict, policy, out=None, quiet=False):
     groups = verdict.failures if verdict.failures is not None else failures.group(results)
     if groups:
         print("", *failures.lines(groups), sep="\n", file=out)
+    if solo_cache_line(results):
+        print(solo_cache_line(results), file=out)
     print(f"\n{verdict.headline}", file=out)
     for gap in verdict.gaps:
         print(f"no evidence: {gap}", file=out)
