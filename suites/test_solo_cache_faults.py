@@ -204,13 +204,15 @@ def test_an_entry_answers_only_to_its_own_key(filled):
         verify(a, b.name)
 
 
-def test_the_report_counts_what_was_dropped(filled, tmp_path, monkeypatch):
+def test_the_report_counts_what_was_dropped(filled, tmp_path, monkeypatch, capsys):
     cache = tmp_path / "oracle"
     shutil.copytree(filled, cache)
     damage(cache, "truncated")
     monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(cache))
     out = tmp_path / "reports"
     assert main(["run", "--level", "L2", "--schedule", SCHEDULES["L2"], "--out", str(out)]) == EXIT_OK
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("solo-run cache:")]
+    assert len(said) == 1 and "did not prove whole and were recomputed" in said[0]  # once, not per entry
     (report,) = out.iterdir()
     (result,) = json.loads((report / "report.json").read_text())["results"]
     requests = len(load(SCHEDULES["L2"]).requests)
@@ -218,5 +220,6 @@ def test_the_report_counts_what_was_dropped(filled, tmp_path, monkeypatch):
     assert len(result["solo_cache"]["reasons"]) == requests
     again = tmp_path / "again"
     assert main(["run", "--level", "L2", "--schedule", SCHEDULES["L2"], "--out", str(again)]) == EXIT_OK
+    assert "solo-run cache:" not in capsys.readouterr().out
     (result,) = json.loads((next(again.iterdir()) / "report.json").read_text())["results"]
     assert result["solo_cache"] == {"reused": requests, "computed": 0, "dropped": 0, "reasons": []}
