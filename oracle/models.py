@@ -30,6 +30,7 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
@@ -47,11 +48,13 @@ __all__ = [
     "SMOLLM2",
     "ChecksumMismatch",
     "LoadedModel",
+    "ModelPathError",
     "ModelUnavailable",
     "RandomModel",
     "available_models",
     "axis_variants",
     "build_random_model",
+    "is_model_path",
     "load_model",
     "model_sha256",
     "random_model",
@@ -205,6 +208,16 @@ class LoadedModel:
     hidden_size: int
     num_layers: int  # entries of its prompt cache
     vocab_size: int
+    # Where a model given by path came from (a model directory or a config.json), with
+    # the sha256 of its config.json and of its weights (a directory's safetensors files).
+    path: Optional[Path] = None
+    config_sha256: Optional[str] = None
+    weights_sha256: Optional[str] = None
+
+    @property
+    def directory(self) -> Optional[Path]:
+        """The local model directory it was loaded from (what a server loads), or None."""
+        return self.path if self.path is not None and self.path.is_dir() else None
 
     @cached_property
     def limit(self):
@@ -246,7 +259,7 @@ def model_sha256(args: dict, model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
+def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> LoadedModel:
     plan = plan_for(model)
     attention = plan.layers[plan.attention]
     text = args.get("text_config", args)  # a family with a nested text config
@@ -255,7 +268,7 @@ def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
         model=model,
         args=args,
         dtype=dtype,
-        sha256=model_sha256(args, model),
+        sha256=sha256 or model_sha256(args, model),
         tokenizer=tokenizer,
         plan=plan,
         head_dim=attention.key_dim,
@@ -264,12 +277,49 @@ def _loaded(name, model, args, dtype, tokenizer) -> LoadedModel:
         hidden_size=text["hidden_size"],
         num_layers=len(plan.layers),
         vocab_size=text.get("vocab_size") or args["vocab_size"],
+        **source,
     )
 
 
-@lru_cache(maxsize=None)
+def is_model_path(name: str) -> bool:
+    """``--model`` names a model directory or a config.json rather than a model of kvparity's."""
+    return name not in available_models() and random_model(name) is None and (
+        "/" in name or name.endswith(".json") or Path(name).exists())
+
+
 def load_model(name: str) -> LoadedModel:
-    """Load a model by name (see `available_models`), once per process."""
+    """Load a model by name (see `available_models`) or by path (a model
+    directory in mlx-lm's layout, or a config.json), once per process."""
+    if is_model_path(name):
+        return _load_path(str(Path(name).resolve()))
+    return _load_named(name)
+
+
+class ModelPathError(ValueError):
+    """A model given by path that cannot be read: the path, the file and the reason."""
+
+
+@lru_cache(maxsize=None)
+def _load_path(path: str) -> LoadedModel:
+    if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
+        from .twin import read_twin
+
+        model, args, source = read_twin(Path(path))
+        return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
+    from .model_dir import read_model_dir  # the directory format builds on this module
+
+    model, args, tokenizer, source = read_model_dir(Path(path))
+    return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+
+
+def parameter_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype most of a model's parameters have: its activations'."""
+    dtypes = [p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
+    return max(set(dtypes), key=dtypes.count)
+
+
+@lru_cache(maxsize=None)
+def _load_named(name: str) -> LoadedModel:
     if name == SMOLLM2:
         dtype = mx.float32
         model, args, tokenizer = load_smollm2(dtype)

@@ -12,7 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvparity.oracle import known_answer
-from kvparity.oracle.models import DEEP, DEFAULT_MODEL, MHA, ModelUnavailable, available_models, random_model
+from kvparity.oracle.models import (
+    DEEP, DEFAULT_MODEL, MHA, ModelPathError, ModelUnavailable, available_models, is_model_path, random_model,
+)
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
 from kvparity.reports.expectations import ExpectationsError, load_expectations
@@ -50,9 +52,10 @@ DEVICE_HELP = "MLX device (default: MLX's default)"
 
 
 def model_help() -> str:
-    return (f"run L2 on this model (one of {', '.join(available_models())}; smollm2 runs the real-model "
-            f"schedules; a random model's name may end in {MHA} or {DEEP}); default: each schedule's own, "
-            "a seeded random model")
+    return (f"run L2 and L3 on this model: one of {', '.join(available_models())} (smollm2 runs the real-model "
+            f"schedules; a random model's name may end in {MHA} or {DEEP}), a local model directory in the layout "
+            "mlx_lm.load reads, or a config.json (a tiny random twin of its architecture); default: each "
+            "schedule's own, a seeded random model")
 
 
 def common_options(command, levels=(*LEVELS, "all"), default_level=None):
@@ -260,19 +263,33 @@ def check_engine(spec):
 
 
 def check_model_name(name, what="--model"):
-    """A name load_model knows: one of ``available_models`` or a random
-    model's variant (``-mha``, ``-3layers``); ``what`` names where it was given."""
-    if name is not None and name not in available_models() and random_model(name) is None:
+    """A name load_model knows: one of ``available_models``, a random
+    model's variant (``-mha``, ``-3layers``), a model directory or a
+    config.json that exists; ``what`` names where it was given."""
+    if name is None:
+        return
+    if is_model_path(name):
+        path = Path(name)
+        if not path.exists():
+            raise UsageError(f"{what} {name}: no such model directory or config.json")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise UsageError(f"{what} {name}: not a model directory (no config.json; expected the layout "
+                             "mlx_lm.load reads)")
+        return
+    if name not in available_models() and random_model(name) is None:
         raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "
-                         f"a random model's name may end in {MHA} or {DEEP}, or both in that order)")
+                         f"a random model's name may end in {MHA} or {DEEP}, or both in that order; or a model "
+                         "directory or config.json by path)")
 
 
 def load_model(name):
-    """A model by name: an unknown name is a usage error, one that cannot be
-    fetched here cannot be judged."""
+    """A model by name or path: an unknown name or a path mlx-lm cannot read
+    is a usage error, one that cannot be fetched here cannot be judged."""
     check_model_name(name)
     try:
         return load_registry_model(name)
+    except ModelPathError as error:
+        raise UsageError(str(error))
     except ModelUnavailable as error:
         raise CannotRun(str(error))
 
