@@ -1,14 +1,15 @@
-"""A zoo of mlx-lm's own architectures: tiny seeded configs, built by mlx-lm's classes.
+"""A zoo of mlx-lm's own architectures: data, one config per family, built by mlx-lm's classes.
 
-One `Architecture` per entry of `ZOO`, named by mlx-lm's module name (the config's
-`model_type`; a variant adds a suffix, `gemma4_text-kv_shared`). Its config is a
-config.json of that architecture (a nested `text_config` where the family's real
-config has one), with the family's real head dims and layer pattern, the fewest
-layers that show the pattern once, and otherwise tiny (hidden 64-256, vocab
-`VOCAB_SIZE`, few heads and experts, sliding windows of 16 tokens).
-`build_zoo_model` builds it through mlx-lm's `Model`/`ModelArgs` for its model_type
-and draws its weights with `_init_parameters` (same seed and scales as the random
-models).
+One `Architecture` per file of `oracle/zoo/` (`ZOO`), named by mlx-lm's module name
+(the config's `model_type`; a variant adds a suffix, `gemma4_text-kv_shared`). Its
+config is a config.json of that architecture (a nested `text_config` where the
+family's real config has one), with the family's real head dims and layer pattern,
+small already (sliding windows of 16 tokens, so a schedule of a few dozen tokens
+crosses them), and shrunk by the same function as any config a user passes
+(`oracle/twin.py`: hidden, intermediate sizes, experts and vocabulary, the fewest
+layers that show the pattern once). `build_zoo_model` builds it through mlx-lm's
+`Model`/`ModelArgs` for its model_type and draws its weights with `_init_parameters`
+(same seed and scales as the random models), with `fix_parameters`'s exceptions.
 
 Each entry also records what mlx-lm does with it, so a test can hold mlx-lm to it:
 `layout`, the class of each cache `make_prompt_cache(model)` returns (KV-shared
@@ -21,19 +22,21 @@ or the exception it raises with mlx-lm's innermost line (`solo_kv_bits` measures
 
 import dataclasses
 import importlib
+import json
 import math
-import sys
 import traceback
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import _get_classes
 
-from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
+from .twin import build_twin, levels, shrink
+from .weights import DTYPES, SEED
 
 __all__ = [
     "KV_GROUP_SIZE",
@@ -44,6 +47,7 @@ __all__ = [
     "build_zoo_model",
     "cache_layout",
     "config_field_errors",
+    "fix_parameters",
     "quantized_layout",
     "solo_kv_bits",
     "written_dims",
@@ -52,396 +56,30 @@ __all__ = [
 
 RUNS = "runs"
 KV_BITS, KV_GROUP_SIZE = 4, 32  # 32 divides every key and value dim in the zoo
-WINDOW = 16  # every sliding window: a schedule of a few dozen tokens crosses it
 
-# What mlx-lm's solo kv_bits run raises, where it does not run (first line), as
-# RECORDED_ON raises it; another release may raise it from another line.
+# What mlx-lm's solo kv_bits run raises (an entry's kv_bits), where it does not run
+# (first line), as RECORDED_ON raises it; another release may raise it from another line.
 RECORDED_ON = "0.32.2"
-ROTATING_NYI = "NotImplementedError: RotatingKVCache Quantization NYI @ mlx_lm/models/cache.py:554"
-GEMMA2_GQA = ("TypeError: expand_dims(): incompatible function arguments. The following "
-              "argument types are supported: @ mlx_lm/models/gemma2.py:89")
-KV_SHARED_SDPA = ("TypeError: scaled_dot_product_attention(): incompatible function arguments. The "
-                  "following argument types are supported: @ mlx_lm/models/base.py:132")
-MLA_K_PE = ("AttributeError: 'list' object has no attribute 'swapaxes' @ "
-            "mlx_lm/models/deepseek_v3.py:146")
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str  # mlx-lm's model_type, plus a variant suffix
     note: str  # what it stands for
-    config: dict  # mlx-lm config.json fields
+    config: dict  # mlx-lm config.json fields, before ``twin.shrink``
     layout: Tuple[str, ...]  # make_prompt_cache's class per cache (see cache_layout)
     dims: Dict[str, Tuple[int, int, int]]  # KV cache class -> (kv heads, key dim, value dim)
     kv_bits: str  # RUNS, or "Error: message @ mlx_lm/file.py:line"
 
+    @classmethod
+    def read(cls, path: Path) -> "Architecture":
+        doc = json.loads(path.read_text())
+        return cls(doc["name"], doc["note"], doc["config"], tuple(doc["layout"]),
+                   {k: tuple(v) for k, v in doc["dims"].items()}, doc["kv_bits"])
 
-def _arch(name, note, config, layout, dims, kv_bits=RUNS):
-    return Architecture(name, note, config, tuple(layout), dims, kv_bits)
 
-
-# Granite divides its logits by logits_scaling (8-16 in real checkpoints), Cohere
-# multiplies them by logit_scale (0.0625): right for a trained head, against a
-# random one they make every next-token distribution near uniform.
-UNSCALED = 1.0
-
-KV, ROT, ARR, CHUNK = "KVCache", "RotatingKVCache", "ArraysCache", "ChunkedKVCache"
-FALCON = "CacheList(ArraysCache,KVCache)"
-
-_ENTRIES = [
-    _arch("llama", "Llama 3.2 1B: GQA, head_dim 64", {
-        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE,
-        "rope_theta": 500000.0, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 64, 64)}),
-    _arch("qwen2", "Qwen2.5 0.5B: GQA, qkv bias, head_dim 64 (hidden / heads)", {
-        "model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "rope_theta": 1000000.0,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 64, 64)}),
-    _arch("qwen3", "Qwen3: q/k norms, explicit head_dim 128", {
-        "model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "rope_theta": 1000000.0, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("qwen3_moe", "Qwen3-30B-A3B: sparse MoE in every layer, head_dim 128", {
-        "model_type": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 128, "num_experts": 4, "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 64,
-        "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "rope_theta": 1000000.0, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("qwen3_next", "Qwen3-Next: gated DeltaNet, full attention every 4th, head_dim 256", {
-        "model_type": "qwen3_next", "hidden_size": 128, "num_hidden_layers": 4,
-        "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 256, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-        "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64,
-        "mlp_only_layers": [], "moe_intermediate_size": 64, "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25, "max_position_embeddings": 4096,
-        "full_attention_interval": 4, "tie_word_embeddings": False,
-    }, [ARR, ARR, ARR, KV], {KV: (1, 256, 256)}),
-    _arch("qwen3_5", "Qwen3.5 dense: qwen3_next's layers in a text_config, head_dim 256", {
-        "model_type": "qwen3_5",
-        "text_config": {
-            "model_type": "qwen3_5_text", "hidden_size": 128, "num_hidden_layers": 4,
-            "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 256, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-            "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-            "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-            "max_position_embeddings": 4096, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                                "partial_rotary_factor": 0.25,
-                                "mrope_section": [11, 11, 10]},
-        },
-    }, [ARR, ARR, ARR, KV], {KV: (1, 256, 256)}),
-    _arch("qwen3_5_moe", "Qwen3.5 MoE: qwen3_5 with sparse experts and a shared expert", {
-        "model_type": "qwen3_5_moe",
-        "text_config": {
-            "model_type": "qwen3_5_moe_text", "hidden_size": 128, "num_hidden_layers": 4,
-            "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 256, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-            "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-            "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-            "shared_expert_intermediate_size": 64, "moe_intermediate_size": 64,
-            "norm_topk_prob": True, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-            "max_position_embeddings": 4096, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                                "partial_rotary_factor": 0.25,
-                                "mrope_section": [11, 11, 10]},
-        },
-    }, [ARR, ARR, ARR, KV], {KV: (1, 256, 256)}),
-    _arch("gemma", "Gemma 2B: one kv head (MQA), head_dim 256, tied head", {
-        "model_type": "gemma", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-    }, [KV, KV], {KV: (1, 256, 256)}),
-    _arch("gemma2", "Gemma 2 2B: GQA, head_dim 256, soft-capping, its own attention", {
-        "model_type": "gemma2", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "query_pre_attn_scalar": 256.0, "attn_logit_softcapping": 50.0,
-        "final_logit_softcapping": 30.0,
-    }, [KV, KV], {KV: (2, 256, 256)}, GEMMA2_GQA),
-    _arch("gemma3_text", "Gemma 3 1B: five sliding layers, then one global; MQA, head_dim 256", {
-        "model_type": "gemma3_text", "hidden_size": 128, "num_hidden_layers": 6,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1,
-        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-        "query_pre_attn_scalar": 256, "sliding_window": WINDOW,
-        "sliding_window_pattern": 6, "max_position_embeddings": 4096,
-    }, [ROT] * 5 + [KV], {ROT: (1, 256, 256), KV: (1, 256, 256)}, ROTATING_NYI),
-    _arch("gemma4_text", "Gemma 4 E2B: four sliding (head_dim 256), one global (512), per-layer inputs", {
-        "model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 5,
-        "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 256, "global_head_dim": 512, "num_kv_shared_layers": 0,
-        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "sliding_window": WINDOW,
-        "sliding_window_pattern": 5, "max_position_embeddings": 4096,
-        "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
-    }, [ROT] * 4 + [KV], {ROT: (1, 256, 256), KV: (1, 512, 512)}, ROTATING_NYI),
-    _arch("gemma4_text-kv_shared", "Gemma 4 E2B with KV sharing: the last five layers read "
-          "the KV of the last earlier layer of their kind (no cache of their own)", {
-        "model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 10,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 256, "global_head_dim": 512, "num_kv_shared_layers": 5,
-        "use_double_wide_mlp": True,
-        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "sliding_window": WINDOW,
-        "sliding_window_pattern": 5, "max_position_embeddings": 4096,
-        "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
-    }, [ROT] * 4 + [KV], {ROT: (1, 256, 256), KV: (1, 512, 512)}, ROTATING_NYI),
-    _arch("gemma4_text-kv_shared_full", "Gemma 4 with KV sharing and every layer full attention: the "
-          "last two layers read the second's KV (no sliding layer, so kv_bits reaches the shared ones)", {
-        "model_type": "gemma4_text", "hidden_size": 128, "num_hidden_layers": 4,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "head_dim": 256, "global_head_dim": 256, "num_kv_shared_layers": 2,
-        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "sliding_window": WINDOW,
-        "layer_types": ["full_attention"] * 4, "max_position_embeddings": 4096,
-        "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
-    }, [KV] * 2, {KV: (1, 256, 256)}, KV_SHARED_SDPA),
-    _arch("mistral3", "Mistral Small 3.1: a llama text_config (model_type mistral), head_dim 128", {
-        "model_type": "mistral3",
-        "text_config": {
-            "model_type": "mistral", "hidden_size": 128, "num_hidden_layers": 2,
-            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE,
-            "rope_theta": 1000000000.0, "max_position_embeddings": 4096,
-            "tie_word_embeddings": False,
-        },
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("mixtral", "Mixtral 8x7B: sparse MoE, GQA, head_dim 128 (hidden / heads)", {
-        "model_type": "mixtral", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (1, 128, 128)}),
-    _arch("phi3", "Phi-3 mini: fused qkv, no GQA, head_dim 96", {
-        "model_type": "phi3", "hidden_size": 192, "num_hidden_layers": 2,
-        "intermediate_size": 384, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 96, 96)}),
-    _arch("phimoe", "Phi-3.5-MoE: sparse MoE, GQA, head_dim 128", {
-        "model_type": "phimoe", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
-        # Phi-3.5-MoE's LongRoPE block (one factor per rotated pair); mlx-lm 0.31 requires it.
-        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [1.0] * 64,
-                         "short_mscale": 1.0, "long_mscale": 1.0},
-    }, [KV, KV], {KV: (1, 128, 128)}),
-    _arch("gpt_oss", "gpt-oss: sliding and full layers alternating, attention sinks, MoE", {
-        "model_type": "gpt_oss", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "rope_theta": 150000,
-        "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
-    }, [ROT, KV], {ROT: (2, 64, 64), KV: (2, 64, 64)}, ROTATING_NYI),
-    _arch("deepseek_v2", "DeepSeek-V2-Lite: MLA expanded per head, keys 192 (nope 128 + rope 64), "
-          "values 128; first layer dense, then MoE", {
-        "model_type": "deepseek_v2", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "n_shared_experts": 1, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "kv_lora_rank": 64, "q_lora_rank": None,
-        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-        "topk_method": "greedy", "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
-        "max_position_embeddings": 163840,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
-                         "mscale_all_dim": 0.707},
-    }, [KV, KV], {KV: (2, 192, 128)}),
-    _arch("deepseek_v3", "DeepSeek-V3: MLA caching the latent (512) as keys and k_pe (64) as "
-          "values, one head; first layer dense, then MoE", {
-        "model_type": "deepseek_v3", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "n_shared_experts": 1, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "kv_lora_rank": 512,
-        "q_lora_rank": 64, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-        "v_head_dim": 128, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-    }, [KV, KV], {KV: (1, 512, 64)}, MLA_K_PE),
-    _arch("minicpm3", "MiniCPM3 4B: MLA expanded per head, keys 96 (nope 64 + rope 32), values 64", {
-        "model_type": "minicpm3", "hidden_size": 128, "dim_model_base": 256,
-        "num_hidden_layers": 2, "intermediate_size": 256, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "q_lora_rank": 64, "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 32, "kv_lora_rank": 64, "scale_depth": 1.4, "scale_emb": 12,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
-        "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "rope_scaling": {"type": "longrope", "original_max_position_embeddings": 4096,
-                         "short_factor": [1.0] * 16, "long_factor": [1.0] * 16},
-    }, [KV, KV], {KV: (2, 96, 64)}),
-    _arch("glm4", "GLM-4-0414: GQA, half rotary, qkv bias, head_dim 128", {
-        "model_type": "glm4", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 128, "attention_bias": True, "partial_rotary_factor": 0.5,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("glm4_moe", "GLM-4.5: first layer dense, then MoE with a shared expert, q/k norms", {
-        "model_type": "glm4_moe", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 128, "n_group": 1, "topk_group": 1,
-        "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 1.0,
-        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "norm_topk_prob": True,
-        "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "rope_theta": 1000000.0,
-        "rope_scaling": None, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("granite", "Granite 3: llama with embedding, attention, residual and logit multipliers", {
-        "model_type": "granite", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "logits_scaling": UNSCALED,
-        "attention_multiplier": 0.015625, "embedding_multiplier": 12.0,
-        "residual_multiplier": 0.22, "max_position_embeddings": 4096,
-        "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 64, 64)}),
-    _arch("granitemoehybrid", "Granite 4.0-H: Mamba-2 and attention 9:1 (first attention at "
-          "layer 5), MoE with a shared expert, head_dim 128 (hidden / heads)", {
-        "model_type": "granitemoehybrid", "hidden_size": 256, "num_hidden_layers": 6,
-        "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 4096, "attention_bias": False,
-        "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
-        "logits_scaling": UNSCALED, "residual_multiplier": 0.22,
-        "layer_types": ["mamba"] * 5 + ["attention"], "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "shared_intermediate_size": 128, "mamba_n_heads": 8, "mamba_d_head": 32,
-        "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4,
-        "mamba_n_groups": 1, "mamba_conv_bias": True, "position_embedding_type": "nope",
-        "rope_theta": 10000.0,  # unused without RoPE; mlx-lm 0.31's ModelArgs requires it
-        "tie_word_embeddings": False,
-    }, [ARR] * 5 + [KV], {KV: (1, 128, 128)}),
-    _arch("lfm2", "LFM2: short-convolution layers with attention in between", {
-        "model_type": "lfm2", "vocab_size": VOCAB_SIZE, "hidden_size": 256,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False,
-        "conv_L_cache": 3, "block_dim": 256, "block_ff_dim": 512,
-        "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": True, "rope_theta": 1000000.0,
-        "layer_types": ["conv", "conv", "full_attention"],
-    }, [ARR, ARR, KV], {KV: (2, 64, 64)}),
-    _arch("nemotron_h", "Nemotron-H: Mamba-2, MLP-only and attention blocks (M-*-: the MLP "
-          "blocks have no cache), head_dim 128", {
-        "model_type": "nemotron_h", "vocab_size": VOCAB_SIZE, "hidden_size": 128,
-        "num_hidden_layers": 4,  # the pattern's length; mlx-lm 0.31's ModelArgs requires it
-        "intermediate_size": 256, "max_position_embeddings": 4096,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
-        "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": 32,
-        "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4,
-        "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5,
-        "use_bias": False, "use_conv_bias": True, "hybrid_override_pattern": "M-*-",
-        "time_step_limit": [0.0, float("inf")],
-    }, [ARR, KV], {KV: (2, 128, 128)}),
-    _arch("falcon_h1", "Falcon-H1: attention and Mamba-2 side by side in every layer "
-          "(one CacheList each)", {
-        "model_type": "falcon_h1", "hidden_size": 128, "num_hidden_layers": 2,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32,
-        "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1,
-        "mamba_chunk_size": 16, "mamba_rms_norm": True, "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [FALCON, FALCON], {KV: (2, 64, 64)}),
-    _arch("olmo2", "OLMo 2 1B: q/k norms over all heads, no GQA, head_dim 128", {
-        "model_type": "olmo2", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "rope_theta": 500000.0, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (2, 128, 128)}),
-    _arch("olmo3", "OLMo 3: three sliding layers, then one full, head_dim 128", {
-        "model_type": "olmo3", "hidden_size": 256, "num_hidden_layers": 4,
-        "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": 4096, "sliding_window": WINDOW, "rope_theta": 500000.0,
-        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-        "tie_word_embeddings": False,
-    }, [ROT] * 3 + [KV], {ROT: (2, 128, 128), KV: (2, 128, 128)}, ROTATING_NYI),
-    _arch("cohere2", "Command R7B: three sliding layers, then one global; tied head", {
-        "model_type": "cohere2", "hidden_size": 256, "head_dim": 128,
-        "num_hidden_layers": 4, "intermediate_size": 256, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "rope_theta": 50000.0, "vocab_size": VOCAB_SIZE,
-        "layer_norm_eps": 1e-5, "logit_scale": UNSCALED, "sliding_window": WINDOW,
-        "sliding_window_pattern": 4,
-    }, [ROT] * 3 + [KV], {ROT: (1, 128, 128), KV: (1, 128, 128)}, ROTATING_NYI),
-    _arch("llama4_text", "Llama 4 text: q/k norms, no RoPE on every 4th layer, head_dim 128", {
-        "model_type": "llama4_text", "hidden_size": 128, "num_attention_heads": 4,
-        "num_hidden_layers": 4, "vocab_size": VOCAB_SIZE, "intermediate_size": 128,
-        "intermediate_size_mlp": 256, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "head_dim": 128, "tie_word_embeddings": False,
-        "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
-    }, [KV] * 4, {KV: (2, 128, 128)}),
-    _arch("llama4", "Llama 4 Scout's text: chunked attention (ChunkedKVCache) on three layers in four, MoE", {
-        "model_type": "llama4",
-        "text_config": {
-            "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": WINDOW,
-            "head_dim": 128, "hidden_size": 128, "interleave_moe_layer_step": 2, "intermediate_size": 128,
-            "intermediate_size_mlp": 256, "max_position_embeddings": 4096, "num_attention_heads": 4,
-            "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 2,
-            "num_local_experts": 2, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 500000.0,
-            "use_qk_norm": True,
-            "vocab_size": VOCAB_SIZE,
-        },
-    }, [CHUNK] * 3 + [KV], {KV: (2, 128, 128)}),
-    _arch("smollm3", "SmolLM3 3B: llama with no RoPE on every 4th layer, head_dim 128", {
-        "model_type": "smollm3", "hidden_size": 256, "num_hidden_layers": 4,
-        "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "rms_norm_eps": 1e-6, "vocab_size": VOCAB_SIZE, "rope_theta": 5000000.0,
-        "max_position_embeddings": 4096, "no_rope_layer_interval": 4,
-        "tie_word_embeddings": False,
-    }, [KV] * 4, {KV: (1, 128, 128)}),
-    _arch("starcoder2", "StarCoder2 3B: layer norms with bias, GQA, head_dim 128", {
-        "model_type": "starcoder2", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "norm_epsilon": 1e-5, "vocab_size": VOCAB_SIZE, "rope_theta": 100000.0,
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (1, 128, 128)}),
-    _arch("exaone4", "EXAONE 4.0 32B: three local (sliding) layers, then one global (no RoPE)", {
-        "model_type": "exaone4", "hidden_size": 128, "num_hidden_layers": 4,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-        "rope_scaling": None, "sliding_window": WINDOW, "sliding_window_pattern": "LLLG",
-        "tie_word_embeddings": False,
-    }, [ROT] * 3 + [KV], {ROT: (2, 128, 128), KV: (2, 128, 128)}, ROTATING_NYI),
-    _arch("hunyuan", "Hunyuan-A13B: MoE with a shared expert, q/k norms, NTK-alpha RoPE", {
-        "model_type": "hunyuan", "vocab_size": VOCAB_SIZE, "hidden_size": 256,
-        "num_hidden_layers": 2, "intermediate_size": 256, "moe_intermediate_size": 64,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "attention_bias": False,
-        "moe_topk": 2, "num_experts": 4, "num_shared_expert": 1,
-        "use_mixed_mlp_moe": True, "use_qk_norm": True, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "use_cla": False, "cla_share_factor": 2,
-        "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (1, 128, 128)}),
-    _arch("internlm3", "InternLM3 8B: GQA, dynamic RoPE scaling, head_dim 128", {
-        "model_type": "internlm3", "hidden_size": 256, "num_hidden_layers": 2,
-        "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
-        "rope_theta": 50000000.0, "rope_scaling": {"factor": 6.0, "rope_type": "dynamic"},
-        "tie_word_embeddings": False,
-    }, [KV, KV], {KV: (1, 128, 128)}),
-]
-
-ZOO: Dict[str, Architecture] = {a.name: a for a in _ENTRIES}
+ZOO_DIR = Path(__file__).parent / "zoo"  # one JSON file per architecture (and variant)
+ZOO: Dict[str, Architecture] = {a.name: a for a in map(Architecture.read, sorted(ZOO_DIR.glob("*.json")))}
 
 
 def _architecture(name: str) -> Architecture:
@@ -450,45 +88,41 @@ def _architecture(name: str) -> Architecture:
     return ZOO[name]
 
 
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
+@lru_cache(maxsize=None)
+def _shrunk(name: str) -> str:
+    return json.dumps(shrink(_architecture(name).config))
 
 
 def zoo_config(name: str, dtype: mx.Dtype = mx.float32) -> dict:
-    """The entry's config.json fields, with the seed and dtype (as RandomModel.config)."""
-    return {**_architecture(name).config, "seed": SEED, "dtype": _dtype_name(dtype)}
-
-
-def _text_args_class(config: dict) -> Optional[type]:
-    """The ModelArgs class mlx-lm reads a `text_config` with: the TextModelArgs of
-    the Model's module (or of a module it inherits from), else the ModelArgs of
-    the text_config's own model_type (mistral3's llama or ministral3)."""
-    if "text_config" not in config:
-        return None
-    for cls in _get_classes(config)[0].__mro__:
-        module = sys.modules[cls.__module__]
-        text_args = getattr(module, "TextModelArgs", None) or getattr(module, "TextArgs", None)
-        if text_args is not None:
-            return text_args
-    return _get_classes(config["text_config"])[1]
+    """The entry's config.json fields as ``twin.shrink`` leaves them, with the seed and dtype."""
+    return {**json.loads(_shrunk(name)), "seed": SEED, "dtype": next(k for k, v in DTYPES.items() if v == dtype)}
 
 
 def config_field_errors(config: dict) -> list:
     """Keys that ModelArgs.from_dict would silently drop: each config key (and
-    each text_config key) that is not a field of the architecture's ModelArgs."""
+    each text_config key) that is not a field of the architecture's ModelArgs,
+    nor of the published config format (transformers' config class for its
+    model_type, which a server's tokenizer loader reads and validates: a
+    field mlx-lm does not read may be one that format needs to be consistent)."""
     config = {k: v for k, v in config.items() if k not in ("seed", "dtype")}
-    checks = [("", config, _get_classes(config)[1])]
-    if "text_config" in config:
-        checks.append(("text_config.", config["text_config"], _text_args_class(config)))
     errors = []
-    for prefix, fields, args_class in checks:
-        known = {f.name for f in dataclasses.fields(args_class)}
+    for prefix, fields, args_class in levels(config):
+        known = {f.name for f in dataclasses.fields(args_class)} | published_fields(fields.get("model_type"))
         errors += [f"{prefix}{k} is not a field of {args_class.__module__}."
                    f"{args_class.__name__}" for k in fields if k not in known]
     return errors
 
 
-def _fix_parameters(model: nn.Module, config: dict):
+def published_fields(model_type: Optional[str]) -> set:
+    """The fields of transformers' config class for ``model_type`` (none where it has none)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return set()
+    return {f.name for f in dataclasses.fields(CONFIG_MAPPING[model_type])}
+
+
+def fix_parameters(model: nn.Module, config: dict):
     """The one place where `_init_parameters`'s draws are not what a model needs.
 
     - SSM decays (Mamba-2 and gated DeltaNet's `A_log`, `dt_bias`, `D`): drawn as
@@ -556,13 +190,8 @@ def build_zoo_model(name: str, dtype: mx.Dtype = mx.float32):
     MoE entries run in float32 only on MLX's CPU backend (its gather_mm is
     float32-only there), hence the float32 default."""
     config = zoo_config(name, dtype)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    _init_parameters(model, config["seed"], dtype)
-    _fix_parameters(model, config)
-    model.eval()
-    mx.eval(model.parameters())
-    return model, config
+    config = {k: v for k, v in config.items() if k not in ("seed", "dtype")}
+    return build_twin(config, dtype, SEED, fix=fix_parameters)
 
 
 def cache_layout(cache) -> Tuple[str, ...]:
@@ -617,4 +246,4 @@ def solo_kv_bits(model: nn.Module, prompt: mx.array, max_tokens: int = 8):
 def quantized_layout(layout) -> Tuple[str, ...]:
     """The layout mlx-lm's `maybe_quantize_kv_cache` leaves: it converts a cache
     with `to_quantized` (a plain KVCache) and leaves the rest, CacheList included."""
-    return tuple("QuantizedKVCache" if kind == KV else kind for kind in layout)
+    return tuple("QuantizedKVCache" if kind == KVCache.__name__ else kind for kind in layout)
