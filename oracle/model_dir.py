@@ -6,11 +6,16 @@ A server under test (L4) loads a model the way it loads a downloaded one:
 the model's own config and parameters as mlx-lm names them (so mlx-lm's
 ``load`` gives the same bytes back), the quantization of a quantized model,
 and, for the random models and the zoo, which have no tokenizer, a
-word-level one: token ``i`` is the word ``t{i}``, so a prompt of token ids
-is the text ``"t5 t17 t3"`` and the server's tokenizer gives those ids
-back. Its chat template joins the messages' contents with spaces, so a
-chat request's prompt is known token for token too. The model's own
-tokenizer (SmolLM2's) is written as it is, with its chat template.
+byte-level BPE tokenizer of words: token ``i`` is a space and a word of
+letters (``" ab"``), so a prompt of token ids is the text ``" ab dk ja"``
+and the server's tokenizer gives those ids back. Byte-level BPE, because
+transformers' tokenizer loader builds its own class for some model types
+(Qwen2's, Qwen3.5's, GPT-2's) from the file's vocabulary and merges alone:
+every such class is byte-level BPE, and the merges that spell each word are
+in the file, so each reads the same ids. Its chat template joins the
+messages' contents, each after a space, so a chat request's prompt is
+known token for token too. The model's own tokenizer (SmolLM2's) is
+written as it is, with its chat template.
 
 Reading is mlx-lm's own: ``mlx_lm.utils.load_model`` (config.json, the
 ``model*.safetensors`` files, weight quantization included) and
@@ -35,18 +40,31 @@ from kvparity.oracle.gguf import sha256_file
 from kvparity.oracle.models import LoadedModel, ModelPathError
 
 WEIGHTS = "model.safetensors"
-UNKNOWN = "<unk>"
-# A chat is its messages' contents, one after another: its tokens are theirs.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SPACE = "\u0120"  # " " as byte-level BPE spells it (GPT-2's bytes_to_unicode)
+# A chat is its messages' contents, each after a space: its tokens are theirs.
+CHAT_TEMPLATE = "{% for message in messages %} {{ message['content'] | trim }}{% endfor %}"
 
 
-def word(token: int) -> str:
-    return f"t{token}"
+def word(token: int, vocab_size: int) -> str:
+    """Token ``token``'s word: its number in letters, as long as the largest token's."""
+    letters = ""
+    for _ in range(word_length(vocab_size)):
+        token, digit = divmod(token, len(LETTERS))
+        letters = LETTERS[digit] + letters
+    return letters
 
 
-def text_of(tokens) -> str:
-    """The prompt text whose word-level tokens are ``tokens``."""
-    return " ".join(word(int(t)) for t in tokens)
+def word_length(vocab_size: int) -> int:
+    length = 1
+    while len(LETTERS) ** length < vocab_size:
+        length += 1
+    return length
+
+
+def text_of(tokens, vocab_size: int) -> str:
+    """The prompt text whose tokens are ``tokens``: each a space and its word."""
+    return "".join(" " + word(int(t), vocab_size) for t in tokens)
 
 
 def quantization_of(model: nn.Module) -> Optional[dict]:
@@ -66,13 +84,27 @@ def quantization_of(model: nn.Module) -> Optional[dict]:
 TORCH_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}  # a random model's dtype, as torch names it
 
 
-def word_level_tokenizer(vocab_size: int):
-    """A ``tokenizers`` word-level tokenizer of ``vocab_size`` tokens, split on whitespace."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def word_tokenizer(vocab_size: int):
+    """A ``tokenizers`` byte-level BPE of ``vocab_size`` words (``text_of``).
 
-    vocab = {word(i): i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=word(0)))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    Token ``i`` is its word after byte-level BPE's space. Each word is one
+    pre-token (a space and letters, under GPT-2's pattern and Qwen's alike),
+    which the merges spell from the space on, a letter at a time: only the
+    piece that starts at the space ever merges, so no merge order can spell
+    it otherwise, and any text of words encodes to exactly their ids. The
+    pieces (the letters, the space, a space and fewer letters) get the ids
+    after the words': no text of words stops at one, so the model never
+    sees them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = [SPACE + word(i, vocab_size) for i in range(vocab_size)]
+    # Every word is as long as the others: a piece (a space and fewer letters) is never a word.
+    merges = list(dict.fromkeys((w[:k], w[k]) for w in words for k in range(1, len(w))))
+    pieces = [*LETTERS, *dict.fromkeys(w[:k] for w in words for k in range(1, len(w)))]
+    vocab = {piece: i for i, piece in enumerate(words + pieces)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
 
@@ -83,10 +115,11 @@ def _tokenizer_files(loaded: LoadedModel, directory: Path):
         names = {"bos_token": tokenizer.id_to_token(bos) if bos is not None else None,
                  "eos_token": tokenizer.id_to_token(eos) if eos is not None else None}
     else:
-        tokenizer, template = word_level_tokenizer(loaded.vocab_size), CHAT_TEMPLATE
+        tokenizer, template = word_tokenizer(loaded.vocab_size), CHAT_TEMPLATE
         # No token ends a generation: a server stops at max_tokens, as the oracle's solo run does.
         # A pad token all the same: some servers' chat paths refuse a tokenizer without one.
-        names = {"bos_token": None, "eos_token": None, "pad_token": word(0)}
+        names = {"bos_token": None, "eos_token": None, "unk_token": None,
+                 "pad_token": SPACE + word(0, loaded.vocab_size)}
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
               "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False, **names}

@@ -54,7 +54,7 @@ from mlx_lm.utils import load_tokenizer
 from kvparity.oracle.generation import (
     StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, matched, semantics,
 )
-from kvparity.oracle.model_dir import text_of, write_model_dir
+from kvparity.oracle.model_dir import write_model_dir
 from kvparity.oracle.models import load_model
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
 from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TEXT, TOKENS
@@ -214,7 +214,7 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     sent = to_send(schedule, loaded, tokenizer)
     everyone = [s.id for s in sent]
     try:
-        dialect = Dialect(getattr(tokenizer, "convert_tokens_to_ids", None))  # learnt alone, used together
+        dialect = Dialect(token_id_of(tokenizer))  # learnt alone, used together
         alone = {rid: answer for chain in conversations(sent)
                  for rid, answer in serve(server, directory, chain, 1, dialect)[0].items()}
         together, log, timing = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
@@ -249,11 +249,24 @@ def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
     out = []
     for request, spec in zip(engine_requests(schedule, loaded.vocab_size, loaded.tokenizer),
                              schedule.requests.values()):
-        text = spec.text if spec.text is not None else (
-            text_of(request.prompt) if loaded.tokenizer is None else loaded.tokenizer.decode(list(request.prompt)))
+        text = spec.text if spec.text is not None else tokenizer.decode(list(request.prompt))
         s = Sent(request, text, spec.endpoint, spec.sent_at_ms, spec.stream)
         out.append(s if s.continues else replace(s, request=replace(request, prompt=prompt_of(asked_of(s), tokenizer))))
     return out
+
+
+def token_id_of(tokenizer):
+    """A token's text, as an answer without ids gives it, to its id: a
+    vocabulary entry as it is (``\u0120ab``), or the text one token encodes
+    to (`` ab``, as OpenAI's servers give a byte-level token); else None."""
+    vocabulary = tokenizer.get_vocab()
+
+    def token_id(text: str) -> Optional[int]:
+        if text in vocabulary:
+            return vocabulary[text]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+    return token_id
 
 
 def conversations(sent: List[Sent]) -> List[List[Sent]]:

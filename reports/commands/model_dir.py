@@ -8,8 +8,9 @@ NAME = "model-dir"
 HELP = "write a model (random, an mlx-lm architecture, SmolLM2) as a local model directory a server loads"
 DESCRIPTION = ("Write NAME as a standard local model directory at DIR (new): config.json, model.safetensors "
                "(its parameters as mlx-lm names them, the quantization of a quantized model) and a tokenizer "
-               "with a chat template: the model's own (SmolLM2), else a word-level one where token i is the word "
-               "t<i>. mlx_lm.load gives back the same parameters, so the directory's logits are the in-memory "
+               "with a chat template: the model's own (SmolLM2), else a byte-level BPE of words where token i is a "
+               "space and a word of letters, so a text of words reads back as their ids whichever tokenizer class "
+               "transformers picks for the model type. mlx_lm.load gives back the same parameters, so the directory's logits are the in-memory "
                "model's bit for bit. For servers under test (L4).")
 
 SETTINGS = ()
