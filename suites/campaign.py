@@ -302,7 +302,7 @@ def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode
     and replaced by a new worker for what it had left (examples, seconds),
     up to one replacement per worker the campaign started with. Returns
     (the new worker's number, its share) or None."""
-    from kvparity.suites.flight import signal_name
+    from kvparity.suites.processes import signal_name
 
     kept = result.tallies[dead]
     how = signal_name(exitcode) if exitcode is not None and exitcode < 0 else f"exit {exitcode}"

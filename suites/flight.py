@@ -18,23 +18,36 @@ Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder.
 import json
 import os
 import pickle
-import signal
 from pathlib import Path
 from typing import Dict, Optional
 
+from kvparity.suites.processes import signal_name
+
 STATE_ENV = "KVPARITY_ISOLATED"  # the folder the parent and its children share
+# --member-timeout's default, in seconds: the slowest member call of the
+# whole catalog on a 2-core CPU, every architecture of the zoo and the real
+# model included, took 12 ms (docs/ci-and-bisect.md).
+MEMBER_TIMEOUT_S = 60.0
 RECORD = 8192  # bytes at most: a record of very many requests leaves them out
 FLIGHT_FILE, DONE_FILE, CRASHES_FILE = "flight", "done.pickle", "crashes.jsonl"
 
 
 class Flight:
     """The record: the schedule run (its label and its result's identity),
-    the event (label, index, the requests in the batch) and the outermost
-    protocol member running now."""
+    the event (label, index, the requests in the batch), the outermost
+    protocol member running now with the number of its call (a member
+    called again is a new call, whose time starts again), and the
+    ``--member-timeout`` the parent holds each call to."""
 
     def __init__(self, folder: Optional[str]):
         self.fd = os.open(Path(folder) / FLIGHT_FILE, os.O_RDWR | os.O_CREAT, 0o644) if folder else None
         self.state: dict = {}
+        self.calls = 0
+        self.timeout: Optional[float] = None
+
+    def limit(self, seconds: Optional[float]):
+        """Each member call from now on may take ``seconds`` (None: no limit)."""
+        self.timeout = seconds
 
     def _write(self):
         data = json.dumps(self.state).encode()
@@ -44,7 +57,7 @@ class Flight:
 
     def run(self, label: str):
         if self.fd is not None:
-            self.state = {"label": label}
+            self.state = {"label": label, "timeout": self.timeout}
             self._write()
 
     def result(self, result):
@@ -63,6 +76,9 @@ class Flight:
     def member(self, name: Optional[str]):
         """The outermost protocol member now running; None once it returned."""
         if self.fd is not None:
+            if name is not None:
+                self.calls += 1
+                self.state["call"] = self.calls
             self.state["member"] = name
             self._write()
 
@@ -70,26 +86,28 @@ class Flight:
 FLIGHT = Flight(os.environ.get(STATE_ENV))
 
 
-def read_flight(folder) -> dict:
+def read_flight(folder) -> Optional[dict]:
+    """The last record ({} before the first); None where it was read while
+    being written (a reader watching a live child may meet half a record)."""
     try:
         data = (Path(folder) / FLIGHT_FILE).read_bytes()
     except FileNotFoundError:
         return {}
     data = data.split(b"\n", 1)[0]
-    return json.loads(data) if data else {}
-
-
-def signal_name(returncode: int) -> str:
-    """``SIGABRT (6)`` for a child that a signal ended (a negative status)."""
     try:
-        return f"{signal.Signals(-returncode).name} ({-returncode})"
+        return json.loads(data) if data else {}
     except ValueError:
-        return f"signal {-returncode}"
+        return None
 
 
-def note_crash(folder, record: dict, returncode: int):
+def note_crash(folder, record: dict, returncode: int, hung: Optional[float] = None):
+    """The run of ``record`` died of signal ``-returncode``; ``hung``: the
+    parent stopped it because its member did not return within that many seconds."""
+    noted = {**record, "signal": signal_name(returncode)}
+    if hung is not None:
+        noted["hung"] = hung
     with open(Path(folder) / CRASHES_FILE, "a", encoding="utf-8") as crashes:
-        crashes.write(json.dumps({**record, "signal": signal_name(returncode)}) + "\n")
+        crashes.write(json.dumps(noted) + "\n")
 
 
 class IsolatedState:

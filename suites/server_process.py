@@ -5,8 +5,11 @@
 so that the server and every process it starts form one process group, with
 its output appended to a log file. It is ready when ``GET /v1/models``
 answers OpenAI's model list. Leaving the ``with`` block, however it is left,
-stops the whole group; descendants that left the group are found through
-``/proc`` where there is one. ``AttachedServer`` is the same interface for a
+stops the whole group; descendants that left the group, and daemons that
+double-forked away from it, are found through ``/proc`` where there is one
+(the ones it saw, and every process holding the launch's ``MARK`` in its
+environment); a stop that an interrupted run makes gives the server
+``INTERRUPTED_GRACE`` to exit, not ``STOP_GRACE``. ``AttachedServer`` is the same interface for a
 server the user runs (``--url``): checked, never stopped.
 
 Problems are ``ServerProblem``s whose message is one line and whose
@@ -21,23 +24,27 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from kvparity.suites.processes import descendants, kill_all, marked, signal_name, signals_deferred
 
 READY_PATH = "/v1/models"  # every OpenAI-compatible server lists its models here
 PROBE_TIMEOUT = 2.0  # seconds per readiness request
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 TAIL_BYTES = 64 * 1024  # how much of the log's end is read for its last lines
 REAP_TIMEOUT = 10.0  # seconds to wait for a SIGKILLed server to be reaped
-# What a terminal, a service manager or a CI runner sends to stop a run
-# (SIGHUP: the terminal closed); stopping_on_signals makes them Ctrl-C.
-STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+STOP_GRACE = 10.0  # seconds a server has to exit after SIGTERM
+INTERRUPTED_GRACE = 1.0  # ... when the run was interrupted: what stops a run must stop it soon
+# Every process a launched server starts inherits this variable, whose value
+# is that launch's own: a daemon that left the server's group and parent is
+# still found by it.
+MARK = "KVPARITY_SERVER"
 # Loopback only, never through a proxy: urllib honours http_proxy, which
 # would send the probe to another machine.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -160,53 +167,8 @@ def probe(url: str, timeout: float = PROBE_TIMEOUT) -> Tuple[bool, str]:
 
 def how_it_ended(returncode: int) -> str:
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name} ({-returncode})"
+        return f"was killed by {signal_name(returncode)}"
     return f"exited with status {returncode}"
-
-
-# Process-tree walking through /proc (Linux). A process is named by its pid
-# and its start time, so that a pid reused after its process ended is never
-# taken for it.
-
-def _proc_stat(pid: int) -> Optional[Tuple[str, int, str]]:
-    """(state, ppid, start time) of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            line = stat.read()
-    except OSError:
-        return None
-    # The command name, in parentheses, may hold spaces and parentheses.
-    fields = line[line.rfind(")") + 2:].split()
-    return fields[0], int(fields[1]), fields[19]
-
-
-def descendants(root: int) -> Dict[int, str]:
-    """Every living process below ``root`` -> its start time; {} without /proc."""
-    if not os.path.isdir("/proc"):
-        return {}
-    children: Dict[int, List[Tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _proc_stat(int(entry))
-            if stat is not None and stat[0] != "Z":
-                children.setdefault(stat[1], []).append((int(entry), stat[2]))
-    found: Dict[int, str] = {}
-    frontier = [root]
-    while frontier:  # each pid is visited once: bounded by the table
-        for pid, started in children.get(frontier.pop(), ()):
-            if pid not in found:
-                found[pid] = started
-                frontier.append(pid)
-    return found
-
-
-def _still_running(pid: int, started: str) -> bool:
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] != "Z" and stat[2] == started
 
 
 def _signal_group(pgid: int, signum: int):
@@ -216,28 +178,6 @@ def _signal_group(pgid: int, signum: int):
         pass
 
 
-@contextmanager
-def _signals_deferred():
-    """Ctrl-C, SIGTERM and SIGHUP are held until the block ends, then
-    delivered: a second Ctrl-C while the server is being stopped must not
-    leave it half stopped. (Handlers, not a signal mask: Python runs its
-    handlers in the main thread whichever thread the kernel picks.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread is interrupted by signals
-        return
-    held: List[int] = []
-    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
-                for signum in [signal.SIGINT] + STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            # None: a handler not installed from Python; the default is what it was.
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        for signum in dict.fromkeys(held):  # each once, in the order they came
-            signal.raise_signal(signum)
-
-
 class LaunchedServer:
     """A server this process starts from ``template`` and stops on leaving
     the ``with`` block. ``env`` is the server's whole environment (None:
@@ -245,13 +185,15 @@ class LaunchedServer:
     Python server's log is complete up to the moment it dies."""
 
     def __init__(self, template: str, model, log_path, ready_timeout: float = 300.0, poll: float = 0.2,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, shown_log: Optional[str] = None):
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.env[MARK] = uuid.uuid4().hex
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = command_line(template, model, self.port, search_path=self.env.get("PATH"))
         self.log_path = Path(log_path)
+        self.shown_log = shown_log or str(self.log_path)  # how messages name the log: where the user finds it
         self.ready_timeout = ready_timeout
         self.poll = max(poll, 0.01)
         self.process: Optional[subprocess.Popen] = None
@@ -269,12 +211,12 @@ class LaunchedServer:
             problem.log_tail = self.log_tail()  # after stopping: the server's last words included
             raise
         except BaseException:  # Ctrl-C while waiting
-            self.stop()
+            self.stop(INTERRUPTED_GRACE)
             raise
         return self
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, kind, error, trace):
+        self.stop(INTERRUPTED_GRACE if kind is not None and issubclass(kind, KeyboardInterrupt) else STOP_GRACE)
         return False
 
     def _start(self):
@@ -302,14 +244,14 @@ class LaunchedServer:
             self._remember_descendants()
             if self.process.poll() is not None:
                 raise ServerDied(f"the server {how_it_ended(self.process.returncode)} before it was ready "
-                                 f"at {self.url}{self._last_line()}; log: {self.log_path}")
+                                 f"at {self.url}{self._last_line()}; log: {self.shown_log}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             try:
                 ready, seen = probe(self.url, timeout=min(PROBE_TIMEOUT, remaining))
             except ServerGarbage as garbage:  # the server's log often says why
-                raise ServerGarbage(f"{garbage}{self._last_line()}; log: {self.log_path}") from None
+                raise ServerGarbage(f"{garbage}{self._last_line()}; log: {self.shown_log}") from None
             if ready:
                 return
             time.sleep(min(self.poll, max(deadline - time.monotonic(), 0)))
@@ -350,13 +292,14 @@ class LaunchedServer:
         if self.process is not None and self.process.poll() is None:
             self._seen.update(descendants(self.process.pid))
 
-    def stop(self, grace: float = 10.0):
+    def stop(self, grace: float = STOP_GRACE):
         """SIGTERM the server's process group, SIGKILL it after ``grace``
-        seconds, SIGKILL the descendants that left the group, reap the
-        server. Does nothing if it is not running or was stopped."""
+        seconds, SIGKILL the descendants that left the group and every
+        process that carries this launch's mark (a daemon that double-forked
+        away), reap the server. Does nothing if it is not running or was stopped."""
         if self.process is None or self._stopped:
             return
-        with _signals_deferred():
+        with signals_deferred():
             self._remember_descendants()
             group = self.process.pid  # the session leader's pid is its group's id
             _signal_group(group, signal.SIGTERM)
@@ -366,12 +309,8 @@ class LaunchedServer:
                 pass
             # Whatever of the group outlived the server, or the grace.
             _signal_group(group, signal.SIGKILL)
-            for pid, started in self._seen.items():  # those that left the group (setsid)
-                if _still_running(pid, started):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+            kill_all(self._seen)  # those that left the group (setsid)
+            kill_all(marked(MARK, self.env[MARK]))
             try:
                 self.process.wait(timeout=REAP_TIMEOUT)
             except subprocess.TimeoutExpired:  # stuck in the kernel; Popen reaps it later
@@ -418,27 +357,5 @@ class AttachedServer:
     def log_tail(self, lines: int = 20) -> str:
         return ""
 
-    def stop(self, grace: float = 10.0):
+    def stop(self, grace: float = STOP_GRACE):
         pass  # not ours to stop
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextmanager
-def stopping_on_signals():
-    """While inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C
-    does, so that a ``with LaunchedServer(...)`` inside is left through its
-    ``__exit__`` and stops the server. Only the main thread receives signals;
-    elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, _interrupt) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            # None: a handler not installed from Python; the default is what it was.
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)

@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 
 import kvparity
+from kvparity.suites.processes import stopping_on_signals
 from kvparity.suites.server_process import (AttachedServer, LaunchedServer, ServerDied, ServerGarbage,
                                             ServerNeverReady, ServerProblem, ServerUsageError, command_line, free_port,
-                                            loopback_url, stopping_on_signals)
+                                            loopback_url)
 
 # argv: MODE PORT [PIDFILE]. Modes: ok, never (sleeps, never listens), dies
 # (exit 3), garbage (HTML on /v1/models), stubborn (ignores SIGTERM), grandchild / escaped (starts a
-# sleeping child, in its group or in a session of its own, pid to PIDFILE).
+# sleeping child, in its group or in a session of its own, pid to PIDFILE), daemon (double-forks one:
+# its parent exits at once, so no parent link leads from the server to it).
 FAKE_SERVER = textwrap.dedent('''
     import json, signal, subprocess, sys, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -43,6 +45,15 @@ FAKE_SERVER = textwrap.dedent('''
                                  start_new_session=mode == "escaped")
         with open(sys.argv[3], "w") as pidfile:
             pidfile.write(str(child.pid))
+    if mode == "daemon":
+        import os
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                with open(sys.argv[3], "w") as pidfile:
+                    pidfile.write(str(os.getpid()))
+                time.sleep(300)
+            os._exit(0)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -67,7 +78,8 @@ FAKE_SERVER = textwrap.dedent('''
 SIGNALLED = textwrap.dedent('''
     import signal, sys, time
     from pathlib import Path
-    from kvparity.suites.server_process import LaunchedServer, stopping_on_signals
+    from kvparity.suites.processes import stopping_on_signals
+    from kvparity.suites.server_process import LaunchedServer
 
     template, model, log, pidfile = sys.argv[1:5]
     # As at a terminal: a background job may start with SIGINT ignored.
@@ -225,9 +237,8 @@ def test_an_empty_200_is_garbage_and_the_servers_last_words_are_named(tmp_path):
     assert "Traceback" in problem.log_tail
 
 
-@pytest.mark.parametrize("mode", ["grandchild",
-                                  pytest.param("escaped", marks=pytest.mark.skipif(
-                                      not HAS_PROC, reason="a child in its own session is found through /proc"))])
+@pytest.mark.parametrize("mode", ["grandchild", *(pytest.param(mode, marks=pytest.mark.skipif(
+    not HAS_PROC, reason="a child in its own session is found through /proc")) for mode in ("escaped", "daemon"))])
 def test_no_process_left_after_the_block(fake, tmp_path, mode):
     with launched(fake(mode), tmp_path) as server:
         grandchild = int(wait_for_file(tmp_path / "grandchild.pid"))
