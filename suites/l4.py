@@ -63,9 +63,8 @@ from kvparity.suites.engines import EngineRequest
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
 from kvparity.suites.levels import L4, LEVELS
-from kvparity.suites.server_process import (
-    AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem, stopping_on_signals,
-)
+from kvparity.suites.processes import stopping_on_signals
+from kvparity.suites.server_process import AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem
 
 FIRST = "first"  # --quantized-kv-start first: quantized from the first token
 REQUEST_TIMEOUT = 300.0  # seconds one request may take before the server counts as hung
