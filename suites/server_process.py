@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvparity.suites.processes import descendants, kill_all, marked, signal_name, signals_deferred
-from kvparity.suites.processes import stopping_on_signals  # noqa: F401 (l4 imported it from here)
 
 READY_PATH = "/v1/models"  # every OpenAI-compatible server lists its models here
 PROBE_TIMEOUT = 2.0  # seconds per readiness request
