@@ -19,6 +19,8 @@ def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
     1 + N(0, 0.1^2). The head is 3x larger so next-token distributions are
     peaked like a trained model's (entropy about 3 nats, top-1 about 0.3)
     rather than nearly uniform, which would make every argmax a near tie.
+    A scalar parameter (Apertus's xIELU coefficients) keeps the value mlx-lm
+    gives it: it is a setting of the function, not a weight.
     """
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     new = []
@@ -26,6 +28,9 @@ def _init_parameters(model: nn.Module, seed: int, dtype: mx.Dtype):
     with mx.stream(mx.cpu):
         keys = mx.random.split(mx.random.key(seed), len(params))
         for (name, p), key in zip(params, keys):
+            if p.ndim == 0:
+                new.append((name, p.astype(dtype)))
+                continue
             x = mx.random.normal(p.shape, dtype=mx.float32, key=key)
             if p.ndim == 1:
                 x = 1.0 + 0.1 * x

@@ -139,15 +139,15 @@ def fix_parameters(model: nn.Module, config: dict):
     params = dict(tree_flatten(model.parameters()))
     updates = []
     for path, p in params.items():
-        leaf, n = path.rsplit(".", 1)[-1], p.shape[-1]
-        ramp = mx.linspace(0.0, 1.0, n)
+        leaf, n = path.rsplit(".", 1)[-1], p.size
+        ramp = mx.linspace(0.0, 1.0, n).reshape(p.shape)  # across heads, in the parameter's own shape
         if leaf == "A_log":
             updates.append((path, mx.log(1.0 + 15.0 * ramp)))
         elif leaf == "dt_bias":
             dt = mx.exp(math.log(1e-3) + ramp * (math.log(1e-1) - math.log(1e-3)))
             updates.append((path, dt + mx.log(-mx.expm1(-dt))))  # softplus(x) = dt
         elif leaf == "D" and p.ndim == 1:
-            updates.append((path, mx.ones((n,))))
+            updates.append((path, mx.ones(p.shape)))
     vocab = config.get("text_config", config)["vocab_size"]
     heads = [k for k, p in params.items() if p.ndim == 2 and p.shape[0] == vocab
              and "layers." not in k and "embed" not in k]
@@ -167,9 +167,12 @@ def fix_parameters(model: nn.Module, config: dict):
 
 
 def _final_norm(model: nn.Module):
-    """The norm just before a tied head: the one top-level (not per-layer) norm."""
+    """The norm just before a tied head: the one top-level (not per-layer) norm,
+    or among several (Gemma 3n's per-layer input norm beside it) the one named norm."""
     norms = [(k, m) for k, m in model.named_modules()
              if "layers" not in k and "norm" in k.rsplit(".", 1)[-1] and hasattr(m, "weight")]
+    if len(norms) > 1:
+        norms = [(k, m) for k, m in norms if k.rsplit(".", 1)[-1] == "norm"]
     if len(norms) != 1:
         raise ValueError(f"a tied head's final norm is not one module: {[k for k, _ in norms]}")
     return norms[0]
