@@ -132,11 +132,14 @@ class Runner:
             out += [(f" on {model}", replace(options, model=model, models=())) for model in options.models]
         return out
 
-    def unfit_on_axis(self, schedule, variant: RunOptions) -> Optional[str]:
-        """Why an axis run cannot run the schedule on its architecture (its
-        group size does not divide the model's dims), or None: not the
-        user's input, so that run is "not supported", never left out."""
-        return self.unfit(schedule, load_model(self.model_name(schedule, variant)))
+    def unfit_for(self, schedule, variant: RunOptions) -> Optional[str]:
+        """Why a run cannot run the schedule on its model (its group size does
+        not divide the model's dims, a text prompt without a tokenizer), or
+        None: a catalog file or an axis run is that run's "not supported",
+        never left out and never a refusal of the rest (a file of the user's
+        own is refused before, ``commands.runs.plan``)."""
+        name = self.model_name(schedule, variant)
+        return None if name is None else self.unfit(schedule, load_model(name))
 
     def not_supported(self, schedule, name: str, model: str, why: str, implementation):
         result = ScheduleResult(name, self.level, implementation.name, [], path=schedule.path, model=model)
@@ -148,7 +151,7 @@ class Runner:
     def runs(self, schedule, options: RunOptions) -> List[Run]:
         out = []
         for suffix, variant in self.variants(schedule, options):
-            unfit = self.unfit_on_axis(schedule, variant) if suffix else None
+            unfit = self.unfit_for(schedule, variant)
 
             def run(impl, variant=variant, suffix=suffix, unfit=unfit):
                 if unfit:
@@ -216,7 +219,7 @@ class L3Runner(Runner):
     def runs(self, schedule, options):
         out = []
         for suffix, chosen in self.variants(schedule, options):
-            unfit = self.unfit_on_axis(schedule, chosen) if suffix else None
+            unfit = self.unfit_for(schedule, chosen)
             for mode, variant in l3.prefill_modes(schedule).items():
                 def serve(impl, s=variant, mode=mode, chosen=chosen, suffix=suffix, unfit=unfit):
                     if unfit:

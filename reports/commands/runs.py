@@ -92,20 +92,23 @@ def select(args, files=None):
     return chosen
 
 
-def plan(args, selected, options=None):
+def plan(args, selected, options=None, own_files=True):
     """(label, run) pairs, ``run(implementation)`` a ScheduleResult; each L2
-    and L3 schedule fitted to its model up front (a text prompt on a model
-    without a tokenizer is a usage error, not a skipped schedule)."""
+    and L3 schedule fitted to its model up front. A file of the user's own
+    (``own_files``) that does not fit its model (a text prompt on a model
+    without a tokenizer, a group size that does not divide its dims) is a
+    usage error; a catalog file that does not fit is "not supported" there,
+    and the rest runs."""
     options = options or run_options(args)
     runs = []
     for level, schedule in selected:
         runner = RUNNERS[level]
         name = runner.model_name(schedule, options)
-        if name is not None:
+        if name is not None and own_files:
             unfit = runner.unfit(schedule, load_model(name))
             if unfit:
                 raise UsageError(unfit)
-        runs += runner.runs(schedule, options)  # an axis run that does not fit is "not supported" there
+        runs += runner.runs(schedule, options)  # a run that does not fit is "not supported" there
     return runs
 
 
@@ -123,7 +126,7 @@ def prepare(args, files=None):
     options = run_options(args)
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
-    runs = plan(args, selected, options)
+    runs = plan(args, selected, options, own_files=bool(files))
     if judges_a_server_only(args):  # the server is under test, not a class
         return chosen_policy, runs, Implementation(options.server.name, object)
     return chosen_policy, runs, implementation(args.impl)
