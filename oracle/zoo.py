@@ -20,8 +20,10 @@ kv_group_size=KV_GROUP_SIZE, quantized_kv_start=0, max_tokens=8)` does: `RUNS`,
 or the exception it raises with mlx-lm's innermost line (`solo_kv_bits` measures it).
 """
 
+import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import math
 import traceback
@@ -250,3 +252,45 @@ def quantized_layout(layout) -> Tuple[str, ...]:
     """The layout mlx-lm's `maybe_quantize_kv_cache` leaves: it converts a cache
     with `to_quantized` (a plain KVCache) and leaves the rest, CacheList included."""
     return tuple("QuantizedKVCache" if kind == KVCache.__name__ else kind for kind in layout)
+
+
+# -- every architecture the installed mlx-lm ships ------------------------------------------
+
+PUBLISHED_DIR = ZOO_DIR / "published"  # published config.json files, at their published sizes
+
+
+def architecture_modules() -> list:
+    """The model modules of the installed mlx-lm (each defines Model and ModelArgs), by name."""
+    import pkgutil
+
+    import mlx_lm.models
+
+    names = []
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:  # a module that needs a package not installed here says so and exits (olmo's)
+            with contextlib.redirect_stdout(io.StringIO()):
+                module = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (Exception, SystemExit):
+            names.append(info.name)  # an architecture all the same: its config says so where it is built
+            continue
+        if hasattr(module, "Model") and hasattr(module, "ModelArgs"):
+            names.append(info.name)
+    return sorted(names)
+
+
+def module_of(config: dict) -> str:
+    """The mlx-lm module a config's model_type is built by (mlx-lm's own remapping)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+
+
+def known_configs() -> Dict[str, str]:
+    """module -> the model kvparity has a config for: a zoo entry (its first,
+    by name), else a published config.json (its path)."""
+    known = {}
+    for path in sorted(PUBLISHED_DIR.glob("*.json")):
+        known[module_of(json.loads(path.read_text()))] = str(path)
+    for name in sorted(ZOO, reverse=True):
+        known[module_of(ZOO[name].config)] = name
+    return known

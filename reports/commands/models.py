@@ -1,5 +1,6 @@
 """``kvparity models``: every model kvparity runs, with its per-layer cache
-plan and whether mlx-lm's solo kv_bits run exists on it."""
+plan and whether mlx-lm's solo kv_bits run exists on it; with ``--all``,
+every architecture module the installed mlx-lm has."""
 
 import json
 
@@ -7,7 +8,8 @@ from tabulate import tabulate
 
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import available_models
-from kvparity.reports.commands.base import UsageError, load_model
+from kvparity.oracle.zoo import architecture_modules, known_configs
+from kvparity.reports.commands.base import check_model_name, load_model
 from kvparity.reports.verdicts import EXIT_OK
 
 NAME = "models"
@@ -15,12 +17,18 @@ HELP = "list the models (random, mlx-lm's architectures, the real one) and each 
 DESCRIPTION = ("For each model: what each layer of mlx-lm's prompt cache holds (Q(heads x dims): a layer "
                "mlx-lm quantizes, batched by the cache under test; a class name: mlx-lm's own, batched by "
                "mlx-lm), and whether mlx-lm's solo kv_bits run, the oracle, exists on it (else the mlx-lm "
-               "limit or defect that keeps it from being judged, found by running mlx-lm).")
+               "limit or defect that keeps it from being judged, found by running mlx-lm). A NAME may be a model "
+               "directory or a config.json. With --all, every architecture module of the installed mlx-lm: its "
+               "plan where kvparity has a config for it (the zoo's, or a published config.json), else \"pass your "
+               "config.json\" (kvparity check --model CONFIG.json judges a tiny random twin of it).")
+PASS_CONFIG = "pass your config.json"
 
 
 def arguments(command):
     command.add_argument("names", nargs="*", metavar="NAME", help="these models only (default: every one)")
     command.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    command.add_argument("--all", action="store_true",
+                         help="every architecture module of the installed mlx-lm, with its plan where a config is known")
 
 
 def model_record(name: str) -> dict:
@@ -37,17 +45,28 @@ def model_record(name: str) -> dict:
     }
 
 
+def module_records() -> list:
+    """One record per architecture module of the installed mlx-lm (``--all``)."""
+    known = known_configs()
+    return [{"module": module, **model_record(known[module])} if module in known else
+            {"module": module, "model": None, "plan": PASS_CONFIG, "solo_kv_bits": None, "limit": None}
+            for module in architecture_modules()]
+
+
 def handle(args):
-    names = args.names or available_models()
-    unknown = [n for n in names if n not in available_models()]
-    if unknown:
-        raise UsageError(f"unknown model {unknown[0]!r} (available: {', '.join(available_models())})")
-    records = [model_record(name) for name in names]
+    for name in args.names:
+        check_model_name(name, "NAME")
+    if args.all:
+        records = module_records()
+    else:
+        records = [model_record(name) for name in args.names or available_models()]
     if args.json:
         print(json.dumps({"models": records}, indent=1))
         return EXIT_OK
-    rows = [(r["model"], r["plan"], "yes" if r["limit"] is None else "no",
+    rows = [(r["model"], r["plan"], "-" if r["model"] is None else "yes" if r["limit"] is None else "no",
              "" if r["limit"] is None else f"{r['solo_kv_bits']}: {r['limit']}") for r in records]
-    print(tabulate(rows, ("model", "layers (Q: quantized, heads x dims)", "judged", "mlx-lm's limit"),
-                   tablefmt="simple", maxcolwidths=[None, 40, None, 80]))
+    headers = ("model", "layers (Q: quantized, heads x dims)", "judged", "mlx-lm's limit")
+    if args.all:
+        rows, headers = [(r["module"], *row) for r, row in zip(records, rows)], ("mlx-lm module", *headers)
+    print(tabulate(rows, headers, tablefmt="simple", maxcolwidths=[None] * (len(headers) - 3) + [40, None, 80]))
     return EXIT_OK
