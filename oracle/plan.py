@@ -195,16 +195,23 @@ def _first_limit(model, plan: CachePlan) -> Optional[MlxLmDefect]:
     return _solo_kv_bits_limit(model, probe_group_size(plan.dims)) or dense_batch_differs(model)
 
 
-def _solo_kv_bits_limit(model, group_size: int) -> Optional[MlxLmDefect]:
+def _solo_kv_bits_limit(model, group_size: int, bits: int = PROBE_BITS) -> Optional[MlxLmDefect]:
     """mlx-lm's solo generate_step with kv_bits, a few tokens: the limit it raises, or None."""
     try:
-        for _ in generate_step(mx.array(PROBE_PROMPT), model, max_tokens=3, kv_bits=PROBE_BITS,
+        for _ in generate_step(mx.array(PROBE_PROMPT), model, max_tokens=3, kv_bits=bits,
                                kv_group_size=group_size, quantized_kv_start=0):
             pass
     except Exception as error:
-        return solo_kv_bits_raises(error, f"generate_step(kv_bits={PROBE_BITS}, kv_group_size={group_size})")
+        return solo_kv_bits_raises(error, f"generate_step(kv_bits={bits}, kv_group_size={group_size})")
     return None
 
 
+def solo_kv_bits_limit(model, plan: CachePlan, bits: int, group_size: int) -> Optional[MlxLmDefect]:
+    """Why mlx-lm's own solo run with these kv settings cannot exist on
+    ``model`` (a layer its conversion raises on, or its generate_step
+    raising), or None: where a server is judged against that run (L4)."""
+    return with_script(plan.conversion or _solo_kv_bits_limit(model, group_size, bits))
+
+
 __all__ = ["CachePlan", "LayerPlan", "converted", "fresh_rows", "kv_dims", "limit_for", "mlx_lm_frame",
-           "offset_of", "plan_for"]
+           "offset_of", "plan_for", "solo_kv_bits_limit"]

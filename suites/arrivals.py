@@ -308,11 +308,13 @@ def _check_conversations(source, requests: Dict[str, ArrivalRequest], engine: En
             turn = requests[turn.continues]
 
 
-def check_fits(schedule: ArrivalSchedule, plan, vocab_size: int, has_tokenizer: bool) -> Optional[str]:
+def check_fits(schedule: ArrivalSchedule, plan, vocab_size: int, has_tokenizer: bool,
+               group_sizes: bool = True) -> Optional[str]:
     """Why the schedule cannot run on a model of this per-layer plan (a
-    ``CachePlan``) and vocabulary, or None."""
+    ``CachePlan``) and vocabulary, or None; ``group_sizes`` false where the
+    requests' KV settings are not the run's (L4: the server declares its own)."""
     for r in schedule.requests.values():
-        unfit = plan.group_sizes_fit(r.group_size)
+        unfit = plan.group_sizes_fit(r.group_size) if group_sizes else None
         if unfit:
             return f"{schedule.path}: request {r.id!r}: {unfit.removeprefix('kv.')}"
     prompts = list(schedule.requests.values()) + ([schedule.system] if schedule.system else [])

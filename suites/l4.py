@@ -56,11 +56,12 @@ from kvparity.oracle.generation import (
 )
 from kvparity.oracle.model_dir import write_model_dir
 from kvparity.oracle.models import load_model
+from kvparity.oracle.plan import solo_kv_bits_limit
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
 from kvparity.suites.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, RAISED, TEXT, TOKENS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.engines import EngineRequest
-from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
 from kvparity.suites.levels import L4, LEVELS
 from kvparity.suites.processes import stopping_on_signals
@@ -87,6 +88,10 @@ class ServerUnderTest:
     prefill_step_size: int = 2048  # mlx_lm.server's default
     concurrency: int = 8
     ready_timeout: float = 300.0
+    # Words that turn the server's prompt cache off, added to its command
+    # (mlx_lm.server: --prompt-cache-size 0): every request's alone answer then
+    # comes from one server; "": from a fresh server per conversation.
+    prompt_cache_off: str = ""
 
     @property
     def name(self) -> str:
@@ -99,7 +104,31 @@ class ServerUnderTest:
         kv = ["--kv-bits", str(self.kv_bits), "--kv-group-size", str(self.kv_group_size),
               "--quantized-kv-start", FIRST if self.quantized_kv_start is None else str(self.quantized_kv_start)] \
             if self.kv_bits is not None else []
-        return kv + ["--prefill-step-size", str(self.prefill_step_size), "--concurrency", str(self.concurrency)]
+        off = ["--prompt-cache-off", self.prompt_cache_off] if self.prompt_cache_off else []
+        return kv + ["--prefill-step-size", str(self.prefill_step_size), "--concurrency", str(self.concurrency)] + off
+
+    @property
+    def alone_from(self) -> str:
+        """Where each request's alone answer comes from (``serve_alone``)."""
+        if self.url:
+            return "the server at --url, one request at a time"
+        if self.prompt_cache_off:
+            return f"one fresh server with its prompt cache off ({self.prompt_cache_off}), one request at a time"
+        return "a fresh server per conversation"
+
+    def unfit(self, plan) -> Optional[str]:
+        """Why the declared KV settings cannot be the model's (a group size
+        that does not divide a quantized layer's dims), or None."""
+        unfit = plan.group_sizes_fit(self.kv_group_size) if self.kv_bits is not None else None
+        return unfit and f"the server declares --kv-group-size {self.kv_group_size}: {unfit}"
+
+    def limit(self, loaded):
+        """mlx-lm's limit that keeps its own solo run under the declared
+        settings from existing on this model (what the answers are judged
+        against), or None; a dense run always exists."""
+        if self.kv_bits is None:
+            return None
+        return solo_kv_bits_limit(loaded.model, loaded.plan, self.kv_bits, self.kv_group_size)
 
     def record(self, log: str, **timing) -> dict:
         """What a report keeps of it (``ScheduleResult.server``): a finding's reproduction reads it."""
@@ -188,8 +217,11 @@ _MODEL_ROOT: Optional[tempfile.TemporaryDirectory] = None
 
 
 def model_dir(loaded) -> Path:
-    """The model as a directory a server loads, written once per process."""
+    """The model as a directory a server loads: the one it was loaded from,
+    else written once per process."""
     global _MODEL_ROOT
+    if loaded.directory is not None:
+        return loaded.directory
     if loaded.sha256 not in _MODEL_DIRS:
         _MODEL_ROOT = _MODEL_ROOT or tempfile.TemporaryDirectory(prefix="kvparity-l4-models-")
         _MODEL_DIRS[loaded.sha256] = write_model_dir(loaded, Path(_MODEL_ROOT.name) / loaded.name)
@@ -204,19 +236,27 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     for rid in schedule.requests:
         result.row(rid)
     start = time.perf_counter()
-    unfit = check_fits(schedule, loaded.plan, loaded.vocab_size, loaded.tokenizer is not None)
+    unfit = check_fits(schedule, loaded.plan, loaded.vocab_size, loaded.tokenizer is not None,
+                       group_sizes=False) or server.unfit(loaded.plan)
     if unfit:
         result.stop(NOT_SUPPORTED, unfit)
+        return result
+    limit = server.limit(loaded)
+    if limit is not None:
+        result.stop(MLX_LM_DEFECT, limit.attribution())
         return result
     directory = model_dir(loaded)
     tokenizer = load_tokenizer(directory)  # the tokenizer the server loads, from the same files
     sent = to_send(schedule, loaded, tokenizer)
+    unread = unread_prompt(sent, tokenizer, loaded.vocab_size)
+    if unread:
+        result.stop(NOT_SUPPORTED, f"{L4} {schedule.name} on {loaded.name}: {unread}")
+        return result
     everyone = [s.id for s in sent]
     try:
         dialect = Dialect(token_id_of(tokenizer))  # learnt alone, used together
-        alone = {rid: answer for chain in conversations(sent)
-                 for rid, answer in serve(server, directory, chain, 1, dialect)[0].items()}
-        together, log, timing = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
+        alone = serve_alone(server, directory, sent, dialect)
+        together = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
         result.raised_by = SERVER
@@ -224,7 +264,11 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
         result.stop(FAIL, f"{L4} {schedule.name}: {said}")
         result.note(0, RAISED, everyone, 0, [Divergence(RAISED, SERVE_LABEL, detail=said)])
         return result
-    result.server = server.record(log, **timing)
+    started = [served.load_seconds for served in alone + [together] if served.load_seconds is not None]
+    result.server = server.record(together.log, **together.timing, **{
+        "server starts": len(started), "load seconds": round(sum(started), 3), "alone from": server.alone_from})
+    log, together = together.log, together.answers
+    alone = {rid: answer for served in alone for rid, answer in served.answers.items()}
     last_error = next((line.strip() for line in reversed(log.splitlines()) if "error" in line.lower()), "")
     precision = precision_of([v for a in together.values() for v in a.logprobs])
     # A turn's prompt is what the server's tokenizer makes of what it was asked (its conversation so far).
@@ -252,6 +296,26 @@ def to_send(schedule: ArrivalSchedule, loaded, tokenizer) -> List[Sent]:
         s = Sent(request, text, spec.endpoint, spec.sent_at_ms, spec.stream)
         out.append(s if s.continues else replace(s, request=replace(request, prompt=prompt_of(asked_of(s), tokenizer))))
     return out
+
+
+def unread_prompt(sent: List[Sent], tokenizer, vocab_size: int) -> str:
+    """Why a request's text is not the prompt mlx-lm's run gets ("" where
+    every one is): the model's tokenizer makes no tokens of it, tokens outside
+    the model's vocabulary, or tokens that read back as another text."""
+    for s in sent:
+        ids = list(tokenizer.encode(s.text, add_special_tokens=False))
+        prompt = list(s.prompt) if not s.continues else ids  # a turn's is known once the turns before it are
+        outside = next((t for t in ids + prompt if not 0 <= t < vocab_size), None)
+        if not ids or not prompt:
+            why = "the model's tokenizer makes no tokens of it"
+        elif outside is not None:
+            why = f"the model's tokenizer makes token {outside} of it, outside the model's {vocab_size}"
+        elif tokenizer.decode(ids) != s.text:
+            why = f"its tokens read back as another text, {tokenizer.decode(ids)[:60]!r}"
+        else:
+            continue
+        return f"request {s.id!r}: its prompt is sent as the text {s.text[:60]!r}, and {why}"
+    return ""
 
 
 def token_id_of(tokenizer):
@@ -363,25 +427,48 @@ def as_answered(solo, got: Answer, tokenizer):
     return solo
 
 
+@dataclass
+class Served:
+    """What one server (or the attached one) answered."""
+
+    answers: Dict[str, Answer]
+    log: str  # its log's end, where asked for
+    timing: dict  # throughput and latency
+    load_seconds: Optional[float]  # how long a started server took to answer; None: the one the user runs
+
+
+def serve_alone(server: ServerUnderTest, directory: Path, sent: List[Sent], dialect) -> List[Served]:
+    """Each request served alone: sent one at a time, a conversation's turns
+    in order, to one fresh server with its prompt cache off where the server
+    declares how (``prompt_cache_off``), else each conversation to a fresh
+    server of its own: a prompt cache would serve a request from another
+    request's stored prefix, which is not bit-identical to a fresh prefill."""
+    if server.prompt_cache_off or server.url:
+        return [serve(server, directory, sent, 1, dialect, prompt_cache=False)]
+    return [serve(server, directory, chain, 1, dialect) for chain in conversations(sent)]
+
+
 def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, dialect,
-          keep_log: bool = False):
-    """The requests sent to a fresh server (or the attached one): their
-    answers, the server's log's end, and throughput and latency."""
+          keep_log: bool = False, prompt_cache: bool = True) -> Served:
+    """The requests sent to a fresh server (or the attached one), its prompt
+    cache turned off where ``prompt_cache`` is false and the server declares how."""
     with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
         if server.url:
             running = AttachedServer(server.url)
         else:
             env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(Path(scratch) / "hub"))
             (Path(scratch) / "hub").mkdir()
-            running = LaunchedServer(server.command, directory, Path(scratch) / "server.log",
+            command = server.command if prompt_cache else f"{server.command} {server.prompt_cache_off}"
+            running = LaunchedServer(command, directory, Path(scratch) / "server.log",
                                      ready_timeout=server.ready_timeout, env=env)
+        asked = time.perf_counter()
         with stopping_on_signals(), running:  # SIGTERM and SIGHUP leave through the with, as Ctrl-C does
             began = time.perf_counter()
             answers = asyncio.run(traffic(running.url, sent, concurrency, dialect))
             wall = time.perf_counter() - began
             running.check_alive()
             tail = running.log_tail(LOG_LINES) if keep_log else ""
-    return answers, tail, timing_of(answers, wall)
+    return Served(answers, tail, timing_of(answers, wall), None if server.url else round(began - asked, 3))
 
 
 async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict[str, Answer]:

@@ -81,7 +81,7 @@ def architecture_axis(path=AXIS) -> ArchitectureAxis:
     for model in doc["default"]:
         if model not in known:
             raise ScheduleError(f"{path}: default: {model!r} is no architecture of the zoo")
-    return ArchitectureAxis(tuple(doc["default"]), {level: tuple(doc.get(level, ())) for level in (L2, L3)})
+    return ArchitectureAxis(tuple(doc["default"]), {level: tuple(doc.get(level, ())) for level in (L2, L3, L4)})
 
 
 def model_set(text: Optional[str]) -> Tuple[str, ...]:
@@ -233,7 +233,8 @@ class L3Runner(Runner):
 
 class L4Runner(L3Runner):
     """A server over HTTP serving arrivals: its own catalog (arrival times in
-    milliseconds, bursts up to the concurrency), each file once."""
+    milliseconds, bursts up to the concurrency), each file once, then on each
+    architecture of the run's axis (the server serving its model directory)."""
 
     level = L4
 
@@ -243,8 +244,10 @@ class L4Runner(L3Runner):
     def model_name(self, schedule, options):
         return SMOLLM2 if options.real_model else options.forced or schedule.model  # the catalog on the real model
 
-    def variants(self, schedule, options):
-        return [("", replace(options, models=()))]
+    def unfit(self, schedule, model):  # the server declares its KV settings (l4.run_l4 fits them)
+        unfit = arrivals.check_fits(schedule, model.plan, model.vocab_size, model.tokenizer is not None,
+                                    group_sizes=False)
+        return unfit and f"cannot run on {model.name}: {unfit}"
 
     def run(self, schedule, implementation, options):
         return l4.run_l4(schedule, options.server, self.model_name(schedule, options), use_cache=options.use_cache)

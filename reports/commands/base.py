@@ -112,6 +112,10 @@ def server_options(command):
                        help="requests in flight at most (default: 8)")
     group.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
                        help="how long a started server may take to answer (default: 300)")
+    group.add_argument("--prompt-cache-off", metavar="ARGS", default="",
+                       help="what turns the server's prompt cache off, added to its command for the server that "
+                       "answers each request alone, e.g. '--prompt-cache-size 0' for mlx_lm.server: then one server "
+                       "answers them all, one at a time; without it, a fresh server per conversation")
 
 
 def server_of(args):
@@ -124,9 +128,12 @@ def server_of(args):
         return None
     if command is not None and url is not None:
         raise UsageError("--server and --url: give one (a server kvparity starts, or one you run)")
+    off = getattr(args, "prompt_cache_off", "")
+    if off and url is not None:
+        raise UsageError("--prompt-cache-off: with --server only (a server you run keeps the flags it was started with)")
     try:
         if command is not None:
-            command_line(command, "MODEL", 1)
+            command_line(f"{command} {off}", "MODEL", 1)
         else:
             url = loopback_url(url)
     except ServerUsageError as error:
@@ -143,7 +150,7 @@ def server_of(args):
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
     return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start,
-                           args.prefill_step_size, args.concurrency, args.ready_timeout)
+                           args.prefill_step_size, args.concurrency, args.ready_timeout, prompt_cache_off=off.strip())
 
 
 def judges_a_server_only(args) -> bool:

@@ -5,9 +5,10 @@ import argparse
 from tabulate import tabulate
 
 from kvparity.oracle.models import DEFAULT_MODEL
+from kvparity.oracle.plan import probe_group_size
 from kvparity.oracle.probes import ProbeShapes, ProbeUnavailable, probe_notes, probe_table, run_probes
 from kvparity.reports.commands.base import (
-    DEVICE_HELP, CannotRun, check_model_name, model_help, model_or_default, use_device,
+    DEVICE_HELP, CannotRun, UsageError, check_model_name, model_help, model_or_default, use_device,
 )
 from kvparity.reports.verdicts import EXIT_OK
 
@@ -41,13 +42,17 @@ def arguments(command):
     command.add_argument("--kv-group-size", type=int, default=64, help="KV group size (default: 64)")
 
 
-def probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size=64):
-    """L0 for the model's shapes: explains L2 outcomes in the report."""
-    shapes = ProbeShapes.from_args(
-        hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-        head_dim=model.head_dim, vocab_size=model.vocab_size, dtype=model.dtype,
-        kv_bits=kv_bits, kv_group_size=kv_group_size,
-    )
+def probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size=None):
+    """L0 for the model's shapes: explains L2 outcomes in the report. The
+    group size by default the largest of 64, 32, 16 that divides the head dim."""
+    try:
+        shapes = ProbeShapes.from_args(
+            hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+            head_dim=model.head_dim, vocab_size=model.vocab_size, dtype=model.dtype,
+            kv_bits=kv_bits, kv_group_size=kv_group_size or probe_group_size([model.head_dim]),
+        )
+    except ValueError as error:
+        raise UsageError(f"kvparity probe on {model.name}: {error}")
     try:
         return run_probes(shapes, batch_sizes=batch_sizes, device=device)
     except ProbeUnavailable as error:
