@@ -158,6 +158,8 @@ def ecosystem(session, name):
         env["PATH"] = f"{environment / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
     else:
         command = [kvparity, "run", "--impl", row.impl, "--out", str(out)]
+    if row.models:  # the architecture axis: every architecture of the zoo on a worker per core
+        command += ["--models", row.models, "--workers", str(max(1, os.cpu_count() or 1))]
     if row.engine:
         command += ["--engine", row.engine]
     if row.expectations:

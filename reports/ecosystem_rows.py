@@ -41,6 +41,7 @@ class Row:
     expectations: Optional[str] = None  # --expectations: the row's declared divergences, from the repository root
     server: Optional[str] = None  # L4 --server: the command, found on the row environment's PATH (a server row)
     declares: Tuple[str, ...] = ()  # L4: what the server declares to kvparity (--kv-bits 4 ...)
+    models: Optional[str] = None  # --models: the architecture axis (all: every architecture, on workers)
 
     @property
     def under_test(self) -> str:

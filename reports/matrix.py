@@ -249,9 +249,11 @@ def _schedule_of(row: Row, name: str, path: Optional[str], level: str):
         return None, False, None
     schedule = _from_here(schedule)
     served = next((r["server"] for r in row.record["results"] if r.get("server", {}).get("command")), None)
-    if level == L4 and served:  # a server: the same command and declarations, on that schedule alone
-        return schedule, minimal.is_file(), shlex.join(["kvparity", "run", "--level", L4, "--schedule", str(schedule),
-                                                        "--server", served["command"], *served["declares"]])
+    if level == L4 and served:  # a server: the same command and declarations, on that schedule and model alone
+        model = next((r["model"] for r in row.record["results"] if r["schedule"] == name and r.get("model")), None)
+        return schedule, minimal.is_file(), shlex.join(
+            ["kvparity", "run", "--level", L4, "--schedule", str(schedule), *(["--model", model] if model else []),
+             "--server", served["command"], *served["declares"]])
     replay = f"kvparity replay {schedule} --level {level} --impl {row.implementation}"
     policy = row.record["policy"]
     replay += f" --policy {_from_here(policy['path']) if policy['path'] else policy['name']}"

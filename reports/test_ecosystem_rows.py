@@ -25,6 +25,10 @@ def test_the_checked_in_rows_load_with_the_reference_on_each_mlx_lm_minor():
     assert reference == {("mlx-lm==0.31.3",), ("mlx-lm==0.32.2",)}
     beam = next(row for row in rows if row.name.startswith("mlx-beam"))
     assert not beam.python_supported("3.11.7") and beam.python_supported("3.12.1")
+    # mlx-lm's own server, dense and --kv-bits 4: every architecture, alone from one server with its cache off
+    mlx_lm = [row for row in rows if row.server and row.server.startswith("python -m mlx_lm server")]
+    assert len(mlx_lm) == 2 and all(row.models == "all" for row in mlx_lm)
+    assert all(row.declares[-2:] == ("--prompt-cache-off", "--prompt-cache-size 0") for row in mlx_lm)
 
 
 def test_a_good_row(tmp_path):
@@ -39,10 +43,10 @@ def test_a_server_row_and_its_mistakes(tmp_path):
     """An L4 row names a server command instead of a class, never both, and no engine."""
     path = tmp_path / "rows.toml"
     server = GOOD.replace('impl = "pkg.cache:BatchCache"\n', 'server = "pkg-serve --model {model} --port {port}"\n')
-    path.write_text(server + 'declares = ["--kv-bits", "4"]\n')
+    path.write_text(server + 'declares = ["--kv-bits", "4"]\nmodels = "all"\n')
     (row,) = load_rows(path)
     assert row.server.startswith("pkg-serve") and row.impl is None and row.declares == ("--kv-bits", "4")
-    assert row.under_test == row.server
+    assert row.under_test == row.server and row.models == "all"
     for text, says in ((GOOD + 'server = "pkg-serve {model} {port}"\n', "give 'impl'"),
                        (server.replace("server = ", "engine = \"pkg.engine:Engine\"\nserver = "), "no 'engine'")):
         path.write_text(text)

@@ -472,3 +472,17 @@ def test_the_architecture_table_in_a_headless_browser(arch_rows, tmp_path, capsy
     assert ("pass" in classes["llama-h64-bf16"] and "partial" in classes["qwen3_5"]
             and "defect" in classes["gemma3_text"])
     assert {limit["data-limit"] for limit in page.limits} == {"solo-kv-bits-raises"}
+
+
+def test_an_l4_finding_on_an_architecture_is_reproduced_on_that_model(tmp_path):
+    """A server row's run on an axis architecture ("burst on qwen3_5") replays
+    its file with --model, or it would replay on the file's own model."""
+    served = {"command": "serve {model} {port}", "declares": ["--kv-bits", "4"]}
+    record = {"results": [{"schedule": "burst", "model": "llama-h64-f32", "server": served},
+                          {"schedule": "burst on qwen3_5", "model": "qwen3_5", "server": served}]}
+    row = matrix.Row("serve {model} {port}", "1.0", "0.32.2", tmp_path, record=record)
+    burst = CATALOG / "l4" / "burst.json"
+    for name, model in (("burst on qwen3_5", "qwen3_5"), ("burst", "llama-h64-f32")):
+        _, _, replay = matrix._schedule_of(row, name, str(burst), "L4")
+        words = shlex.split(replay)
+        assert words[words.index("--model") + 1] == model and words[words.index("--server") + 1] == served["command"]
