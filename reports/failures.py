@@ -56,11 +56,12 @@ class Failure:
 
     @property
     def what(self) -> Tuple[str, str]:
-        """(check, tensor) of its first failure: keys.packed, values.scales, ... (its row and event do not count)."""
+        """(check, tensor) of its first failure: keys.packed, values.scales, ... (its row and event do not count,
+        nor which stored entry it was)."""
         if self.first is None:
             return self.verdict.verdict, ""
         found = _TENSOR.search(self.first.tensor) if self.first.tensor else None
-        return self.first.check, found.group(0) if found else self.first.tensor
+        return self.first.check, found.group(0) if found else self.first.tensor.split(" '")[0]
 
     @property
     def message(self) -> str:
@@ -81,6 +82,8 @@ class FailureGroup:
     exposure: Optional[Exposure] = None  # set by explain: an earlier member left what this one exposed
     options: Dict[str, str] = field(default_factory=dict)  # what its bisect command repeats (options_of)
     shrunk: List[str] = field(default_factory=list)  # the shrunk schedule's events, when explain shrank one
+    # The shrunk schedule's first failing divergence, when explain shrank one.
+    shrunk_first: Optional[Divergence] = None
 
     @property
     def schedules(self) -> int:
@@ -114,8 +117,18 @@ class FailureGroup:
 
     @property
     def at_fault(self) -> str:
-        """The member most likely at fault: the exposure's cause, else the failing event's member."""
-        return self.exposure.cause if self.exposure else self.member
+        """The member at fault: the exposure's cause, else the member the
+        evidence names on the shrunk schedule, else on the full run."""
+        if self.exposure:
+            return self.exposure.cause
+        if self.shrunk_first is not None and self.shrunk_first.member:
+            return self.shrunk_first.member
+        return self.member
+
+    @property
+    def shrunk_differs(self) -> bool:
+        """The shrunk schedule's first failing call names another member than the full run's."""
+        return self.shrunk_first is not None and self.shrunk_first.member != self.member
 
     def title(self) -> str:
         return title(self.to_json())
@@ -136,6 +149,7 @@ class FailureGroup:
                 "exposed_by": self.exposure.exposed_by, "exposed_at": self.exposure.exposed_at,
                 "sentence": self.exposure.sentence()},
             "shrunk_events": list(self.shrunk),
+            "shrunk_first": None if self.shrunk_first is None else self.shrunk_first.message(),
             "seen_as": self.seen_as,
             "schedules": self.schedules, "rows": self.rows,
             "members": sorted({f.verdict.evidence.schedule for f in self.failures}),
@@ -166,11 +180,16 @@ def title(group: dict) -> str:
 
 
 def failure_of(verdict: ScheduleVerdict) -> Optional[Failure]:
-    """A failing schedule run's first failure, or None when it did not fail."""
+    """A failing schedule run's first failure, or None when it did not fail.
+    Its member: the one the evidence names (L1: the call after which it was
+    seen, or the member whose own output the check read), else the member
+    that raised, else the last one the replay called before it (L2)."""
     if verdict.verdict not in (FAIL, REFUSED):
         return None
     result = verdict.evidence
     first = first_failure(verdict)
+    if first is not None and first.member:
+        return Failure(verdict, first, first.member, first.event)
     if result.raised_by and (first is None or first.check == "raised"):
         index = first.event_index if first is not None else max(result.called, default=-1)
         return Failure(verdict, first, result.raised_by, _label(result, index))
@@ -287,6 +306,7 @@ def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int =
             continue
         minimal = shrinker.parse(shrinker.shrink(load(result.path)))
         chosen.shrunk = [e.label for e in minimal.events]
+        chosen.shrunk_first = first_failure(at_level(minimal))
         chosen.exposure = exposure(at_level, minimal)
     groups[:] = _ordered(fold_outputs(groups))  # a member at fault named now may take output-only failures
 
@@ -336,6 +356,9 @@ def lines(groups: List[FailureGroup]) -> List[str]:
             out.append(f"    cause: {g.exposure.sentence()}")
         if g.shrunk:
             out.append(f"    shrunk schedule: {'; '.join(g.shrunk)}")
+        if g.shrunk_differs:  # the full run's is the first seen, below
+            out.append(f"    first failing call, shrunk: {g.shrunk_first.message()} (the full run's names "
+                       f"{g.member})")
         if len(doc["seen_as"]) > 1:
             out.append(f"    seen as: {'; '.join(doc['seen_as'])}")
         out.append(f"    first seen: {example['schedule']}: {example['message']}")

@@ -65,6 +65,10 @@ OPTIONAL_MEMBERS = {member: capability for capability, (_, member) in CAPABILITI
 # others run at every forward (a write, its mask) or only read.
 RESHAPING_MEMBERS = ("merge", "extend", "filter", "extract", "trim", "prepare", "finalize", "rollback")
 WRITE = "update_and_fetch"
+# The members whose own output a check reads (a mask, an extracted row, a
+# count, a width, a position): a divergence there is theirs by construction,
+# whatever call came before it.
+READING_MEMBERS = ("make_mask", "extract", "nbytes", "size", "offset")
 
 
 class ImplementationError(Exception):
@@ -125,6 +129,35 @@ class ForwardRaised(MemberRaised):
 
     capability = None
     refused = False
+
+
+class OutputRaised(MemberRaised):
+    """mlx-lm (or the model) raised while it consumed what a member returned
+    (an extracted row, a merged batch, a mask): that member's failure, with
+    what it returned, never kvparity's own error and never a refusal."""
+
+    def __init__(self, member: str, error: BaseException, consumer: str, value: str):
+        super().__init__(member, error)
+        self.consumer, self.value = consumer, value
+
+    def __str__(self):
+        return (f"{self.consumer} raised {type(self.error).__name__}: {self.error}"
+                + (f" (at {self.at})" if self.at else "") + f", on what {self.member} returned: {self.value}")
+
+    capability = None
+    refused = False
+
+
+@contextmanager
+def consuming(member: str, consumer: str, value: Callable[[], str]):
+    """mlx-lm's ``consumer`` runs on what ``member`` returned; what it raises
+    is that member's failure (``value()``: what it returned, in words)."""
+    try:
+        yield
+    except MemberRaised:
+        raise
+    except Exception as error:
+        raise OutputRaised(member, error, consumer, value()) from error
 
 
 def raised_at(error: BaseException) -> str:

@@ -28,6 +28,9 @@ class Check:
     kind: str  # PARITY or HYGIENE
     compares: str  # what holding means, in words
     gates: str = ALWAYS  # ALWAYS, BY_TIER, MODEL_WRITTEN or BY_HYGIENE_POLICY
+    # The protocol member whose own output it reads, which its divergences
+    # blame by construction (L1); empty: the call after which it was seen.
+    reads: str = ""
 
 
 BYTES = "bytes"
@@ -61,23 +64,28 @@ CHECKS: Dict[str, Check] = {
     LEFT_PADDING: Check(PARITY, "size() minus the row's left padding is the row's length"),
     LAYOUT: Check(PARITY, "the state holds (packed, scales, biases) triples of the expected dtypes and shapes"),
     EXTRACT: Check(PARITY, "extract(i) returns the row as a quantized cache of its offset, bits and group size, "
-                           "and leaves the batch unchanged"),
-    MASK: Check(PARITY, "make_mask hides exactly the padding and the future"),
+                           "and leaves the batch unchanged", reads="extract"),
+    MASK: Check(PARITY, "make_mask hides exactly the padding and the future", reads="make_mask"),
     SHARED_PADDING: Check(PARITY, "no column is padding in every row"),
     SOURCE: Check(PARITY, "merge and extend leave their sources' bytes unchanged"),
-    NBYTES: Check(PARITY, "nbytes counts at least the bytes the rows' columns occupy"),
+    NBYTES: Check(PARITY, "nbytes counts at least the bytes the rows' columns occupy", reads="nbytes"),
     RAISED: Check(PARITY, "a member or the engine raised: nothing after it was compared"),
     LOGITS: Check(PARITY, "each row's logits equal (or reach the policy's tier of) the request run alone", BY_TIER),
     TOKENS: Check(PARITY, "greedy (L2) or generated (L3, L4) tokens equal the request run alone", BY_TIER),
     LOGPROBS: Check(PARITY, "L3, L4: the log-probabilities of each generated token"),
     LENGTH: Check(PARITY, "L3, L4: how many tokens each request generated"),
+    # A stored entry is the row extract returned: its bytes, its nbytes, its
+    # trim and its copy are that row's (mlx-lm's store calls them).
     STORED: Check(PARITY, "a stored prompt cache keeps its bytes from its store on, and a join from the store "
-                          "starts from the prefix, and the bytes, mlx-lm's store holding the same entries gives"),
+                          "starts from the prefix, and the bytes, mlx-lm's store holding the same entries gives",
+                  reads="extract"),
     # Parity: the store's byte budget sums it (LRUPromptCache.insert_cache), so
     # a wrong count changes which stored prefixes later requests find.
-    STORED_NBYTES: Check(PARITY, "nbytes of a stored prompt cache equals the bytes of its arrays"),
-    QUANTIZED: Check(PARITY, "L3: after the engine's first step that generated a token, every layer's cache holds "
-                             "(packed, scales, biases) triples of the requested bits and group size"),
+    STORED_NBYTES: Check(PARITY, "nbytes of a stored prompt cache equals the bytes of its arrays", reads="extract"),
+    QUANTIZED: Check(PARITY, "the batch is quantized at the rows' bits and group size: L1, its bits and group_size "
+                             "after every call; L3, after the engine's first step that generated a token, every "
+                             "layer's cache holds (packed, scales, biases) triples of the requested bits and group "
+                             "size"),
     ALONE: Check(PARITY, "L4: a request served among others gets the tokens and log-probs the same server gives "
                          "it alone"),
     KV_APPLIED: Check(PARITY, "L4: a server that declares quantized KV answers as mlx-lm's kv_bits run, where "

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Part, Reading, raw_many
+from kvparity.suites.adapter import READING_MEMBERS
 from kvparity.suites.checks import BYTES, LAYOUT, LEFT_PADDING
 
 TRIPLE = ("packed", "scales", "biases")
@@ -32,6 +33,12 @@ class Divergence:
     # L3, where the engine makes the calls: the members that reshaped the batch
     # between the request's arrival and this divergence, in order of first call.
     reshaped: Tuple[str, ...] = ()
+    # L1: the protocol call of its event after which it was seen (its place
+    # among the event's calls on the batch, layers counted apart), and the
+    # member the evidence is against: that call's, or the member whose own
+    # output the check read (an extracted row, a mask, nbytes).
+    call: Optional[int] = None
+    member: str = ""
 
     @property
     def event_index(self) -> int:
@@ -41,11 +48,16 @@ class Divergence:
 
     @property
     def order(self):
-        """Sort key: earliest by event, then by step."""
-        return (self.event_index, -1 if self.step is None else self.step)
+        """Sort key: earliest by event, then by step, then by call; at one
+        call, what the call left in the batch before what a check read from
+        another member (an extract of a wrong batch is wrong too)."""
+        return (self.event_index, -1 if self.step is None else self.step, -1 if self.call is None else self.call,
+                self.member in READING_MEMBERS)
 
     def message(self) -> str:
         where = [f"after event {self.event}"]
+        if self.call is not None and self.member and self.member not in READING_MEMBERS:
+            where[0] += f" (its call {self.call + 1}, {self.member})"
         if self.request is not None:
             where.append(f"row {self.request!r}")
         if self.step is not None:
@@ -191,6 +203,22 @@ def in_words(value, where_a_triple: bool = False) -> str:
     if isinstance(value, (bool, int, float, str)):
         return f"the value {value!r}"
     return f"an object of class {type(value).__name__}"
+
+
+def row_in_words(cache) -> str:
+    """A solo row a member returned, in words: its class, offset, bits,
+    group size and what it holds as keys and values."""
+    held = "; ".join(f"{name} {in_words(getattr(cache, name, None))}" for name in ("keys", "values"))
+    return (f"{type(cache).__name__}(offset {getattr(cache, 'offset', None)!r}, bits {getattr(cache, 'bits', None)!r}, "
+            f"group_size {getattr(cache, 'group_size', None)!r}; {held})")
+
+
+def rows_in_words(caches) -> str:
+    """One row's caches, one per layer, in words."""
+    caches = list(caches)
+    if len(caches) == 1:
+        return row_in_words(caches[0])
+    return "; ".join(f"layer {i}: {row_in_words(c)}" for i, c in enumerate(caches))
 
 
 def _dtype(x) -> str:

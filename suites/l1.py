@@ -34,9 +34,11 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.oracle.arrays import arrays_in, handles, owned_arrays, start_evaluating
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.adapter import Implementation, MemberRaised
+from kvparity.suites.adapter import WRITE, Implementation, MemberRaised, consuming
+from kvparity.suites.compare import rows_in_words
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
-from kvparity.suites.l1_checks import check_event
+from kvparity.suites.l1_calls import CallChecks
+from kvparity.suites.l1_checks import EventChecks, check_event
 from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
 from kvparity.suites.levels import L1
 from kvparity.suites.replay import Replay, drive
@@ -74,7 +76,10 @@ class SyntheticBackend:
 
     def prefill_from(self, rid, cache, rest, j):
         self.written[rid] = self.replay.drawn[rid]
-        solo = prefilled_from(self.kv, self.schedule, self.schedule.requests[rid], cache, rest)
+        # A copy of a row the implementation's extract returned, appended to by mlx-lm.
+        with consuming("extract", "mlx-lm's QuantizedKVCache.update_and_fetch (the rest of the prompt, on the "
+                       "stored row)", lambda: rows_in_words(cache or ())):
+            solo = prefilled_from(self.kv, self.schedule, self.schedule.requests[rid], cache, rest)
         self.resumed[rid] = solo
         return solo
 
@@ -88,6 +93,7 @@ class SyntheticBackend:
         for i, (batch, layer) in enumerate(zip(layers, drawn)):
             with self.in_layer(i):
                 fetched.append(batch.update_and_fetch(*(mx.concatenate(xs) for xs in zip(*layer))))
+                self.replay.called(WRITE, i, batch, rows, fetched=fetched[-1], tokens=n)
         self.fetched = (self.replay.version, fetched)
 
     @contextmanager
@@ -110,7 +116,12 @@ class SyntheticBackend:
         return arrays
 
     def append_alone(self, rid, solo, n, j):
-        solo.append(self.draw(rid, n))
+        if rid not in self.replay.extracted:  # mlx-lm's own row, waiting to be converted
+            solo.append(self.draw(rid, n))
+            return
+        with consuming("extract", "mlx-lm's QuantizedKVCache.update_and_fetch (the row decoding alone)",
+                       lambda: rows_in_words(solo.layers)):
+            solo.append(self.draw(rid, n))
 
     def untrimmable(self) -> str:
         return ""  # synthetic layers are quantized caches: every one trims
@@ -123,15 +134,20 @@ class SyntheticBackend:
         padded = [[tuple(mx.concatenate([x, pad], axis=2) for x, pad in zip(own, junk))
                    for own, junk in zip(self.draw(r.id, r.prompt_len), self.kv.padding(width - r.prompt_len))]
                   for r in requests]
-        layers = []
+        layers, called = [], self.replay.called
         for i, layer in enumerate(zip(*padded)):
             with self.in_layer(i):
                 empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
                 batch = self.implementation.batch_class.merge(empty)
+                called("merge", i, batch, rids, prefill=True)
                 batch.prepare(right_padding=[width - r.prompt_len for r in requests])
+                called("prepare", i, batch, rids, prefill=True)
                 keys, values = (mx.concatenate(xs) for xs in zip(*layer))
-                start_evaluating(arrays_in(batch.update_and_fetch(keys, values)))
+                fetched = batch.update_and_fetch(keys, values)
+                called(WRITE, i, batch, rids, prefill=True, fetched=fetched, tokens=width)
+                start_evaluating(arrays_in(fetched))
                 batch.finalize()
+                called("finalize", i, batch, rids)
             layers.append(batch)
         return layers
 
@@ -156,6 +172,23 @@ class L1Run:
         self.running = True
         self.seconds = 0.0
         self.calls_before = dict(implementation.calls)
+        self.calls = CallChecks(self)  # the evidence after each protocol call
+        self.replay.on_call = self.calls.after
+        self.applied = 0  # calls of the replay the solo caches have taken
+        self.checked = None  # the last event whose own checks began
+
+    @property
+    def schedule(self):
+        return self.replay.schedule
+
+    def event_checks(self, index: int) -> EventChecks:
+        return EventChecks(self.result, index)
+
+    def sync_solo(self):
+        """The solo caches take the calls the replay recorded since they last did."""
+        order = self.replay.order
+        self.solo.apply([(rid, self.replay.calls[rid][j]) for rid, j in order[self.applied:]])
+        self.applied = len(order)
 
     def advance(self, events) -> bool:
         """Apply and check ``events``; False once the run has stopped."""
@@ -164,6 +197,8 @@ class L1Run:
         if self.running:
             with self.implementation.watching():
                 self.running = drive(self.result, self.replay, events, self.check)
+                if not self.running:
+                    self.settle()
         self.seconds += time.perf_counter() - start
         return self.running
 
@@ -171,11 +206,28 @@ class L1Run:
         # The implementation's kernels run while mlx-lm's graph is built, and
         # mlx-lm's while the checks build theirs (two cores: Python and MLX).
         start_evaluating(self.backend.computed())
-        self.solo.apply(self.replay.calls_at(event.index))
+        checks = self.calls.for_event(event, self.event_checks)
+        self.sync_solo()
+        self.checked = event
         try:
-            check_event(self.replay, self.backend, self.solo, self.result, event)
+            self.calls.finish(self.replay.layers)
+            check_event(self.replay, self.backend, self.solo, checks, event)
         finally:
             self.solo.keep()
+        self.calls.stamp()
+
+    def settle(self):
+        """The run stopped in an event: what its calls showed before, noted;
+        what raised, as evidence after the call that raised."""
+        in_call = self.checked is not self.replay.event  # it stopped before the event's own checks
+        checks = self.calls.checks
+        if in_call and checks is not None and self.calls.event is self.replay.event:
+            try:
+                self.calls.finish(None)
+                checks.done()
+            finally:
+                self.solo.keep()
+        self.calls.stamp(self.result.raised_by, in_call=in_call)
 
     def finish(self) -> ScheduleResult:
         result = self.result

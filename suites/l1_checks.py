@@ -77,9 +77,9 @@ class EventChecks:
                 self.result.note(*item)
 
 
-def check_event(replay: Replay, backend, solo: SoloCaches, result: ScheduleResult, event):
-    """Every check after one event, each noting the comparisons it made."""
-    checks = EventChecks(result, event.index)
+def check_event(replay: Replay, backend, solo: SoloCaches, checks: EventChecks, event):
+    """Every check after one event, each noting the comparisons it made
+    (into ``checks``, which may hold the evidence taken after its calls)."""
     try:
         _check_event(replay, backend, solo, checks, event)
     except BaseException:

@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
-from kvparity.suites.adapter import MemberRaised
+from kvparity.suites.adapter import MemberRaised, consuming
+from kvparity.suites.compare import rows_in_words
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
@@ -106,6 +107,9 @@ class Replay:
         self.entries: List[StoredEntry] = []  # every entry stored, in order
         self.order: List[Tuple[str, int]] = []  # (request, call index) of every call, in order
         self.resumed: Dict[str, tuple] = {}  # joiner -> (entry or None, tokens reused), this event
+        # L1: told after every protocol call on the batch, as
+        # (member, layer, the batch it was called on, that batch's rows, what else it was given or returned)
+        self.on_call = None
 
     # -- driving -------------------------------------------------------------------
 
@@ -189,6 +193,11 @@ class Replay:
 
     # -- bookkeeping -----------------------------------------------------------------
 
+    def called(self, member: str, layer: int, batch, rows: List[str], **what):
+        """A protocol call on the batch was made: evidence is taken after it (L1)."""
+        if self.on_call is not None:
+            self.on_call(member, layer, batch, list(rows), **what)
+
     def call(self, rid, op, n, store="", tokens=()) -> int:
         """Record a call of ``rid``; returns its index among the request's calls."""
         self.calls[rid].append(ScheduledCall(self.event.index, op, n, store, tuple(tokens)))
@@ -223,8 +232,14 @@ class Replay:
             quantized = [rows for rows in layers if hasattr(rows[0], "bits")]
             self.backend.watch("merge", [c for rows in quantized for c in rows])
             merge = self.backend.implementation.batch_class.merge
-            self.add_rows([merge(list(rows)) if hasattr(rows[0], "bits") else mlx_lm_batch(rows) for rows in layers],
-                          ready)
+            merged = []
+            for layer, rows in enumerate(layers):
+                if hasattr(rows[0], "bits"):
+                    merged.append(merge(list(rows)))
+                    self.called("merge", layer, merged[-1], ready)
+                else:
+                    merged.append(mlx_lm_batch(rows))
+            self.add_rows(merged, ready)
         self.waiting.update({rid: solo for rid, solo in solos.items() if not solo.quantized})
 
     def add_rows(self, layers, rids):
@@ -232,8 +247,9 @@ class Replay:
             self.layers = layers
         else:
             self.backend.watch("extend", layers)
-            for batch, new in zip(self.layers, layers):
+            for layer, (batch, new) in enumerate(zip(self.layers, layers)):
                 batch.extend(new)
+                self.called("extend", layer, batch, self.rows + list(rids))
         self.rows = self.rows + list(rids)
         self.version += 1
 
@@ -244,8 +260,9 @@ class Replay:
             self.layers, self.rows = None, []  # as mlx-lm does: no rows, no batch
         else:
             indices = [self.rows.index(rid) for rid in keep]
-            for batch in self.layers:
+            for layer, batch in enumerate(self.layers):
                 batch.filter(indices)
+                self.called("filter", layer, batch, keep)
             self.rows = keep
         self.version += 1
 
@@ -271,23 +288,25 @@ class Replay:
             raise NotSupported("rollback", f"rollback on this model: {untrimmable}, which mlx-lm cannot trim "
                                            "(trim_prompt_cache trims nothing then)")
         batched = [amounts.get(rid, 0) for rid in self.rows]
+        even = len(set(batched)) == 1
+        if any(batched) and not even:
+            self.needs.add("per_row_rollback")
+            if not self.backend.implementation.supports("per_row_rollback"):
+                raise NotSupported("per_row_rollback")
+        for rid, n in amounts.items():  # recorded first: the evidence after the batch's call reads them
+            if n:
+                self.call(rid, "trim", n)
         if any(batched):
-            if len(set(batched)) == 1:
-                for batch in self.layers:
+            for layer, batch in enumerate(self.layers):
+                if even:
                     batch.trim(batched[0])
-            else:
-                self.needs.add("per_row_rollback")
-                if not self.backend.implementation.supports("per_row_rollback"):
-                    raise NotSupported("per_row_rollback")
-                for batch in self.layers:
+                else:
                     batch.rollback(batched)
+                self.called("trim" if even else "rollback", layer, batch, self.rows)
             self.version += 1
         for rid, solo in self.waiting.items():
             if amounts.get(rid):
                 solo.trim(amounts[rid])
-        for rid, n in amounts.items():
-            if n:
-                self.call(rid, "trim", n)
 
     # -- events ------------------------------------------------------------------------
 
@@ -351,9 +370,8 @@ class Replay:
         if rid in self.waiting:
             self.preempted[rid] = self.waiting.pop(rid)
             return
-        i = self.rows.index(rid)
         self.extracted.add(rid)
-        self.preempted[rid] = self.backend.resume(rid, [batch.extract(i) for batch in self.layers])
+        self.preempted[rid] = self.backend.resume(rid, self.extract_row(rid))
         self.keep_rows([r for r in self.rows if r != rid])
 
     def _solo_step(self, event):
@@ -375,11 +393,11 @@ class Replay:
         for rid in event.requests:
             self.require_in_batch(rid)
         for rid in event.requests:
-            i = self.rows.index(rid)
-            caches = [batch.extract(i) for batch in self.layers]
+            caches = self.extract_row(rid)
             tokens = tuple(self.held[rid])
             self.entries.append(StoredEntry(event.store, rid, tokens, event.label, caches))
-            store.insert_cache(MODEL_KEY, list(tokens), caches)
+            with consuming("extract", "mlx-lm's LRUPromptCache.insert_cache", lambda: rows_in_words(caches)):
+                store.insert_cache(MODEL_KEY, list(tokens), caches)
             self.stored_tokens[rid] = tokens
             self.call(rid, "store", len(tokens), event.store, tokens)
 
@@ -395,11 +413,21 @@ class Replay:
             if not prompt:
                 self.fail(f"request {rid!r} has an empty prompt (keep it or give it new_tokens)")
             entry = self.nearest_entry(event.store, prompt)
-            cache, rest = fetch_nearest(store, prompt)
+            with consuming("extract", "mlx-lm's LRUPromptCache.fetch_nearest_cache (a deep copy, then trim)",
+                           lambda: rows_in_words(entry.caches) if entry else "a stored row"):
+                cache, rest = fetch_nearest(store, prompt)
             self.resumed[rid] = (entry if cache is not None else None, len(prompt) - len(rest))
             j = self.call(rid, "resume", len(rest), event.store, prompt)
             solos[rid] = self.backend.prefill_from(rid, cache, rest, j)
         self.enter(solos)
+
+    def extract_row(self, rid) -> list:
+        """Row ``rid`` of the batch, through ``extract``, one cache per layer."""
+        i, caches = self.rows.index(rid), []
+        for layer, batch in enumerate(self.layers):
+            caches.append(batch.extract(i))
+            self.called("extract", layer, batch, self.rows, row=rid, extracted=caches[-1])
+        return caches
 
     def nearest_entry(self, store: str, prompt) -> Optional[StoredEntry]:
         """The entry a fetch of ``prompt`` copies (for messages): the latest

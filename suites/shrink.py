@@ -7,19 +7,23 @@ events after the first failure, then drop single events, lower counts and
 shorten prompts while the schedule stays valid and still fails with the same
 check; last, forget requests no event names.
 
-A failure can show one event after its cause: a trim that forgets the
-scales passes every check and breaks the next write. ``exposure`` tells the
-two apart on a shrunk schedule: the batch is made again, just before the
-failing event, from what each of its rows can observe (every row extracted,
-then reinserted in its order). If the failure goes away, the failing event
-ran into state an earlier member left behind that no check could see.
+The evidence after every call (``suites/l1_calls.py``) names the member at
+fault: the first call after which something diverged. One case it cannot
+see: a write that runs into state an earlier member left where no check
+reads (a trim that keeps stale scales past ``size()``; ``state`` may hold
+columns past ``size()``). ``exposure`` asks about it on a shrunk schedule,
+only where the first failing call is a write, by making the batch again
+from what each of its rows can observe (every row extracted, then
+reinserted in its order) before the failing event and before the earlier
+member's.
 """
 
 import json
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from kvparity.suites import arrivals
+from kvparity.suites.adapter import RESHAPING_MEMBERS, WRITE
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.events import parse_event
 from kvparity.suites.replay import Replay, dry_backend
@@ -66,7 +70,9 @@ class Shrinker:
             return False
         result = self.run(schedule)
         first = first_failure(result)
-        return result.verdict == FAIL and first is not None and first.check == self.first.check
+        # The same way: the same check, and where the evidence names one, the same member.
+        return (result.verdict == FAIL and first is not None and first.check == self.first.check
+                and first.member == self.first.member)
 
     def shrink(self, schedule) -> Optional[dict]:
         if self.first is None:
@@ -158,16 +164,33 @@ def _named_only(doc, source):
 
 @dataclass(frozen=True)
 class Exposure:
-    """A failure that shows one event after its cause, in a shrunk schedule."""
+    """A failure that shows at a write after its cause, in a shrunk schedule."""
 
     cause: str  # the member the batch's hidden state came from
     cause_event: str  # the label of the event that called it
-    exposed_by: str  # the member of the failing event
+    exposed_by: str  # the member of the failing call (a write)
     exposed_at: str  # the failing event's label
 
     def sentence(self) -> str:
         return (f"{self.cause} (event {self.cause_event}) left state no check sees; "
-                f"{self.exposed_by} exposed it at the next event ({self.exposed_at})")
+                f"{self.exposed_by} exposed it at a later event ({self.exposed_at})")
+
+
+def batch_calls(result, event_index: int) -> List[str]:
+    """The protocol calls the replay made on the batch at that event, in
+    order (``Divergence.call`` counts them): what it called, less what was
+    only read (``state``, ``size``, ...)."""
+    return [m for m in result.called.get(event_index, ()) if m in RESHAPING_MEMBERS or m == WRITE]
+
+
+def last_reshaping(result, before: int):
+    """(event index, member) of the last call before event ``before`` that
+    reshaped the batch (an extract only reads it); None when none did."""
+    for index in sorted((i for i in result.called if i < before), reverse=True):
+        found = [m for m in batch_calls(result, index) if m in RESHAPING_MEMBERS and m != "extract"]
+        if found:
+            return index, found[-1]
+    return None
 
 
 def rebuilt_before(schedule, index: int):
@@ -190,23 +213,32 @@ def rebuilt_before(schedule, index: int):
 
 
 def exposure(run: Callable, schedule) -> Optional[Exposure]:
-    """Whether the failure of ``schedule`` (best a shrunk one) shows one
-    event after its cause. ``run``: schedule -> its judged verdict, as for
-    ``Shrinker``. None when the failing event's own member is at fault as
-    far as this can tell (the rebuilt batch fails the same way, or there is
-    no earlier member, or the variant cannot run)."""
+    """Whether the failure of ``schedule`` (best a shrunk one) is a write
+    running into state an earlier member left, which no check can see (a
+    trim that keeps stale scales past ``size()``). ``run``: schedule -> its
+    judged verdict, as for ``Shrinker``. Only a write's failure is asked
+    about: a member whose own call diverged is at fault by the evidence.
+    The earlier member R is named when both hold: the batch made again from
+    what its rows can observe just before the failing event passes (the
+    write is right on a batch R did not leave), and made again just before
+    R's event still fails (R leaves that state whatever batch it is given).
+    None otherwise, or where it cannot be told."""
     judged = run(schedule)
     first = first_failure(judged)
-    if judged.verdict != FAIL or first is None or first.event_index <= 0:
+    if judged.verdict != FAIL or first is None or first.member != WRITE or first.event_index <= 0:
         return None
     result = judged.evidence
-    exposer, earlier = result.last_called(first.event_index), result.last_called(first.event_index - 1)
-    if exposer is None or earlier is None or exposer[0] != first.event_index:
+    before = batch_calls(result, first.event_index)[: first.call or 0]
+    earlier = last_reshaping(result, first.event_index)
+    if earlier is None or any(m != WRITE for m in before):  # something else reshaped it in the same event
         return None
     variant = rebuilt_before(schedule, first.event_index)
-    if variant is None:
-        return None
-    if run(variant).verdict != PASS:
-        return None  # fails as well (the failing event's own member is at fault), or cannot be told
+    if variant is None or run(variant).verdict != PASS:
+        return None  # fails as well (the write itself is at fault), or cannot be told
+    again = rebuilt_before(schedule, earlier[0])
+    if again is not None:
+        still = first_failure(run(again))
+        if still is None or still.member != WRITE:
+            return None  # the earlier member on a fresh batch leaves nothing wrong: not shown
     labels = [e.label for e in schedule.events]
-    return Exposure(earlier[1], labels[earlier[0]], exposer[1], labels[first.event_index])
+    return Exposure(earlier[1], labels[earlier[0]], WRITE, labels[first.event_index])

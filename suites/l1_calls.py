@@ -1,0 +1,275 @@
+"""L1's evidence after each protocol call on the batch, not only after each
+event: what the call's own output must hold, and what the batch must hold
+for the rows it touched, against the same rows alone in mlx-lm's caches at
+that moment. The first call after which something diverged is the member at
+fault (``Divergence.call`` and ``member``); a check that reads one member's
+own output blames that member by construction (``Check.reads``).
+
+Per call, taken when the call returns (handles on its arrays, no
+evaluation) and compared with the event's other arrays at its end:
+
+* every call: the batch's ``bits`` and ``group_size`` are the rows'
+  (``quantized``); its ``offset`` and ``size() - left_padding`` are each
+  touched row's length alone (``offset``, ``left_padding``);
+* ``merge``, ``finalize``: the rows' bytes on ``[left_padding, size())``;
+* ``update_and_fetch``: the columns it wrote, in what it returned and in the
+  state, equal the tokens appended alone; in a padded prefill (before
+  ``finalize``) each row's prompt on its first columns;
+* ``extract``: the row it returned has the row's offset, bits and group size
+  (its bytes are compared after the event, as every extracted row's).
+
+The last call on the batch an event ends with is not compared here: the
+event's own checks (``suites/l1_checks.py``) read all of it after that call.
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from kvparity.oracle.arrays import Part
+from kvparity.suites.adapter import WRITE
+from kvparity.suites.checks import (BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, QUANTIZED, RAISED)
+from kvparity.suites.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,
+                                     state_triples)
+
+# The calls that leave the batch's rows in place (right-aligned, left-padded).
+LAID_OUT = ("merge", "extend", "filter", "trim", "rollback", "finalize", WRITE)
+
+
+@dataclass
+class CallRecord:
+    """One call on one layer's batch, as taken when it returned."""
+
+    position: int  # its place among the event's calls on the batch
+    member: str
+    layer: int
+    batch: object
+    rows: List[str]
+    lengths: List[int]  # each row's length alone after the call
+    size: int = 0
+    ints: tuple = ()  # (offset, left_padding): tickets of the reading, or the values as given
+    triples: Dict[str, tuple] = field(default_factory=dict)  # "batch"/"fetched" -> {"keys": ticket, ...}
+    alone: Dict[str, object] = field(default_factory=dict)  # request -> its solo cache in the layer
+    notes: list = field(default_factory=list)  # (check, rows, comparisons, divergences), known at once
+    tokens: int = 0  # update_and_fetch: the tokens it appended
+    prefill: bool = False  # a padded prefill before finalize: rows start at column 0
+
+
+class CallChecks:
+    """The evidence after each call of one L1 run (``L1Run``)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.event = None
+        self.checks = None  # the event's EventChecks: one reading for its calls and its own checks
+        self.records: List[CallRecord] = []
+        self.position = 0  # calls made in the event so far
+        self.last = ""  # the member of the last call, in this event or before
+        self.marks: Dict[str, int] = {}  # request -> divergences it had when the event began
+        self.offset_member = _offset_is_a_member(run.implementation.batch_class)
+        self.several_layers = len(run.schedule.shapes) > 1
+
+    def for_event(self, event, make_checks):
+        """The event's EventChecks (made by ``make_checks(index)`` at its first use)."""
+        if self.event is not event:
+            self.event, self.checks, self.records, self.position = event, make_checks(event.index), [], 0
+            self.marks = {row.request: len(row.divergences) for row in self.run.result.rows}
+        return self.checks
+
+    def after(self, member: str, layer: int, batch, rows: List[str], **what):
+        """Taken right after ``member`` returned on ``layer``'s batch holding ``rows``."""
+        run = self.run
+        trail = run.implementation.trail
+        mark = len(trail)
+        self.for_event(run.replay.event, run.event_checks)
+        run.sync_solo()
+        prefill = bool(what.get("prefill"))
+        alone = {rid: run.solo.caches(rid)[layer] for rid in rows}
+        lengths = [0 if prefill and member == "merge" else alone[rid].offset for rid in rows]
+        record = CallRecord(self.position, member, layer, batch, rows, lengths, alone=alone, prefill=prefill,
+                            tokens=what.get("tokens", 0))
+        try:
+            if member == "extract":
+                self._extracted(record, what["row"], what["extracted"])
+            else:
+                self._batch(record, what.get("fetched"))
+        finally:
+            del trail[mark:]  # what the evidence called is not what the event called
+        self.records.append(record)
+        self.position += 1
+        self.last = member
+
+    def where(self, record: CallRecord, rid: Optional[str] = None, member: str = "") -> dict:
+        named = {"layer": record.layer} if self.several_layers else {}
+        return dict(event=self.event.label, request=rid, call=record.position, member=member or record.member,
+                    **named)
+
+    # -- taken when the call returns ----------------------------------------------
+
+    def _extracted(self, record: CallRecord, rid: str, cache):
+        expected = record.alone[rid]
+        got = (getattr(cache, "offset", None), getattr(cache, "bits", None), getattr(cache, "group_size", None))
+        want = (expected.offset, expected.bits, expected.group_size)
+        record.notes.append((EXTRACT, [rid], 1, [] if got == want else [Divergence(
+            EXTRACT, tensor="extracted", expected=f"offset {want[0]}, bits {want[1]}, group_size {want[2]}",
+            actual=f"offset {got[0]!r}, bits {got[1]!r}, group_size {got[2]!r}",
+            detail=f"what extract({record.rows.index(rid)}) returned", **self.where(record, rid, "extract"))]))
+
+    def _batch(self, record: CallRecord, fetched):
+        batch, schedule, reading = record.batch, self.run.schedule, self.checks.reading
+        held = (getattr(batch, "bits", None), getattr(batch, "group_size", None))
+        want = (schedule.bits, schedule.group_size)
+        record.notes.append((QUANTIZED, record.rows, 1, [] if held == want else [Divergence(
+            QUANTIZED, tensor="bits, group_size", expected=want, actual=held,
+            detail=f"the batch {record.member} left against its rows' bits and group size",
+            **self.where(record))]))
+        if record.member == "prepare":
+            return
+        record.size = batch.size()
+        # Offsets and pads as they are now, read with the event's other arrays.
+        record.ints = tuple((reading.take([x])[0], x.dtype) if isinstance(x, mx.array) else (None, x)
+                            for x in (batch.offset, batch.left_padding))
+        sources = {"batch": batch.state}
+        if record.member == WRITE:
+            sources["fetched"] = fetched
+        for name, value in sources.items():
+            triples = state_triples(value)
+            if triples is None and not any(record.lengths):
+                continue  # nothing held yet: mlx-lm's caches hold None then too
+            if triples is None:
+                record.notes.append((LAYOUT, record.rows, 1, [Divergence(
+                    LAYOUT, tensor=name, detail=f"{record.member} left {in_words(value)}, expected the keys' and "
+                                                "the values' (packed, scales, biases) triples first",
+                    **self.where(record))]))
+            else:
+                record.triples[name] = {tensor: (reading.take(list(t)), t) for tensor, t in triples.items()}
+
+    # -- compared at the event's end -------------------------------------------------
+
+    def finish(self, final_layers):
+        """Queue what each call's evidence found, except the last call on each
+        batch the event ends with (the event's checks read that)."""
+        if self.checks is None or self.event is None:
+            return
+        covered = set()
+        for batch in final_layers or ():
+            last = next((r for r in reversed(self.records) if r.batch is batch and r.member != "extract"), None)
+            if last is not None:
+                covered.add(id(last))
+        checks = self.checks
+        for k, record in enumerate(self.records):
+            if id(record) in covered:
+                continue
+            for check, rows, made, found in record.notes:
+                checks.note(checks.at, check, rows, made, found)
+            if record.ints:
+                after = next((r for r in self.records[k + 1:] if r.batch is record.batch), None)
+                # A write the next write on its batch follows: what it returned is its own to
+                # show; its offsets and columns the next one's evidence reads, as the same member.
+                only_fetched = record.member == WRITE and after is not None and after.member == WRITE
+                checks.later(lambda record=record, only=only_fetched: self._compare(record, only))
+        self.records = []
+
+    def _compare(self, record: CallRecord, only_fetched: bool = False):
+        """A record's offsets, pads and bytes, once the reading was evaluated
+        (``only_fetched``: what update_and_fetch returned, nothing else)."""
+        checks, reading = self.checks, self.checks.reading
+        reading.evaluate()
+        if only_fetched:
+            self._bytes(record, range(len(record.rows)), None, ("fetched",))
+            return
+        offsets, pads = (_ints(x if k is None else _signed(reading[[k]][0], x)) for k, x in record.ints)
+        rows, size = record.rows, record.size
+        if len(offsets) != len(rows) or len(pads) != len(rows):
+            checks.result.note(checks.at, LAYOUT, rows, 1, [Divergence(
+                LAYOUT, detail=f"offset has {len(offsets)} and left_padding {len(pads)} entries for {len(rows)} rows",
+                **self.where(record))])
+            return
+        placed = []  # rows whose columns are where their length says
+        for i, (rid, n) in enumerate(zip(rows, record.lengths)):
+            if record.prefill and record.member != "merge":
+                placed.append(i)  # rows start at column 0 until finalize
+                continue
+            where = self.where(record, rid)
+            offset_where = {**where, "member": "offset"} if self.offset_member else where
+            checks.result.note(checks.at, OFFSET, [rid], 1, [] if offsets[i] == n else [
+                Divergence(OFFSET, expected=n, actual=offsets[i], **offset_where)])
+            ok = size - pads[i] == n
+            checks.result.note(checks.at, LEFT_PADDING, [rid], 1, [] if ok else [
+                left_padding_divergence(i, n, size, pads[i], **where)])
+            if ok:
+                placed.append(i)
+        self._bytes(record, placed, pads, ("fetched", "batch"))
+
+    def _bytes(self, record: CallRecord, placed, pads, names):
+        """The columns the call wrote or placed, of the rows ``placed``, in ``names`` ("fetched", "batch")."""
+        checks, reading, rows, size = self.checks, self.checks.reading, record.rows, record.size
+        jobs = []
+        for i in placed:
+            rid, n, alone = rows[i], record.lengths[i], record.alone[rows[i]]
+            if record.member == WRITE:
+                last = n if record.prefill else record.tokens
+                start, stop = (0, n) if record.prefill else (size - last, size)
+            elif record.member in ("merge", "finalize") and n:
+                last, (start, stop), names = n, (pads[i], size), ("batch",)
+            else:
+                continue
+            if stop > size or start < 0:
+                continue
+            index = (slice(i, i + 1), slice(None), slice(start, stop), slice(None))
+            for name in names:
+                for tensor, (ticket, arrays) in record.triples.get(name, {}).items():
+                    expected = reading.parts(list(getattr(alone, tensor)),
+                                             (Ellipsis, slice(n - last, n), slice(None)))
+                    actual = [Part(reading, k, index, x.dtype) for k, x in zip(ticket, arrays)]
+                    jobs.append((rid, (dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.{tensor}.",
+                                       self.where(record, rid))))
+        if jobs:
+            compared = compare_later(reading, [job for _, job in jobs])()
+            checks.note_per_row(BYTES, ((rid, 1, found) for (rid, _), found in zip(jobs, compared)))
+
+    def stamp(self, raised: str = "", in_call: bool = False):
+        """Every divergence noted since the event began, as evidence after a
+        call: the call it was seen after (the event's last; for what raised
+        in a call, that call) and the member it blames (``Check.reads``, else
+        that call's; ``raised``: the member that raised)."""
+        if self.event is None:
+            return
+        last = self.position - 1
+        for row in self.run.result.rows:
+            for k in range(self.marks.get(row.request, 0), len(row.divergences)):
+                d = row.divergences[k]
+                if d.call is not None:
+                    continue
+                if d.check == RAISED:
+                    call, member = (self.position if in_call else last), raised
+                else:
+                    call, member = last, d.member or CHECKS[d.check].reads
+                    if not member and d.check == OFFSET and self.offset_member:
+                        member = "offset"
+                row.divergences[k] = replace(d, call=call if call >= 0 else None, member=member or self.last)
+        self.marks = {row.request: len(row.divergences) for row in self.run.result.rows}
+
+
+def _offset_is_a_member(batch_class) -> bool:
+    """``offset`` computed by the class itself (a property): a wrong one is its own."""
+    for klass in batch_class.__mro__:
+        if "offset" in klass.__dict__:
+            return isinstance(klass.__dict__["offset"], property)
+    return False
+
+
+_SIGNED = {mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64}
+
+
+def _signed(bits: np.ndarray, dtype):
+    """What a reading gives as unsigned bits, as values of ``dtype`` again."""
+    return bits.view(_SIGNED[dtype]) if dtype in _SIGNED else mx.array(bits).view(dtype)
+
+
+def _ints(x) -> List[int]:
+    """Per-row integers, as given (an array, a list) or a lone number (one entry)."""
+    values = x.tolist() if hasattr(x, "tolist") else x
+    return [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)]
