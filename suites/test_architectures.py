@@ -155,3 +155,67 @@ def test_the_whole_zoo_on_two_workers(tmp_path):
             assert r["verdict"] in (MLX_LM_DEFECT, NOT_SUPPORTED), r["schedule"]
             assert r["verdict"] == NOT_SUPPORTED or limit.name in r["reason"], r["schedule"]
     assert sum(r["verdict"] == PASS for r in on_axis) > len(on_axis) // 2
+
+
+# -- per-file fit, and architectures kvparity never listed (published config.json files) ----
+
+from kvparity.oracle.zoo import PUBLISHED_DIR  # noqa: E402
+
+PUBLISHED = sorted(p.stem for p in PUBLISHED_DIR.glob("*.json"))
+
+
+def _catalog_run(level, model, path):
+    schedule = load(path) if level == "L2" else arrivals.load(path)
+    return RUNNERS[level].runs(schedule, RunOptions(model=model))
+
+
+def test_a_catalog_file_that_does_not_fit_is_not_supported_and_a_user_s_own_is_refused(implementation, capsys):
+    # Keys of 192 (DeepSeek-V2) are not a multiple of 128: that file is "not supported" there, by name.
+    (_, run), = _catalog_run("L2", KEYS_WIDER, CATALOG / "group-128.json")
+    result = run(implementation)
+    assert result.stopped == NOT_SUPPORTED and "group_size=128 does not divide head_dim=192" in result.reason
+    label, run = _catalog_run("L3", "lfm2", L3_CATALOG / "chunked-prefill-joiners.json")[0]
+    assert run(implementation).stopped == NOT_SUPPORTED
+    # The same file named by the user is a usage error before anything runs.
+    assert main(["check", "--level", "L2", "--model", KEYS_WIDER, "--schedule",
+                 str(CATALOG / "group-128.json")]) == EXIT_USAGE
+    assert "does not divide head_dim=192" in capsys.readouterr().err
+
+
+def test_a_published_config_of_an_unlisted_architecture_runs_at_l2(capsys):
+    config = str(PUBLISHED_DIR / "ernie4_5.json")
+    assert "ernie4_5" not in model_set("all")
+    assert main(["check", "--level", "L2", "--model", config, "--schedule",
+                 str(CATALOG / "join-longer-joiner.json")]) == EXIT_OK
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_models_all_names_every_module_with_a_plan_or_asks_for_a_config(capsys, monkeypatch):
+    from kvparity.oracle import zoo
+
+    monkeypatch.setattr(zoo, "architecture_modules", lambda: ["ernie4_5", "llama", "rwkv7"])
+    assert main(["models", "--all", "--json"]) == EXIT_OK
+    records = {r["module"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert records["ernie4_5"]["plan"] == "Q(2x128)*2" and records["llama"]["model"] == "llama"
+    assert records["rwkv7"]["plan"] == "pass your config.json" and records["rwkv7"]["model"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_every_published_config_gets_a_verdict_or_a_named_mlx_lm_limit(implementation, judged, name):
+    """At its published sizes, shrunk: L2 on two catalog files and L3 on one, each a
+    pass or mlx-lm's named limit (or a file that does not fit), never a crash."""
+    model = str(PUBLISHED_DIR / f"{name}.json")
+    loaded = load_model(model)
+    limit = defect_for_model(loaded)
+    outcomes = []
+    for level, path in (("L2", CATALOG / "join-longer-joiner.json"), ("L2", CATALOG / "spec-round-even.json"),
+                        ("L3", L3_CATALOG / "staggered.json")):
+        for _, run in _catalog_run(level, model, path):
+            result = judged(run(implementation))
+            outcomes.append(result.verdict)
+            if limit is not None:
+                assert result.verdict in (MLX_LM_DEFECT, NOT_SUPPORTED), (name, result.verdict)
+            else:
+                assert result.verdict in (PASS, NOT_SUPPORTED), (name, result.verdict)
+    assert PASS in outcomes or limit is not None, name
