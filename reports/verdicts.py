@@ -30,9 +30,11 @@ from kvparity.suites.levels import L1, LEVELS, Level
 from kvparity.suites.schedule import load
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
+EXIT_INTERRUPTED = 130
 # What each exit status of a run means, as the report header says it.
 STATUS = {EXIT_OK: "parity holds", EXIT_BROKEN: "parity broken",
-          EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps"}
+          EXIT_CANNOT_JUDGE: "cannot judge: no evidence or coverage gaps",
+          EXIT_INTERRUPTED: "interrupted: what finished is reported, the rest did not run"}
 # The outcomes that judge a schedule run; the others say why it could not be judged.
 JUDGED = (PASS, FAIL, REFUSED, EXPECTED_DIVERGENCE)
 # What became of one check in a row or schedule, for the per-check table.
@@ -148,6 +150,9 @@ class RunVerdict:
     cells: Optional[dict] = None  # the coverage model at L1: see model_coverage
     failures: Optional[list] = None  # reports.failures.FailureGroup: set by the command that ran the schedules
     levels: Dict[str, Counter] = field(default_factory=dict)  # level -> outcome -> schedule runs
+    # A run stopped by a signal: {"signal": its name, "finished": runs, "planned": runs or None}; what
+    # finished is judged as ever, and the run's status is EXIT_INTERRUPTED whatever they say.
+    interrupted: Optional[dict] = None
 
     @property
     def unexpectedly_passing(self) -> List[dict]:
@@ -155,6 +160,8 @@ class RunVerdict:
 
     @property
     def exit_status(self) -> int:
+        if self.interrupted:
+            return EXIT_INTERRUPTED
         if any(self.counts[v] for v in FAILURES):
             return EXIT_BROKEN
         if self.unexpected_passes_gate and self.unexpectedly_passing:
@@ -183,7 +190,12 @@ class RunVerdict:
             text += "; " + ", ".join(f"{level} not judged ({_outcomes(outcomes)})"
                                      for level, outcomes in sorted(unjudged.items()))
         stale = len(self.unexpectedly_passing)
-        return text + (f"; {stale} declared divergence(s) unexpectedly passing" if stale else "")
+        text += f"; {stale} declared divergence(s) unexpectedly passing" if stale else ""
+        if self.interrupted:
+            stop = self.interrupted
+            planned = f" of {stop['planned']}" if stop["planned"] is not None else ""
+            text = f"interrupted by {stop['signal']} after {stop['finished']}{planned} schedule runs: " + text
+        return text
 
 
 def _outcomes(outcomes: Counter) -> str:
