@@ -1,19 +1,21 @@
 """Failures grouped by root cause, each saying what to fix.
 
 One bug fails many schedules the same way. A failing schedule run is keyed
-by its first failing divergence: the level, the check, the tensor (keys or
-values, packed, scales or biases; which row and event it was seen at does
-not count) and the protocol member most likely at fault, the last one the
-replay called at or before that divergence (``ScheduleResult.called``). A
-run stopped by a member that raised is keyed by that member. Runs with the
-same key are one group: one root cause, with how many schedule runs and
+by the member its first failing divergence blames: at L1 from the evidence
+after every protocol call (``suites/l1_calls.py``: the first call after
+which something diverged, or the member whose own output the check read),
+else the member that raised, else the last one the replay called before it
+(L2). Runs blaming one member are one group, whatever check or level saw
+them first (``seen_as``): one root cause, with how many schedule runs and
 rows it explains, its first divergence in full (expected and got, never
-cut) and the ``kvparity bisect`` command that shrinks it.
+cut) and the ``kvparity bisect`` command that shrinks it. What a level sees
+only in a request's output (logits, tokens, log-probs, a forward that
+raised) joins the group of the member at fault on that request.
 
-Where a failure shows one event after its cause (a trim that forgot the
-scales shows at the next write), ``explain`` shrinks the group's smallest
-schedule and asks ``suites.shrink.exposure`` which earlier member left the
-state that the failing event ran into; the group then names both.
+``explain`` shrinks a group's example: the member the shrunk schedule's first
+failing call blames is the group's, both are said where they differ, and
+where that call is a write running into state an earlier member left
+(``suites.shrink.exposure``), the group names the earlier member.
 """
 
 import os
@@ -47,7 +49,7 @@ class Failure:
 
     verdict: ScheduleVerdict
     first: Optional[Divergence]  # its earliest failing divergence; None for a refusal
-    member: str  # the protocol member most likely at fault ("" when not known)
+    member: str  # the protocol member its first failure blames ("" when not known)
     member_event: str  # the label of the event that called it
 
     @property
@@ -173,7 +175,7 @@ def title(group: dict) -> str:
     levels = group.get("levels") or [group["level"]]
     where = group["at_fault"] or (SERVER if levels == [L4] else "member not known")
     if group["exposure"]:
-        where += f", exposed by {group['exposure']['exposed_by']} at the next event"
+        where += f", exposed by {group['exposure']['exposed_by']} at a later event"
     schedules, rows = group["schedules"], group["rows"]
     return (f"{where}: {what} ({', '.join(levels)}; {schedules} schedule run{'s' if schedules != 1 else ''}, "
             f"{rows} row{'s' if rows != 1 else ''})")
@@ -262,12 +264,24 @@ def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
     members that reshaped its batch since it arrived, and the write. The
     others stay."""
     homes = [g for g in groups if not _output_only(g) and g.member]
+    at_l1 = {}  # (schedule, request or None) -> the group of its L1 run's failure: the evidence after every call
+    for home in homes:
+        for f in home.failures:
+            if f.verdict.evidence.level == L1:
+                at_l1.setdefault((_schedule_of(f), f.first.request if f.first else None), home)
+                at_l1.setdefault((_schedule_of(f), None), home)
     kept = []
     for outputs in groups:
         if not _output_only(outputs) or outputs in homes:
             kept.append(outputs)
             continue
         for failure in list(outputs.failures):
+            schedule = _schedule_of(failure)
+            home = at_l1.get((schedule, failure.first.request if failure.first else None)) or at_l1.get((schedule, None))
+            if home is not None:  # the same schedule's L1 run names the member at fault on the row
+                home.failures.append(failure)
+                outputs.failures.remove(failure)
+                continue
             touched = _touched(failure)
             found = [g for g in homes if {g.member, g.at_fault} & touched]
             if len({g.at_fault for g in found}) == 1:  # one member at fault: its largest group
@@ -279,9 +293,16 @@ def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
 
 
 def _output_only(group: FailureGroup) -> bool:
-    """Seen only in what the model returned, or where it raised outside every
-    protocol member (the forward or the engine, on a batch a member left wrong)."""
-    return group.check in OUTPUT_CHECKS or (group.check == RAISED and group.member in OUTSIDE_MEMBERS)
+    """Seen only in what the model returned, where it raised outside every
+    protocol member (the forward or the engine, on a batch a member left
+    wrong), or where no member is known (L3's engine held a batch of other
+    bits): the evidence names no member of its own."""
+    return group.check in OUTPUT_CHECKS or group.member in OUTSIDE_MEMBERS or not group.member
+
+
+def _schedule_of(failure: Failure):
+    """What a failure's schedule run replayed: its file, else its name."""
+    return failure.verdict.evidence.path or failure.verdict.evidence.schedule
 
 
 def _touched(failure: Failure) -> set:

@@ -23,7 +23,7 @@ from kvparity.suites.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS,
     REFUSED,
 )
-from kvparity.suites.levels import L2
+from kvparity.suites.levels import L2, LEVELS
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 # outcome -> (css class, what it means, shown on hover)
@@ -62,7 +62,7 @@ h2{margin:28px 0 8px;font-size:18px}
 table{border-collapse:collapse;font-size:12px;background:#fff}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;white-space:nowrap}
 td:last-child{white-space:normal;min-width:320px}
-#failures td{white-space:normal;overflow-wrap:anywhere;min-width:0}
+#failures td{white-space:normal;overflow-wrap:break-word;word-break:normal;min-width:0}
 th{background:#eef0f3;position:sticky;top:0}
 td.pass{color:#2e7d32;font-weight:600}td.fail{color:#c62828;font-weight:600}
 td.warn{color:#b26a00;font-weight:600}td.muted{color:#777}
@@ -195,7 +195,7 @@ def _schedule_card(index, result, hygiene_gates: bool) -> str:
     figures += [_series_chart(key, name, rows, colors) for name in series]
     if result["level"] == L2:
         figures += [_heatmap(key, result, row) for row in diverged]
-    lists = "".join(_divergence_list(row) for row in diverged)
+    lists = "".join(_divergence_list(row, hygiene_gates, LEVELS[result["level"]].logit_tiers) for row in diverged)
     parity = sum(any(d["kind"] == "parity" for d in row["divergences"]) for row in rows)
     hygiene = sum(d["kind"] == "hygiene" for row in rows for d in row["divergences"])
     found = f"{parity} of {len(rows)} rows diverged" + (f", {hygiene} hygiene finding(s)" if hygiene else "")
@@ -205,15 +205,20 @@ def _schedule_card(index, result, hygiene_gates: bool) -> str:
             f'<div class="plots">{"".join(f for f in figures if f)}</div>{lists}</details>')
 
 
-def _divergence_list(row) -> str:
-    shown = row["divergences"][:SHOWN]
-    more = len(row["divergences"]) - len(shown)
-    items = "".join(f'<li class="{_kind(d)}">{"(hygiene) " if d["kind"] == "hygiene" else ""}'
-                    f'{"(declared) " if d.get("declared") is not None else ""}{escape(d["message"])}</li>'
+def _divergence_list(row, hygiene_gates: bool, logit_tiers: bool) -> str:
+    """A row's divergences, what gates first (in the order seen), then what
+    does not, said so; the row's verdict, and its logits' tier where the
+    level has one (a logits tier says nothing of the cache's bytes)."""
+    ordered = sorted(row["divergences"], key=lambda d: not _gates(d, hygiene_gates))
+    shown = ordered[:SHOWN]
+    more = len(ordered) - len(shown)
+    items = "".join(f'<li class="{_kind(d)}">{"(hygiene, not gating) " if d["kind"] == "hygiene" else ""}'
+                    f'{"(declared, not gating) " if d.get("declared") is not None else ""}{escape(d["message"])}</li>'
                     for d in shown)
     tail = f'<p class="note">… {more} more in report.json</p>' if more > 0 else ""
+    tier = f", logits {escape(str(row['tier']))}" if logit_tiers and row.get("tier") else ""
     return (f"<details class=\"row\"><summary>row <b>{escape(row['request'])}</b>: "
-            f"{len(row['divergences'])} divergence(s), tier {escape(str(row.get('tier')))}</summary>"
+            f"{escape(str(row.get('verdict', '')))}, {len(row['divergences'])} divergence(s){tier}</summary>"
             f"<ol class=\"divergences\">{items}</ol>{tail}</details>")
 
 

@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+from kvparity.impl import negative_controls
 from kvparity.reports import failures, verdicts
 from kvparity.reports.cli import main
 from kvparity.reports.policy import load_policy
@@ -28,13 +29,15 @@ CONTROLS = "kvparity.impl.negative_controls"
 # extract, a spec round, a step, a store joined from) for the two bugs.
 SCHEDULES = ("leave-longest", "kv-heads-1", "extract-decode-reinsert", "bits-2", "spec-round-even",
              "rollback-even", "trim-all-rows", "prefix-evict-by-bytes")
+# And where the other controls of the member at fault show: a padded prefill of empty rows, an 8-bit row at group 32.
+AT_FAULT_SCHEDULES = SCHEDULES + ("batched-join-empty-bits-8-group-128", "growth-bits-8-h128")
 
 
-def judged_runs(name):
+def judged_runs(name, schedules=SCHEDULES):
     spec = f"{CONTROLS}:{name}"
     impl = load_implementation(spec)
     run = lambda schedule: verdicts.judge(run_l1(schedule, impl), CPU)  # noqa: E731
-    results = [run(load(CATALOG / f"{s}.json")) for s in SCHEDULES]
+    results = [run(load(CATALOG / f"{s}.json")) for s in schedules]
     groups = failures.group(results, {"impl": spec})
     failures.explain(groups, lambda level: run)
     return spec, results, groups
@@ -76,7 +79,7 @@ def test_a_trim_that_forgets_the_scales_names_the_trim_and_the_write(trim_bug):
     assert group.member == "update_and_fetch"  # where it showed
     assert group.exposure is not None and group.at_fault == "trim"
     assert group.exposure.exposed_by == "update_and_fetch"
-    assert "trim" in group.title() and "exposed by update_and_fetch" in group.title()
+    assert group.title().startswith("trim, exposed by update_and_fetch at a later event"), group.title()
     assert (group.check, group.tensor) == ("bytes", "keys.scales")
     # The shrunk schedule holds the trim's event just before the failing write.
     assert group.shrunk[-1] == group.exposure.exposed_at and group.exposure.cause_event in group.shrunk
@@ -256,3 +259,28 @@ def test_one_member_seen_three_ways_is_one_group():
     assert group.at_fault == "filter" and group.levels == ["L1", "L2", "L3"] and group.level == "L1"
     assert group.seen_as == ["shared_padding (L1)", "layout on keys.packed (L2)", "raised (L3)"]
     assert "seen as: shared_padding (L1); layout on keys.packed (L2); raised (L3)" in "\n".join(failures.lines([group]))
+
+
+@pytest.mark.parametrize("control", negative_controls.AT_FAULT, ids=lambda c: c.__name__)
+def test_each_control_is_one_group_naming_its_member_with_values_and_an_agreeing_bisect(control, tmp_path, capsys):
+    """Each control (a mask missing for one-token steps, a merge of empty rows
+    taking default bits, a trim freeing its buffer by floor division, an
+    extract describing 8-bit rows at group 64, a stored row's nbytes without
+    biases, and the two the groups were first built on) is one group naming
+    the member to fix, whatever check and event showed it first; the group
+    has the full expected and got values; its bisect command exits 1 and
+    names the same member."""
+    spec, results, groups = judged_runs(control.__name__, AT_FAULT_SCHEDULES)
+    assert any(r.verdict == FAIL for r in results)
+    assert len(groups) == 1, failures.lines(groups)
+    (group,) = groups
+    assert group.at_fault == control.at_fault, failures.lines(groups)
+    assert group.title().startswith(control.at_fault), group.title()
+    example = group.to_json()["example"]
+    assert example["expected"] is not None and example["actual"] is not None and example["expected"] != example["actual"]
+    assert control.caught_by in {f.first.check for f in group.failures}
+    capsys.readouterr()
+    words = shlex.split(group.bisect_command())
+    assert main([*words[1:], "--out", str(tmp_path / "min.json")]) == 1
+    said = capsys.readouterr().out
+    assert f"member at fault: {control.at_fault}" in said, said

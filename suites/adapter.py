@@ -95,6 +95,7 @@ class MemberRaised(Exception):
         self.error = error
         self.layer: Optional[int] = None
         self.at = raised_at(error)
+        self.handed = None  # (args, kwargs) the member was called with, where its wrapper saw the call
 
     def __str__(self):
         where = [f"layer {self.layer}"] if self.layer is not None else []
@@ -129,6 +130,28 @@ class ForwardRaised(MemberRaised):
 
     capability = None
     refused = False
+
+
+def handed_unlike_mlx_lm(raised: MemberRaised, batch_class: type) -> str:
+    """What the caller handed the member that raised, where mlx-lm's own
+    engine hands it nothing of the kind (``BatchGenerator`` merges solo
+    ``QuantizedKVCache`` rows of the batch's bits and group size, and extends
+    a batch with one of the same class), in words; empty otherwise."""
+    if raised.handed is None:
+        return ""
+    args, kwargs = raised.handed
+    if raised.member == "merge" and args and isinstance(args[0], (list, tuple)):
+        rows = list(args[0])
+        dense = [(i, row) for i, row in enumerate(rows) if not hasattr(row, "bits")]
+        if dense:
+            i, row = dense[0]
+            return f"an unquantized {type(row).__name__} as row {i} of {len(rows)}"
+        kinds = {(row.bits, row.group_size) for row in rows}
+        if len(kinds) > 1:
+            return f"rows of different bits and group sizes {sorted(kinds)}"
+    if raised.member == "extend" and args and not isinstance(args[0], batch_class):
+        return f"an object of class {type(args[0]).__name__} to extend with, not a batch of {batch_class.__name__}"
+    return ""
 
 
 class OutputRaised(MemberRaised):
@@ -275,7 +298,9 @@ class _Watch:
             except MemberRaised:
                 raise
             except Exception as error:
-                raise MemberRaised(name, error) from error
+                raised = MemberRaised(name, error)
+                raised.handed = args[1:], kwargs  # what the caller gave it (after self or cls)
+                raise raised from error
             finally:
                 self.depth -= 1
                 if not self.depth:

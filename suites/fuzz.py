@@ -1,6 +1,10 @@
 """Generated schedules: a Hypothesis rule-based state machine.
 
-Each rule adds one event to a schedule. At L1 the event is applied and
+Each rule adds one event to a schedule, of every kind a file can hold:
+joins (one by one and batched), steps, leaves, verify windows, rollbacks,
+trims, extracts and re-inserts, and stores into a prompt-cache store with
+drawn limits (entries and bytes) with chat turns joining from its nearest
+prefix. At L1 the event is applied and
 checked at once on a live run (one parse per event, the replay core's own
 bookkeeping tells the rules what the schedule allows), so Hypothesis sees
 the exact event that breaks parity and shrinks the schedule to a minimal
@@ -33,6 +37,7 @@ from kvparity.suites.events import (
 )
 from kvparity.suites.schedule import (BITS, DTYPES, GROUP_SIZES, Schedule, StoreLimits, parse, parse_request,
                                       save)
+from kvparity.suites.shrink import first_failure
 
 L2_MODELS = tuple(m.name for m in axis_variants())
 
@@ -95,6 +100,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     run_l2 = None  # (schedule, implementation) -> ScheduleResult, at L2
     # Counted across examples, for the tests:
     schedules_started = 0
+    resumed = 0  # requests that joined from a stored prefix
     outcomes: dict = None
     row_outcomes: dict = None
     shapes_drawn: dict = None  # schedules per feature of their shapes (``shape_features``)
@@ -118,6 +124,10 @@ class ScheduleMachine(RuleBasedStateMachine):
             levels=(self.level,), bits=bits, group_size=group_size, requests={}, events=[],
             shapes=shapes, dtype=dtype, model=model, path=f"<generated {self.level}>",
         )
+        # A prompt-cache store with the limits a server gives mlx-lm's LRUPromptCache: rows stored
+        # in it are evicted by count and by the bytes their nbytes says.
+        self.schedule.stores[STORE] = StoreLimits(data.draw(st.integers(1, 4), label="store max_size"),
+                                                  data.draw(store_bytes, label="store max_bytes"))
         if self.level == L1:
             self.run = L1Run(self.schedule, self.implementation)
             self.replay = self.run.replay
@@ -199,8 +209,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         path = self.found_dir / f"{self.schedule.name}.json"
         save(self.schedule, path)
         result = judged.evidence
-        first = result.first.message() if result.first else result.reason
-        return (f"{self.level} {result.schedule}: {judged.verdict}: {first}\n"
+        return (f"{self.level} {result.schedule}: {judged.verdict}: {headline(judged)}\n"
                 f"written to {path}; replay with: kvparity replay {path} --level {self.level}"
                 + (f" --impl {self.implementation.spec}" if self.implementation.spec else ""))
 
@@ -267,35 +276,6 @@ class ScheduleMachine(RuleBasedStateMachine):
     def reinsert(self, data):
         self.add(Reinsert, data.draw(st.sampled_from(sorted(self.replay.preempted))))
 
-
-STORE = "chat"
-# A store's byte limit: none (mlx-lm's default) or a few short rows' worth, so entries are evicted.
-store_bytes = st.one_of(st.just(1 << 63), st.integers(1000, 20000))
-
-
-class ConversationMachine(ScheduleMachine):
-    """Conversations: rows stored in a prompt-cache store with drawn limits,
-    and chat turns (several at once, sharing a stored prefix, keeping all or
-    part of it) joining from it, among joins, steps, leaves, verify windows,
-    rollbacks and trims of the schedule machine (its other rules are off, so
-    most examples store and resume)."""
-
-    batched_join = extract = solo_step = reinsert = None
-    resumed = 0  # requests that joined from a stored prefix, across examples (for the tests)
-
-    @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
-    def start(self, data, bits, kv_heads):
-        """The schedule machine's start, then a conversation's first turn:
-        a request joins, decodes a little (a batched call: evidence at L2)
-        and is stored."""
-        ScheduleMachine.start(self, data, bits, kv_heads)
-        self.schedule.stores[STORE] = StoreLimits(data.draw(st.integers(1, 4), label="store max_size"),
-                                                  data.draw(store_bytes, label="store max_bytes"))
-        first = self.new_requests(data, 1, join_unquantized=False)
-        self.add(Join, first)
-        self.add(Step, data.draw(st.integers(1, 3), label="first turn's steps"))  # evidence at L2
-        self.add(Store, {"into": STORE, "requests": first})
-
     def stored(self):
         return bool(self.replay.stored_tokens)
 
@@ -309,6 +289,8 @@ class ConversationMachine(ScheduleMachine):
     @precondition(stored)
     @rule(data=st.data(), count=st.integers(1, 3))
     def chat_turn(self, data, count):
+        """Requests continuing stored ones (a conversation's next turn, or a
+        shared prefix), joining from the store's nearest prefix."""
         ids = []
         for _ in range(count):
             rid = f"r{len(self.schedule.requests)}"
@@ -323,6 +305,43 @@ class ConversationMachine(ScheduleMachine):
             ids.append(rid)
         self.add(JoinStored, {"from": STORE, "requests": ids})
         type(self).resumed += sum(1 for _, reused in self.replay.resumed.values() if reused)
+
+
+def headline(judged) -> str:
+    """A failing run in one line: its first gating divergence (or why it
+    stopped), then its first finding that does not gate, said so."""
+    first = first_failure(judged)
+    said = first.message() if first is not None else judged.evidence.reason
+    informing = [d for row in judged.rows for d in row.evidence.divergences if d not in row.failing]
+    aside = min(informing, key=lambda d: d.order, default=None)
+    if aside is not None:
+        said += f" (also, not gating: {aside.message()})"
+    return said
+
+
+STORE = "chat"
+# A store's byte limit: none (mlx-lm's default) or a few short rows' worth, so entries are evicted.
+store_bytes = st.one_of(st.just(1 << 63), st.integers(1000, 20000))
+
+
+class ConversationMachine(ScheduleMachine):
+    """Conversations: every example starts with a stored first turn, and
+    its batched joins, extracts and re-inserts are off, so most examples
+    store and resume (the schedule machine's store and chat-turn rules,
+    among its joins, steps, leaves, verify windows, rollbacks and trims)."""
+
+    batched_join = extract = solo_step = reinsert = None
+
+    @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
+    def start(self, data, bits, kv_heads):
+        """The schedule machine's start, then a conversation's first turn:
+        a request joins, decodes a little (a batched call: evidence at L2)
+        and is stored."""
+        ScheduleMachine.start(self, data, bits, kv_heads)
+        first = self.new_requests(data, 1, join_unquantized=False)
+        self.add(Join, first)
+        self.add(Step, data.draw(st.integers(1, 3), label="first turn's steps"))  # evidence at L2
+        self.add(Store, {"into": STORE, "requests": first})
 
 
 def make_machine(implementation, judge, found_dir=None, level=L1, run_l2=None, database_key=None,

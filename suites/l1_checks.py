@@ -10,7 +10,7 @@ import numpy as np
 
 from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
-                                    SHARED_PADDING, SOURCE, STORED)
+                                    QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      state_triples, triple_job)
 from kvparity.suites.evidence import ScheduleResult
@@ -114,7 +114,7 @@ def check_layer(replay: Replay, solo: SoloCaches, checks: EventChecks, event, la
     that layer, its pads, nbytes and mask."""
     named = layer_named(solo, layer)
     before = checks.reading.take(owned_arrays(batch), batch_known)
-    layout = check_layout(batch, replay.rows, checks, event, named)
+    layout = check_layout(batch, replay.rows, checks, event, named, replay.schedule.bits, replay.schedule.group_size)
     if layout is None:
         return
     size, _, pads, triples = layout
@@ -175,7 +175,8 @@ def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event
         made = 1 if rid in replay.extracted else 0
         for layer, (expected, cache, parts) in enumerate(zip(solo.caches(rid), alone.layers,
                                                              solo.expected(rid, checks.reading))):
-            where = dict(event=label, request=rid, **layer_named(solo, layer))
+            # An extracted row holds what extract returned, appended to by mlx-lm's own code alone.
+            where = dict(event=label, request=rid, member="extract" if made else "", **layer_named(solo, layer))
             checks.note(at, OFFSET, [rid], made, [] if cache.offset == expected.offset else [
                 Divergence(OFFSET, expected=expected.offset, actual=cache.offset, **where)])
             if made and hasattr(expected, "bits") and not hasattr(cache, "bits"):
@@ -187,7 +188,7 @@ def check_preempted(replay: Replay, solo: SoloCaches, checks: EventChecks, event
             checks.named(rid, parts, layer_parts(checks.reading, cache), "extracted.", where, made)
 
 
-def check_layout(batch, rows, checks: EventChecks, event, named):
+def check_layout(batch, rows, checks: EventChecks, event, named, bits: int, group_size: int):
     """Per-row offsets and pads, and a state of two triples: (size, offsets,
     pads, triples), or None when the batch cannot be read row by row (noted).
     ``named``: the layer, as divergences name it."""
@@ -211,6 +212,10 @@ def check_layout(batch, rows, checks: EventChecks, event, named):
     checks.note(at, SHARED_PADDING, rows, 1,
                 [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns", **named)]
                 if min(pads) > 0 else [])
+    held, want = (getattr(batch, "bits", None), getattr(batch, "group_size", None)), (bits, group_size)
+    checks.note(at, QUANTIZED, rows, 1, [] if held == want else [Divergence(
+        QUANTIZED, label, tensor="bits, group_size", expected=want, actual=held,
+        detail="of the batch, against its rows' bits and group size", **named)])
     return size, offsets, pads, triples
 
 
@@ -287,6 +292,7 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
     # Its copies are evaluated with the event's other arrays (one mx.eval): an
     # async_eval per row cost more main-thread time than the overlap saved.
     extracted = batch.extract(i)
+    where = {**where, "member": "extract"}  # what it returned is compared: its own output
     rid, at = where["request"], checks.at
     offset = getattr(extracted, "offset", None)
     if offset != solo.offset:
@@ -299,10 +305,10 @@ def check_extract(batch, i, solo, expected, checks: EventChecks, where, batch_kn
         checks.note(at, EXTRACT, [rid], 1, [Divergence(EXTRACT, tensor="extracted", detail=unquantized,
                                                           **where)])
     else:
-        bits, group_size = getattr(extracted, "bits", None), getattr(extracted, "group_size", None)
-        checks.note(at, EXTRACT, [rid], 1, [] if (bits, group_size) == (solo.bits, solo.group_size) else [
-            Divergence(EXTRACT, detail=f"extract({i}) returned a cache of bits {bits}, group_size {group_size}; "
-                                         f"the row's are {solo.bits}, {solo.group_size}", **where)])
+        held = (getattr(extracted, "bits", None), getattr(extracted, "group_size", None))
+        checks.note(at, EXTRACT, [rid], 1, [] if held == (solo.bits, solo.group_size) else [
+            Divergence(EXTRACT, tensor="bits, group_size", expected=(solo.bits, solo.group_size), actual=held,
+                       detail=f"of the cache extract({i}) returned, against the row's", **where)])
         for name in ("keys", "values"):
             checks.triples(rid, expected[name], _solo_tokens(checks.reading, extracted, name, known),
                            f"extracted.{name}", where)
@@ -353,7 +359,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _note_alias(checks, at, rows, shared, where, whose):
     checks.result.note(at, ALIAS, rows, 1, [] if shared is None else [
-        Divergence(ALIAS, actual=shared[2],
+        Divergence(ALIAS, expected=0, actual=shared[2],
                    detail=f"{describe_shared(shared)}: keeps {shared[2]} bytes of {whose} alive", **where)])
 
 
@@ -371,11 +377,13 @@ def check_sources(replay: Replay, backend, checks: EventChecks, event, batch_kno
         compared = compare_later(checks.reading, [(named(before), named(after), "", {"event": label})], after_known)
         checks.later(lambda member=member, compared=compared: checks.result.note(
             at, SOURCE, rows, 1,
-            [] if not compared()[0] else [Divergence(SOURCE, label, detail=f"{member} modified its source")]))
+            [] if not compared()[0] else [Divergence(SOURCE, label, detail=f"{member} modified its source",
+                                                     member=member)]))
         if member == "merge":
             shared = shared_memory_later(checks.reading, batch_arrays, after, batch_known, after_known)
             checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
-                                                           dict(event=label, tensor="merge"), "source buffer"))
+                                                           dict(event=label, tensor="merge", member="merge"),
+                                                           "source buffer"))
 
 
 def check_mask(batch, rows, size, pads, checks: EventChecks, event, named):

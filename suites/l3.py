@@ -40,7 +40,7 @@ from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, 
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import (
-    RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, in_forward, layer_of,
+    RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward, layer_of,
 )
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.checks import EXTRACT, LENGTH, LOGPROBS, QUANTIZED, TOKENS
@@ -223,7 +223,12 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
         except MemberRaised as raised:  # the cache under test declined or broke
             raised.layer = layer_of(raised, loaded.model.layers)
             what = f"the engine's call of {raised}"
-            if raised.capability or raised.refused:
+            unlike = handed_unlike_mlx_lm(raised, implementation.batch_class)
+            if unlike:  # the engine's finding, not the cache's refusal: mlx-lm's engine hands no such thing
+                note_raised(result, 0, SERVE_LABEL, ForwardRaised(raised.error, ForwardRaised.ENGINE), everyone,
+                            said=f"the engine handed {raised.member} {unlike}, which mlx-lm's own engine never "
+                                 f"does; {what}")
+            elif raised.capability or raised.refused:
                 result.stop(NOT_SUPPORTED if raised.capability else REFUSED,
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:

@@ -75,6 +75,9 @@ SERVER = "the server"  # what failed at L4, where L1 to L3 name a protocol membe
 
 @dataclass(frozen=True)
 class ServerUnderTest:
+# A kv_applied finding whose request, served alone, answered as mlx-lm's kv_bits run.
+QUANTIZED_ALONE = ("quantized alone, dense when batched with others (served alone it answers as mlx-lm's kv_bits "
+                   "run)")
     """The server as the command line gives it, with what it declares."""
 
     command: Optional[str] = None  # a template with {model} and {port}
@@ -741,8 +744,8 @@ def compare(result: ScheduleResult, s: Sent, expected, dense, precision, togethe
             result.note(0, KV_APPLIED, [rid], 1, [Divergence(
                 KV_APPLIED, SERVE_LABEL, rid, tensor=LOGPROBS,
                 detail=f"the server declares {oracle}, but answers as mlx-lm's dense run (no kv_bits), token for "
-                       f"token and log-prob for log-prob, where the two differ (first at token {differs}): it did not "
-                       f"quantize its KV cache")]
+                       f"token and log-prob for log-prob, where the two differ (first at token {differs}): "
+                       + (QUANTIZED_ALONE if alone_quantized else "it did not quantize its KV cache"))]
                 if as_dense else [])
 
 
@@ -788,7 +791,9 @@ def compare_text(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, ex
             result.note(0, KV_APPLIED, [rid], 1, [Divergence(
                 KV_APPLIED, SERVE_LABEL, rid, tensor=TEXT,
                 detail=f"the server declares {oracle}, but streams the text of mlx-lm's dense run (no kv_bits), "
-                       f"where the two differ: it did not quantize its KV cache")] if mine == dense_text else [])
+                       f"where the two differ: "
+                       + (QUANTIZED_ALONE if alone_quantized else "it did not quantize its KV cache"))]
+                if mine == dense_text else [])
 
 
 def text_of_answer(answer: Answer, tokenizer) -> str:
@@ -799,6 +804,9 @@ def detokenized(tokenizer, tokens):
     """mlx-lm's streaming detokenizer over tokens, as a server streams them:
     the text, and how long it is after each token."""
     detokenizer = tokenizer.detokenizer
+            # Served alone as mlx-lm's kv_bits run: it quantizes, but not when it batches.
+            alone_quantized = not apart and alone.tokens == expected.tokens and all(
+                same(a, b) for a, b in zip(alone.logprobs, wanted))
     detokenizer.reset()
     ends = []
     for token in tokens:
@@ -846,6 +854,7 @@ def diff(rid: str, check: Optional[str], tokens: List[int], values: List[float],
             found.append(Divergence(check or LENGTH, SERVE_LABEL, rid, tensor=TOKENS, step=len(tokens),
                                     expected=len(tokens), actual=len(got.tokens),
                                     detail=f"more tokens than asked for; {against}"))
+            alone_quantized = not apart and theirs == want
     return found
 
 

@@ -52,6 +52,7 @@ STORE_CATCHES = [
     (negative_controls.StoredRowTrimForgetsScales, "prefix-trim-longer"),  # the fetched copy is trimmed
     (negative_controls.StoredNbytesCountsPacked, "prefix-chat-turns"),  # any store
     (negative_controls.StoredCopySharesBuffers, "prefix-trim-longer"),  # the rest lands inside the copy
+    (negative_controls.StoredNbytesSkipsBiases, "prefix-chat-turns"),  # any store
 ]
 
 

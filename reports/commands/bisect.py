@@ -15,7 +15,9 @@ from kvparity.suites import arrivals
 from kvparity.suites.levels import CACHE_LEVELS, L1, L3
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
 from kvparity.suites.schedule import atomic_write_json
-from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure
+from kvparity.suites.adapter import READING_MEMBERS
+from kvparity.suites.checks import RAISED
+from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure, first_failure
 
 NAME = "bisect"
 HELP = "find the first breaking event of a schedule and shrink it"
@@ -79,6 +81,15 @@ def nothing_to_bisect(schedule, level, original) -> int:
     return verdicts.verdict_of_run([original]).exit_status
 
 
+def at_fault_words(first, member: str) -> str:
+    """The member a first failing divergence blames, and why, in words."""
+    if first.call is None:  # no call evidence (L2, L3): the last member called before it, or the one that raised
+        return f"{member} (the last protocol member called before it)"
+    if member in READING_MEMBERS and first.check != RAISED:
+        return f"{member} (its own output diverged)"
+    return f"{member} (the last protocol call before the first divergence: call {first.call + 1} of its event)"
+
+
 def handle(args):
     chosen_policy, declared = policy(args), expectations(args)
     check_impl_spec(args.impl)
@@ -104,16 +115,24 @@ def handle(args):
     print(f"  {first.message()}")
     member = failures.failure_of(shrinker.original).member
     if member:
-        print(f"  the last protocol member called before it: {member}")
+        print(f"  first failing call: {at_fault_words(first, member)}")
     doc = shrinker.shrink(schedule)
     minimal = shrinker.parse(doc)
     atomic_write_json(doc, out)
     print(f"shrunk to {len(minimal.requests)} of {len(schedule.requests)} requests"
           + ("" if level == L3 else f" and {len(minimal.events)} of {len(schedule.events)} events")
           + f" in {shrinker.tries} tries")
+    shrunk = first_failure(shrinker.run(minimal))
+    at_fault = member
+    if shrunk is not None and shrunk.member and shrunk.member != member:  # say both
+        print(f"  on the shrunk schedule: {shrunk.message()}")
+        print(f"  first failing call there: {at_fault_words(shrunk, shrunk.member)}")
+        at_fault = shrunk.member
     found = exposure(shrinker.run, minimal) if level != L3 else None
     if found:
-        print(f"most likely at fault: {found.sentence()}")
+        print(f"member at fault: {found.cause}, exposed by {found.exposed_by}: {found.sentence()}")
+    elif at_fault:
+        print(f"member at fault: {at_fault}")
     replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
               + (f" --expectations {args.expectations}" if args.expectations else "")
               + (f" --engine {args.engine}" if getattr(args, "engine", None) else ""))

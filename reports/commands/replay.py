@@ -2,6 +2,7 @@
 
 from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option
 from kvparity.reports.commands.runs import print_summary, select_and_run
+from kvparity.suites.checks import HYGIENE, HYGIENE_CHECKS
 
 NAME = "replay"
 HELP = "replay one schedule file and show each row's first divergences"
@@ -30,6 +31,14 @@ def handle(args):
             if row.divergences:
                 line += f", {len(row.divergences)} divergence(s); first:"
             print(line)
-            for d in sorted(row.divergences, key=lambda d: d.order)[:5]:
+            # What failed the row first, then what informs (hygiene, declared), said not to gate.
+            gating = sorted(row_verdict.failing, key=lambda d: d.order)[:5]
+            informing = sorted(((k, d) for k, d in enumerate(row.divergences) if d not in row_verdict.failing),
+                               key=lambda kd: kd[1].order)
+            for d in gating:
                 print(f"    {d.message()}")
+            for k, d in informing[:max(5 - len(gating), 1)]:
+                why = ("declared" if k in row_verdict.declared else
+                       HYGIENE if d.check in HYGIENE_CHECKS else "within the policy's tier")
+                print(f"    not gating ({why}): {d.message()}")
     return verdict.exit_status
