@@ -165,11 +165,27 @@ def triple_job(expected, actual, name: str, check: str = LAYOUT, **where):
     return dict(zip(TRIPLE, expected)), dict(zip(TRIPLE, actual)), f"{name}.", where
 
 
-def left_padding_divergence(row: int, tokens: int, size: int, pad: int, **where) -> Divergence:
+def left_padding_divergence(row: int, tokens: int, size: int, pad: int, width: Optional[int] = None,
+                            **where) -> Divergence:
     """Row ``row`` holds ``tokens`` (the solo offset) but the batch says
-    ``size - pad``: said as the rule and the two values it came from."""
-    return Divergence(LEFT_PADDING, detail=f"size() - left_padding[{row}] should be the row's {tokens} tokens; "
-                                             f"size() is {size}, left_padding[{row}] is {pad}", **where)
+    ``size - pad``: said as the rule and the two values it came from.
+    ``width``: the width update_and_fetch returned, where every row's left
+    padding and length end there and size() alone says otherwise
+    (``size_is_odd``): size()'s own output, then, blamed by construction."""
+    said = (f"size() - left_padding[{row}] should be the row's {tokens} tokens; size() is {size}, "
+            f"left_padding[{row}] is {pad}")
+    if width is not None:
+        said += (f"; update_and_fetch returned {width} columns, where every row's left padding and length end: "
+                 "size() is the one that disagrees")
+        where = {**where, "member": "size"}
+    return Divergence(LEFT_PADDING, expected=tokens, actual=size - pad, detail=said, **where)
+
+
+def size_is_odd(size: int, pads, lengths, width: Optional[int]) -> bool:
+    """size() alone disagrees: every row's left padding plus its length is
+    the width update_and_fetch returned (``width``; None: not known), and
+    size() says another."""
+    return width is not None and size != width and all(p + n == width for p, n in zip(pads, lengths))
 
 
 def a_triple(triple) -> str:

@@ -32,7 +32,7 @@ from kvparity.oracle.arrays import Part
 from kvparity.suites.adapter import WRITE
 from kvparity.suites.checks import (BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, QUANTIZED, RAISED)
 from kvparity.suites.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,
-                                     state_triples)
+                                     size_is_odd, state_triples)
 
 # The calls that leave the batch's rows in place (right-aligned, left-padded).
 LAID_OUT = ("merge", "extend", "filter", "trim", "rollback", "finalize", WRITE)
@@ -188,6 +188,8 @@ class CallChecks:
                 **self.where(record))])
             return
         placed = []  # rows whose columns are where their length says
+        width = _width(record.triples.get("fetched"))
+        odd = width if size_is_odd(size, pads, record.lengths, width) else None  # size() disagrees with the rest
         for i, (rid, n) in enumerate(zip(rows, record.lengths)):
             if record.prefill and record.member != "merge":
                 placed.append(i)  # rows start at column 0 until finalize
@@ -198,28 +200,36 @@ class CallChecks:
                 Divergence(OFFSET, expected=n, actual=offsets[i], **offset_where)])
             ok = size - pads[i] == n
             checks.result.note(checks.at, LEFT_PADDING, [rid], 1, [] if ok else [
-                left_padding_divergence(i, n, size, pads[i], **where)])
-            if ok:
+                left_padding_divergence(i, n, size, pads[i], odd, **where)])
+            if ok or odd is not None:  # where size() alone is wrong, the rows' columns end at the width returned
                 placed.append(i)
-        self._bytes(record, placed, pads, ("fetched", "batch"))
+        self._bytes(record, placed, pads, ("fetched", "batch"), odd)
 
-    def _bytes(self, record: CallRecord, placed, pads, names):
-        """The columns the call wrote or placed, of the rows ``placed``, in ``names`` ("fetched", "batch")."""
-        checks, reading, rows, size = self.checks, self.checks.reading, record.rows, record.size
+    def _bytes(self, record: CallRecord, placed, pads, names, size: Optional[int] = None):
+        """The columns the call wrote or placed, of the rows ``placed``, in
+        ``names`` ("fetched", "batch"): a write's last columns of what it
+        returned (its own width) and of the batch (up to ``size``, else
+        size()), merge's and finalize's rows on [left_padding, size())."""
+        checks, reading, rows = self.checks, self.checks.reading, record.rows
+        size = record.size if size is None else size
         jobs = []
         for i in placed:
             rid, n, alone = rows[i], record.lengths[i], record.alone[rows[i]]
-            if record.member == WRITE:
+            if record.member in ("merge", "finalize"):
+                if not n:
+                    continue
+                last, spans = n, {"batch": (pads[i], size)}
+            elif record.member == WRITE:
                 last = n if record.prefill else record.tokens
-                start, stop = (0, n) if record.prefill else (size - last, size)
-            elif record.member in ("merge", "finalize") and n:
-                last, (start, stop), names = n, (pads[i], size), ("batch",)
+                spans = {name: (0, n) if record.prefill else (end - last, end) for name, end in (
+                    ("fetched", _width(record.triples.get("fetched"))), ("batch", size))}
             else:
                 continue
-            if stop > size or start < 0:
-                continue
-            index = (slice(i, i + 1), slice(None), slice(start, stop), slice(None))
             for name in names:
+                start, stop = spans.get(name, (0, -1))
+                if start < 0 or stop < start:
+                    continue
+                index = (slice(i, i + 1), slice(None), slice(start, stop), slice(None))
                 for tensor, (ticket, arrays) in record.triples.get(name, {}).items():
                     expected = reading.parts(list(getattr(alone, tensor)),
                                              (Ellipsis, slice(n - last, n), slice(None)))
@@ -251,6 +261,11 @@ class CallChecks:
                         member = "offset"
                 row.divergences[k] = replace(d, call=call if call >= 0 else None, member=member or self.last)
         self.marks = {row.request: len(row.divergences) for row in self.run.result.rows}
+
+
+def _width(triples) -> Optional[int]:
+    """The token columns of taken triples ({"keys": (ticket, arrays), ...}); None without them."""
+    return triples["keys"][1][0].shape[2] if triples else None
 
 
 def _offset_is_a_member(batch_class) -> bool:

@@ -12,7 +12,7 @@ from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, share
 from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
-                                     state_triples, triple_job)
+                                     size_is_odd, state_triples, triple_job)
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
 from kvparity.suites.replay import Replay
@@ -230,6 +230,9 @@ def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout
     size, offsets, pads, triples = layout
     label, at, reading = event.label, event.index, checks.reading
     pad_slices, fetched_known = [], {}
+    lengths = [solo.caches(rid)[layer].offset for rid in rows]
+    width = fetched["keys"][0].shape[2] if fetched is not None else None
+    odd = width if size_is_odd(size, pads, lengths, width) else None  # size() disagrees with the rest
     for i, rid in enumerate(rows):
         expected_cache = solo.caches(rid)[layer]
         where = dict(event=label, request=rid, **layer_named(solo, layer))
@@ -241,7 +244,7 @@ def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout
         checks.note(at, OFFSET, [rid], 1, [Divergence(OFFSET, expected=n, actual=offset, **where)] if offset != n
                     else [])
         if size - pads[i] != n:
-            checks.note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, n, size, pads[i], **where)])
+            checks.note(at, LEFT_PADDING, [rid], 1, [left_padding_divergence(i, n, size, pads[i], odd, **where)])
             continue  # the row's columns are unknown: bytes would only echo this
         checks.note(at, LEFT_PADDING, [rid], 1)
         lp = pads[i]

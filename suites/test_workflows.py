@@ -225,7 +225,8 @@ def action_steps():
 def test_action_inputs_and_output():
     action, steps = action_steps()
     assert set(action["inputs"]) == INPUTS
-    assert action["inputs"]["impl"]["required"] is True
+    # impl may be left to [tool.kvparity] in the user's pyproject.toml, as kvparity run reads it.
+    assert action["inputs"]["impl"]["required"] is False and action["inputs"]["impl"]["default"] == ""
     defaults = {name: spec.get("default") for name, spec in action["inputs"].items()}
     assert (defaults["device"], defaults["install"], defaults["policy"]) == ("cpu", "auto", "")
     assert defaults["levels"] == "all" and defaults["python-version"] == "3.12"
@@ -407,6 +408,8 @@ def test_gate_command_from_inputs(monkeypatch):
     command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "", "KVPARITY_EXPECTATIONS": " "})
     assert command == [sys.executable, "-m", "kvparity", "run", "--impl", "mycache:Batch", "--level", "L1",
                        "--device", "gpu", "--policy", "gpu", "--out", "out"]
+    # impl left empty: kvparity run reads [tool.kvparity] in the repository's pyproject.toml.
+    assert "--impl" not in gate.gate_command({**GATE_ENV, "KVPARITY_IMPL": " "})
     # Left empty: the CPU gate under the cpu policy; a policy given is kept.
     command = gate.gate_command({**GATE_ENV, "KVPARITY_DEVICE": " ", "KVPARITY_POLICY": ""})
     assert command[command.index("--device"):command.index("--out")] == ["--device", "cpu", "--policy", "cpu"]
@@ -429,9 +432,14 @@ def test_gate_records_kvparity_status_and_succeeds(tmp_path):
         done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": REFERENCE_IMPL})
         assert output.endswith("exit-status=125\n"), done.stdout + done.stderr
         assert "no gpu backend" in done.stderr
+    # No impl input and no [tool.kvparity] from here upward: kvparity run's own usage error, said as an annotation.
     done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": " "})
     assert done.returncode == 0 and output.endswith(f"exit-status={EXIT_USAGE}\n")
-    assert done.stdout.startswith("::error title=kvparity gate::the input impl is empty")
+    assert "no implementation under test" in done.stderr and "::error title=kvparity gate::" in done.stdout
+    # With [tool.kvparity] naming the class, the empty input is read from there.
+    (tmp_path / "pyproject.toml").write_text(f'[tool.kvparity]\nimpl = "{REFERENCE_IMPL}"\n')
+    done, output = run_script("gate", tmp_path, **{**GATE_ENV, "KVPARITY_IMPL": "", "KVPARITY_LEVELS": "L9"})
+    assert "no implementation under test" not in done.stderr and "levels 'L9'" in done.stderr
 
 
 REFERENCE_IMPL = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
