@@ -191,9 +191,9 @@ def test_a_published_config_of_an_unlisted_architecture_runs_at_l2(capsys):
 
 
 def test_models_all_names_every_module_with_a_plan_or_asks_for_a_config(capsys, monkeypatch):
-    from kvparity.oracle import zoo
+    from kvparity.reports.commands import models
 
-    monkeypatch.setattr(zoo, "architecture_modules", lambda: ["ernie4_5", "llama", "rwkv7"])
+    monkeypatch.setattr(models, "architecture_modules", lambda: ["ernie4_5", "llama", "rwkv7"])
     assert main(["models", "--all", "--json"]) == EXIT_OK
     records = {r["module"]: r for r in json.loads(capsys.readouterr().out)["models"]}
     assert records["ernie4_5"]["plan"] == "Q(2x128)*2" and records["llama"]["model"] == "llama"
