@@ -11,7 +11,8 @@ evaluation) and compared with the event's other arrays at its end:
 * every call: the batch's ``bits`` and ``group_size`` are the rows'
   (``quantized``); its ``offset`` and ``size() - left_padding`` are each
   touched row's length alone (``offset``, ``left_padding``);
-* ``merge``, ``finalize``: the rows' bytes on ``[left_padding, size())``;
+* ``merge``, ``finalize``: the rows' bytes on ``[left_padding, size())``
+  (``merge``'s against the rows it was handed);
 * ``update_and_fetch``: the columns it wrote, in what it returned and in the
   state, equal the tokens appended alone; in a padded prefill (before
   ``finalize``) each row's prompt on its first columns;
@@ -86,7 +87,10 @@ class CallChecks:
         self.for_event(run.replay.event, run.event_checks)
         run.sync_solo()
         prefill = bool(what.get("prefill"))
-        alone = {rid: run.solo.caches(rid)[layer] for rid in rows}
+        # What a call is held to: merge, the rows it was handed (a row from a store or an extract is
+        # held to the oracle before it is merged, as that member's); every other call, the rows alone.
+        sources = what.get("sources")
+        alone = dict(zip(rows, sources)) if sources else {rid: run.solo.caches(rid)[layer] for rid in rows}
         lengths = [0 if prefill and member == "merge" else alone[rid].offset for rid in rows]
         record = CallRecord(self.position, member, layer, batch, rows, lengths, alone=alone, prefill=prefill,
                             tokens=what.get("tokens", 0))
@@ -139,10 +143,11 @@ class CallChecks:
             if triples is None and not any(record.lengths):
                 continue  # nothing held yet: mlx-lm's caches hold None then too
             if triples is None:
+                said = "state" if name == "batch" else record.member
                 record.notes.append((LAYOUT, record.rows, 1, [Divergence(
-                    LAYOUT, tensor=name, detail=f"{record.member} left {in_words(value)}, expected the keys' and "
-                                                "the values' (packed, scales, biases) triples first",
-                    **self.where(record))]))
+                    LAYOUT, tensor="state" if name == "batch" else name,
+                    detail=f"{said} returned {in_words(value)}, expected the keys' and the values' (packed, scales, "
+                           "biases) triples first", **self.where(record))]))
             else:
                 record.triples[name] = {tensor: (reading.take(list(t)), t) for tensor, t in triples.items()}
 

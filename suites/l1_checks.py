@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
-from kvparity.suites.checks import (ALIAS, BYTES, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
+from kvparity.suites.checks import (ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples, triple_job)
@@ -19,6 +19,7 @@ from kvparity.suites.replay import Replay
 from kvparity.suites.stored import check_entries, check_fetch, entry_name
 
 MASK_WIDTHS = (1, 3)
+BEFORE_CALLS = -1  # Divergence.call of evidence on what an event's first call was handed
 
 
 class EventChecks:
@@ -150,13 +151,15 @@ def check_stored(replay: Replay, backend, solo: SoloCaches, checks: EventChecks,
                                                                       detail=unquantized, **where)])
                 continue
             jobs.append((EXTRACT, rid, (expected, layer_parts(checks.reading, stored), f"{entry.name}: ", where)))
+    # What a join took from the store is what merge was handed: evidence before the event's first call.
+    handed = dict(call=BEFORE_CALLS, member=CHECKS[STORED].reads)
     for rid, (entry, reused) in (replay.resumed.items() if event.kind == "join_stored" else ()):
-        if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event):
+        if check_fetch(rid, entry, reused, solo.reused[rid], checks.note, event, **handed):
             for layer, (expected, resumed) in enumerate(zip(solo.expected(rid, checks.reading),
                                                             backend.resumed[rid].layers)):
                 jobs.append((STORED, rid, (expected, layer_parts(checks.reading, resumed),
                                            f"resumed from {entry_name(entry)}: ",
-                                           dict(event=label, request=rid, **layer_named(solo, layer)))))
+                                           dict(event=label, request=rid, **handed, **layer_named(solo, layer)))))
     compared = compare_later(checks.reading, [job for _, _, job in jobs])
 
     def note():

@@ -236,7 +236,7 @@ class Replay:
             for layer, rows in enumerate(layers):
                 if hasattr(rows[0], "bits"):
                     merged.append(merge(list(rows)))
-                    self.called("merge", layer, merged[-1], ready)
+                    self.called("merge", layer, merged[-1], ready, sources=rows)
                 else:
                     merged.append(mlx_lm_batch(rows))
             self.add_rows(merged, ready)

@@ -37,11 +37,13 @@ def check_entries(replay, digests: Dict[int, str], note: Callable, event) -> Lis
     return new
 
 
-def check_fetch(rid, entry, reused: int, expected: int, note: Callable, event) -> bool:
-    """Whether a join took the prompt tokens mlx-lm's store gives (noted)."""
+def check_fetch(rid, entry, reused: int, expected: int, note: Callable, event, **where) -> bool:
+    """Whether a join took the prompt tokens mlx-lm's store gives (noted;
+    ``where``: more the divergence says of itself)."""
     found = [] if reused == expected else [Divergence(
         STORED, event.label, rid, tensor=entry_name(entry), expected=expected, actual=reused,
-        detail="prompt tokens taken from the store; mlx-lm's store holding the same entries is the expected")]
+        detail="prompt tokens taken from the store; mlx-lm's store holding the same entries is the expected",
+        **where)]
     note(event.index, STORED, [rid], 1, found)
     return not found
 
