@@ -284,3 +284,23 @@ def test_each_control_is_one_group_naming_its_member_with_values_and_an_agreeing
     assert main([*words[1:], "--out", str(tmp_path / "min.json")]) == 1
     said = capsys.readouterr().out
     assert f"member at fault: {control.at_fault}" in said, said
+
+
+@pytest.mark.gqa_batched  # L3's engine batches the grouped-query model
+def test_a_member_declining_what_mlx_lms_engine_never_hands_is_the_engines_finding():
+    """An engine that hands merge its stored rows dense: the reference's merge
+    declines (NotImplementedError), which is a refusal only where the engine
+    handed what mlx-lm's own engine would. Here it is the engine's finding:
+    a FAIL naming the engine and what it handed, one group, not refused."""
+    from kvparity.suites.adapter import ForwardRaised
+    from kvparity.suites.arrivals import L3_CATALOG
+    from kvparity.suites.arrivals import load as load_arrivals
+    from kvparity.suites.l3 import run_l3
+
+    result = run_l3(load_arrivals(L3_CATALOG / "chat-shared-system-prompt.json"), load_implementation(None),
+                    "kvparity.suites.l3_test_engines:keeps_stored_rows_dense")
+    judged = verdicts.judge(result, CPU)
+    assert judged.verdict == FAIL and result.raised_by == ForwardRaised.ENGINE, result.reason
+    assert "the engine handed merge an unquantized" in result.reason and "mlx-lm's own engine never does" in result.reason
+    (group,) = failures.group([judged])
+    assert group.at_fault == ForwardRaised.ENGINE and "refused" not in group.title()

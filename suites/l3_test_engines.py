@@ -14,15 +14,19 @@ was asked for a quantized cache and keeps one layer unquantized.
 from mlx-lm's dense prompt cache (a server whose ``--kv-bits`` never reaches
 the batch); ``converts_if_layer0_attention`` quantizes only when layer 0 is an
 attention layer (a conversion that reads ``cache[0]``), so a hybrid model
-whose layer 0 holds SSM state stays dense.
+whose layer 0 holds SSM state stays dense. ``keeps_stored_rows_dense``
+hands merge its stored rows dequantized into dense ``KVCache`` layers: the
+cache under test declines them, and that is the engine's finding.
 """
 
 from typing import Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
 from kvparity.oracle.generation import generate_alone
-from kvparity.suites.engines import BatchGeneratorEngine, EngineRequest, EngineRun, EngineSettings, Generated
+from kvparity.suites.engines import (BatchGeneratorEngine, EngineRequest, EngineRun, EngineSettings, Generated,
+                                     quantized_row_class)
 
 
 class SerialEngine:
@@ -104,6 +108,26 @@ class ConvertsIfLayer0Attention(BatchGeneratorEngine):
         return super().rows(request) if isinstance(dense[0], KVCache) else dense
 
 
+class KeepsStoredRowsDense(BatchGeneratorEngine):
+    """Stores rows as it should, then hands merge each stored layer
+    dequantized into mlx-lm's dense ``KVCache`` (made to merge as a
+    quantized row would): an engine whose store keeps rows in bf16. What
+    the cache does with it is not the cache's refusal: the engine's finding."""
+
+    def mergeable(self, entry):
+        handed = []
+        for layer, planned in zip(entry, self.plan.layers):
+            if planned.quantized and hasattr(layer, "bits"):
+                dense = quantized_row_class(self.batch_class, KVCache)()
+                dense.keys, dense.values = (
+                    mx.dequantize(*triple, group_size=layer.group_size, bits=layer.bits)[..., : layer.offset, :]
+                    for triple in (layer.keys, layer.values))
+                dense.offset = layer.offset
+                layer = dense
+            handed.append(layer)
+        return handed
+
+
 serial = SerialEngine
 chosen_logprob_only = ChosenLogprobOnly
 drops_last_token = DropsLastToken
@@ -112,3 +136,4 @@ stored_entries_change = StoredEntriesChange
 keeps_last_layer_bf16 = KeepsLastLayerBf16
 leaves_batch_dense = LeavesBatchDense
 converts_if_layer0_attention = ConvertsIfLayer0Attention
+keeps_stored_rows_dense = KeepsStoredRowsDense

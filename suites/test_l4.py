@@ -372,6 +372,20 @@ def test_each_negative_control_server_fails_naming_request_position_and_comparis
     assert not servers_running()
 
 
+@pytest.mark.slow  # a server started twice
+def test_a_server_that_quantizes_only_requests_served_alone_is_said_to(servers_running, tmp_path):
+    """With --kv-bits it answers alone as mlx-lm's kv_bits run and among
+    others as the dense run: the finding says so, not that it did not quantize."""
+    args = ["run", "--level", "L4", "--schedule", BURST, "--server", f"{control('quantizes_alone_only')} {KV}",
+            "--kv-bits", "4", "--out", str(tmp_path)]
+    assert main(args) == EXIT_BROKEN
+    (run,) = report(tmp_path)["results"]
+    applied = [d for row in run["rows"] for d in row["divergences"] if d["check"] == KV_APPLIED]
+    assert applied and all("quantized alone, dense when batched with others" in d["detail"] for d in applied)
+    assert not any("did not quantize" in d["detail"] for d in applied)
+    assert not servers_running()
+
+
 @pytest.mark.slow
 def test_the_server_log_and_timing_are_in_the_report_and_ctrl_c_leaves_nothing(servers_running, tmp_path):
     """An interrupted run (SIGINT while the server serves) stops it."""

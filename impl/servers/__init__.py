@@ -8,6 +8,8 @@ defect its docstring names, together with what the L4 gate must report:
 * ``ignores_kv_bits``: reports ``--kv-bits`` at startup, serves a dense cache.
 * ``swaps_rows``: concurrent requests get each other's tokens and log-probs.
 * ``rounds_logprobs``: log-probs rounded to 4 decimal places.
+* ``quantizes_alone_only``: with ``--kv-bits``, a request alone is served
+  quantized, one that arrives while others are in flight is batched dense.
 
 Each replaces one name in ``mlx_lm.server`` with a small subclass of the piece
 it names, through :func:`serve`; none copies mlx_lm.server's code.
