@@ -19,6 +19,7 @@ from typing import Dict
 from kvparity.oracle.solo import SoloTrace
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.inputs import read_json
 from kvparity.oracle.machine import environment, machine
 
 FORMAT = "kvparity.golden/1"
@@ -52,14 +53,12 @@ def write_golden(out, source: str, model, recorded: Dict[str, Dict[str, SoloTrac
 
 def read_golden(directory) -> dict:
     directory = Path(directory)
-    try:
-        doc = json.loads((directory / "golden.json").read_text())
-    except OSError:
+    if not (directory / "golden.json").exists():
         raise GoldenError(f"{directory}: not a trace directory (no golden.json)")
-    except json.JSONDecodeError as error:
-        raise GoldenError(f"{directory}/golden.json: not JSON: {error}")
-    if doc.get("format") != FORMAT:
-        raise GoldenError(f"{directory}: format {doc.get('format')!r}, expected {FORMAT!r}")
+    doc = read_json(directory / "golden.json", GoldenError)
+    found = doc.get("format") if isinstance(doc, dict) else None
+    if found != FORMAT:
+        raise GoldenError(f"{directory}: format {found!r}, expected {FORMAT!r}")
     return doc
 
 

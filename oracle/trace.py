@@ -22,6 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 from kvparity.oracle.gguf import cache_dir
+from kvparity.oracle.inputs import read_json
 from kvparity.oracle.arrays import digest
 from kvparity.oracle.solo import SoloCall, SoloTrace
 from kvparity.oracle.sealed import cached
@@ -90,10 +91,10 @@ def save_trace(trace: SoloTrace, directory, metadata: Optional[dict] = None) -> 
 
 def load_trace(directory) -> SoloTrace:
     directory = Path(directory)
+    manifest = read_json(directory / "manifest.json", TraceError)
     try:
-        manifest = json.loads((directory / "manifest.json").read_text())
         tensors = mx.load(str(directory / "trace.safetensors"))
-    except (OSError, ValueError, RuntimeError, RecursionError) as error:
+    except (OSError, ValueError, RuntimeError) as error:
         raise TraceError(f"{directory}: unreadable trace: {error}") from None
     try:
         return _trace_of(manifest, tensors, directory)

@@ -1,24 +1,14 @@
 """JSON documents kvparity reads back (report records, expectations files,
-a matrix row's cannot-install.json): read, parsed and checked against their
-schema in one way, every error naming the file, the field and the reason in
-the words of the file."""
+a matrix row's cannot-install.json): read and parsed by the one input reader
+(``oracle/inputs.py``) and checked against their schema in one way, every
+error naming the file, the field and the reason in the words of the file."""
 
 import json
 from pathlib import Path
 
 import jsonschema
 
-
-def read_json(path, error, shown=None):
-    """The parsed content of ``path``; ``error(message)`` is raised, naming
-    it as ``shown`` (default: the path), where it cannot be read or parsed."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except OSError as failure:
-        raise error(f"{shown or path}: cannot read it ({failure.strerror or failure})")
-    except json.JSONDecodeError as failure:
-        raise error(f"{path}: not JSON: {failure}")
+from kvparity.oracle.inputs import read_json
 
 
 def check_schema(doc, schema_path, path, error):

@@ -11,13 +11,13 @@ data movement: bit-exact on every backend, whatever the policy says; and
 ``layout`` (a dtype or shape that differs, a missing array) gates always.
 """
 
-import json
 import math
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Mapping, Optional
 
+from kvparity.oracle.inputs import read_json
 from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
 from kvparity.suites.levels import L1
 
@@ -115,13 +115,10 @@ def load_policy(spec: Optional[str] = None) -> Policy:
 
         spec = mx.default_device().type.name
     path = Path(spec) if spec.endswith(".json") else POLICIES / f"{spec}.json"
-    try:
-        doc = json.loads(path.read_text())
-    except OSError:
+    if not path.exists():
         shipped = ", ".join(sorted(p.stem for p in POLICIES.glob("*.json")))
         raise PolicyError(f"no policy {spec!r} (shipped: {shipped}; or a path to a .json file)")
-    except json.JSONDecodeError as error:
-        raise PolicyError(f"{path}: not JSON: {error}")
+    doc = read_json(path, PolicyError)
     if not isinstance(doc, dict):
         raise PolicyError(f"{path}: expected an object")
     unknown = sorted(set(doc) - FIELDS)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import List, Optional
 
 
-from kvparity.reports.documents import check_schema, read_json
+from kvparity.oracle.inputs import read_json
+from kvparity.reports.documents import check_schema
 from kvparity.reports.expectations import Declaration, Expectations
 from kvparity.reports.policy import Policy
 from kvparity.reports.verdicts import ScheduleVerdict, judge

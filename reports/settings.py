@@ -14,11 +14,11 @@ A relative path in the file is read from the file's folder; on the command
 line, from the current directory.
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
+from kvparity.oracle.inputs import read_toml
 from kvparity.suites.levels import CACHE_LEVELS, LEVELS
 
 COMMAND_LINE = "command line"
@@ -119,17 +119,7 @@ def find_pyproject(start=None) -> Optional[Path]:
 
 def read_table(path: Path) -> dict:
     """``[tool.kvparity]`` of ``path`` ({} without one), every key known."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pytest itself needs tomli before 3.11
-        import tomli as tomllib
-    try:
-        with path.open("rb") as file:
-            doc = tomllib.load(file)
-    except OSError as error:
-        raise SettingsError(f"{path}: cannot read it ({error.strerror or error})")
-    except tomllib.TOMLDecodeError as error:
-        raise SettingsError(f"{path}: not TOML: {error}")
+    doc = read_toml(path, SettingsError)
     table = doc.get("tool", {}).get("kvparity", {})
     if not isinstance(table, dict):
         raise SettingsError(f"{path}: {TABLE}: expected a table")

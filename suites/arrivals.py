@@ -201,6 +201,7 @@ def parse(doc, source="<arrivals>") -> ArrivalSchedule:
                  [(n, f"request {r.id!r} {key}") for r in requests.values()
                   for n, key in ((r.prompt_len, "prompt_len"), (r.max_tokens, "max_tokens"))],
                  [DEFAULT_SHAPE], "bfloat16", "model")
+    _check_arrivals(source, requests, shared)
     return ArrivalSchedule(
         name=doc["name"],
         description=str(doc.get("description", "")),
@@ -238,6 +239,19 @@ def _prompt(source, where, spec) -> dict:
 def _system(source, spec) -> SystemPrompt:
     check_fields(source, "system", spec, PROMPT_FIELDS + ("seed",))
     return SystemPrompt(**_prompt(source, "system", spec))
+
+
+def _check_arrivals(source, requests: Dict[str, ArrivalRequest], shared: int):
+    """An arrival later than every step the file's requests can fill (a
+    step prefills or decodes at least one token of one of them) adds idle
+    engine steps that compare nothing, and one far later would keep the
+    engine idling for ever: refused, before anything runs."""
+    busy = sum(shared + r.prompt_len + len(r.prompt or ()) + len(r.text or "") + r.max_tokens
+               for r in requests.values()) + len(requests)
+    for r in requests.values():
+        if r.arrival > busy:
+            reject(source, f"request {r.id!r} arrival", f"{r.arrival} engine steps, later than the {busy} steps "
+                   "the file's requests can fill: the steps past them would only idle")
 
 
 def _request(source, rid, spec, kv, default_step) -> ArrivalRequest:

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from kvparity.oracle.atomic import make_folder
+from kvparity.oracle.inputs import read_json
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES  # noqa: F401 (the schedule's words)
 from kvparity.oracle.synthetic import BLOCK, LayerShape
 from kvparity.suites.events import Event, parse_event
@@ -168,14 +169,10 @@ def synthetic_json(shapes, dtype) -> dict:
 
 
 def read_document(path) -> dict:
-    """A schedule file's JSON; unreadable or malformed is a ScheduleError naming it."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise ScheduleError(f"{path}: cannot read: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ScheduleError(f"{path}: not JSON: {error}") from None
+    """A schedule file's JSON; unreadable, malformed or refused by the input
+    reader (oracle/inputs.py: no regular file, too large, not UTF-8, a key
+    twice, NaN, ...) is a ScheduleError naming it."""
+    return read_json(path, ScheduleError)
 
 
 def load(path) -> Schedule:
