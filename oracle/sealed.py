@@ -168,6 +168,6 @@ def cached(root: Path, key: str, load: Callable[[Path], T], compute: Callable[[]
             seal(staging, key)
     except FileExistsError:
         pass  # another run stored the same entry
-    except OSError as error:  # a full or read-only disk: the value stands, unstored
-        LEDGER.unstored.append(f"{key[:16]}: {error}"[:300])
+    except (OSError, RuntimeError) as error:  # a full or read-only disk (MLX's writes raise RuntimeError): the
+        LEDGER.unstored.append(f"{key[:16]}: {error}"[:300])  # value stands, unstored
     return value

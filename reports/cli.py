@@ -12,11 +12,14 @@ interrupted. The commands themselves live in ``kvparity.reports.commands``,
 one module each.
 """
 
+import errno
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
+from pathlib import Path
 
 # Spelled out here rather than imported so that a harness that cannot even
 # import its own modules still exits 128 (see main), not Python's 1, which
@@ -25,6 +28,9 @@ import traceback
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
 EXIT_HARNESS_ERROR = 128
 EXIT_INTERRUPTED = 130
+# A disk that is full, over quota, read-only or failing: the machine's
+# state, not kvparity's bug (report directories say so themselves: writer.py).
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 def internal_error() -> int:
@@ -38,16 +44,22 @@ def main(argv=None) -> int:
         from kvparity.reports.commands.base import CannotRun, UsageError, configure
         from kvparity.reports.commands.parser import build_parser
         from kvparity.reports.settings import SettingsError
+        from kvparity.suites.flight import STATE_ENV, remove_if_orphaned
+        from kvparity.suites.processes import stop_signal, stopping_on_signals
         from kvparity.suites.schedule import ScheduleError
 
         parser = build_parser()
     except Exception:
         return internal_error()
+    if os.environ.get(STATE_ENV):  # an isolated child: its temporary folders go where its parent removes them
+        tempfile.tempdir = str(Path(os.environ[STATE_ENV]) / "tmp")
     args = parser.parse_args(argv)  # a bad command line exits EXIT_USAGE (parser.py)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: run --workers hands it on
     try:
-        configure(args, args.reads_settings, args.requires_settings)
-        return args.func(args)
+        # SIGTERM and SIGHUP stop a run as Ctrl-C does: through every finally and with exit.
+        with stopping_on_signals():
+            configure(args, args.reads_settings, args.requires_settings)
+            return args.func(args)
     except CannotRun as error:
         print(f"kvparity: cannot judge here: {error}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE
@@ -55,17 +67,28 @@ def main(argv=None) -> int:
         print(f"kvparity: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("kvparity: interrupted", file=sys.stderr)
+        print(f"kvparity: interrupted ({stop_signal() or 'SIGINT'})", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as error:
+        if error.errno not in DISK_ERRORS:
+            return internal_error()
+        where = f" {error.filename}" if error.filename else ""
+        print(f"kvparity: cannot judge here: cannot write{where}: {error.strerror}", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
     except Exception:  # the harness's own bug: never blame the commit under test
         return internal_error()
+    finally:
+        if os.environ.get(STATE_ENV):  # an isolated child
+            remove_if_orphaned(os.environ[STATE_ENV])
 
 
 # The commands the ``kvparity`` executable runs in a child process, so that a
-# cache that crashes the process is that schedule run's FAIL and the rest
-# goes on (suites/flight.py). ``python -m kvparity`` and ``main()`` run in
-# process: the workers of --workers, and tests that patch the process.
+# cache that crashes the process or hangs in a member is that schedule run's
+# FAIL and the rest goes on (suites/flight.py). ``python -m kvparity`` and
+# ``main()`` run in process: the children themselves, and tests that patch
+# the process. ``run --workers`` runs each worker so (run.in_workers).
 ISOLATED_COMMANDS = ("run", "check")
+POLL_S = 0.1  # how often the parent looks at its child and its flight record
 
 
 def console() -> int:
@@ -73,44 +96,131 @@ def console() -> int:
     from kvparity.suites.flight import STATE_ENV
 
     argv = sys.argv[1:]
-    # --workers runs its shards in processes of their own already.
     if (not argv or argv[0] not in ISOLATED_COMMANDS or os.environ.get(STATE_ENV)
             or any(a.startswith("--workers") for a in argv)):
         return main(argv)
     return isolated(argv)
 
 
-def isolated(argv) -> int:
-    """``kvparity ARGV`` in a child process, again after each crash: a child
-    that a signal ends is named by its flight record (the schedule run, event
-    and member it died in), and the next child judges that run a FAIL and
-    goes on. Every other exit status is the child's own."""
-    from kvparity.suites.flight import STATE_ENV, note_crash, read_flight, signal_name
+class Stop:
+    """The parent's side of a stop signal: the first one's name and time;
+    each one is handed on to the child, which unwinds and reports."""
 
-    with tempfile.TemporaryDirectory(prefix="kvparity-isolated-") as state:
-        environment = {**os.environ, STATE_ENV: state}
-        crashed_in = set()
-        while True:
-            child = subprocess.Popen([sys.executable, "-m", "kvparity", *argv], env=environment)
+    def __init__(self):
+        self.signal, self.since, self.child = None, None, None
+
+    def __call__(self, signum, frame):
+        import signal
+
+        if self.signal is None:
+            self.signal, self.since = signal.Signals(signum).name, time.monotonic()
+        if self.child is not None and self.child.returncode is None:
             try:
-                status = child.wait()
-            except KeyboardInterrupt:  # the child has its own and ends with 130
-                status = child.wait()
-            if status >= 0:
-                return status
-            record = read_flight(state)
-            label = record.get("label")
-            if label is None or label in crashed_in:  # no schedule was running: nothing of ours to blame it on
-                print(f"kvparity: the process died of {signal_name(status)} outside every schedule run",
-                      file=sys.stderr)
-                return EXIT_HARNESS_ERROR
-            crashed_in.add(label)
-            note_crash(state, record, status)
-            where = f"at event {record['event']}" if record.get("event") else "before its first event"
-            member = f" in {record['member']}" if record.get("member") else ""
-            print(f"kvparity: {label}: the process died of {signal_name(status)}{member} {where}; "
-                  "that run is a FAIL and the rest goes on in a new process", file=sys.stderr, flush=True)
+                os.kill(self.child.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def isolated(argv) -> int:
+    """``kvparity ARGV`` in a child process, again after each crash or hang:
+    a child that a crash ends (suites/processes.py says which signals are a
+    crash's) is named by its flight record (the schedule run, event and
+    member it died in), and so is one whose member does not return within
+    the member timeout the record states (this process kills it); the next
+    child judges that run a FAIL and goes on. A signal to this process is
+    handed on to the child, which reports what finished as interrupted; a
+    child that has not ended ``STOP_GRACE_S`` later is killed with all it
+    started. Every other exit status is the child's own. Nothing it or its
+    children started outlives it: it is their subreaper, and the child's
+    temporary folders are in its state folder (Python's; MLX's compiled
+    kernels stay where they are kept between runs)."""
+    import signal
+
+    from kvparity.suites.flight import STATE_ENV, mark_parent, note_crash, read_flight
+    from kvparity.suites.processes import (
+        STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, signal_name, sweep,
+    )
+
+    become_subreaper()
+    stop = Stop()
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvparity-isolated-") as state:
+            (Path(state) / "tmp").mkdir()
+            mark_parent(state)
+            environment = {**os.environ, STATE_ENV: state}
+            crashed_in = set()
+            while stop.signal is None:
+                before = oom_kills()
+                stop.child = subprocess.Popen([sys.executable, "-m", "kvparity", *argv], env=environment,
+                                              preexec_fn=die_with_parent)
+                status, hung = supervise(stop.child, state, stop)
+                sweep()  # what it left: L4 servers and daemons re-parented here
+                if status >= 0:  # the child's own (an interrupted one's is EXIT_INTERRUPTED)
+                    return status
+                if stop.signal is not None:  # killed after the grace
+                    print(f"kvparity: interrupted ({stop.signal}); the process running the schedules did not end "
+                          f"within {STOP_GRACE_S:g} s and was killed", file=sys.stderr)
+                    return EXIT_INTERRUPTED
+                record = read_flight(state) or {}
+                label = record.get("label")
+                if hung is None and not died_of_a_crash(status, before, oom_kills()):
+                    print(f"kvparity: the process running the schedules was stopped by {signal_name(status)} "
+                          "from outside: interrupted", file=sys.stderr)
+                    return EXIT_INTERRUPTED
+                if label is None or label in crashed_in:  # no schedule was running: nothing of ours to blame it on
+                    how = (f"{record.get('member')} did not return within {hung:g} s" if hung is not None
+                           else f"the process died of {signal_name(status)}")
+                    print(f"kvparity: {how} outside every schedule run", file=sys.stderr)
+                    return EXIT_HARNESS_ERROR
+                crashed_in.add(label)
+                note_crash(state, record, status, hung)
+                where = f"at event {record['event']}" if record.get("event") else "before its first event"
+                member = f" in {record['member']}" if record.get("member") else ""
+                how = (f"{record['member']} did not return within {hung:g} s (--member-timeout) {where}; it was "
+                       "stopped" if hung is not None else f"the process died of {signal_name(status)}{member} {where}")
+                print(f"kvparity: {label}: {how}; that run is a FAIL and the rest goes on in a new process",
+                      file=sys.stderr, flush=True)
+            print(f"kvparity: interrupted ({stop.signal})", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def supervise(child, state, stop: Stop):
+    """Wait for ``child``: (its status, the member timeout it overran or
+    None). It is killed with everything below it once it overruns the
+    member timeout its flight record states, or ``STOP_GRACE_S`` after a
+    stop signal."""
+    from kvparity.suites.flight import read_flight
+    from kvparity.suites.processes import STOP_GRACE_S, descendants, kill_all
+
+    def kill():
+        kill_all(descendants(child.pid))
+        child.kill()
+
+    call, since, hung = None, time.monotonic(), None
+    while True:
+        try:
+            return child.wait(timeout=POLL_S), hung
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if stop.since is not None:
+            if now - stop.since >= STOP_GRACE_S:
+                kill()
+            continue
+        record = read_flight(state)
+        if record is None or hung is not None:  # half a record: read it at the next look
+            continue
+        running = (record.get("label"), record.get("call")) if record.get("member") else None
+        if running != call:
+            call, since = running, now
+        elif running and record.get("timeout") and now - since >= record["timeout"]:
+            hung = record["timeout"]
+            kill()
+
+
+if __name__ == "__main__":  # python -m kvparity.reports.cli: as the kvparity executable (run --workers' workers)
+    sys.exit(console())

@@ -131,6 +131,15 @@ class Merged:
     whole_catalog: bool
     missing: List[int]  # shard indexes no directory brought
 
+    @property
+    def interrupted(self) -> Optional[dict]:
+        """``RunVerdict.interrupted`` of the merged run where a signal stopped a shard it merges, else None."""
+        stopped = [r["interrupted"] for r in self.records if r.get("interrupted")]
+        if not stopped:
+            return None
+        return {"signal": stopped[0]["signal"], "finished": sum(len(r["results"]) for r in self.records),
+                "planned": len(self.plan)}
+
     def gaps(self) -> List[str]:
         out = []
         for k in self.missing:
@@ -163,7 +172,8 @@ def gather(records: List[dict], directories: List[Path]) -> Merged:
         by_index[index] = (record, directory)
         labels = sorted(run_label(doc) for doc in record["results"])
         expected = sorted(e["run"] for e in record["shard"]["plan"] if e["shard"] == index)
-        if labels != expected:
+        # An interrupted shard holds the runs that finished before the signal.
+        if labels != expected and not (record.get("interrupted") and set(labels) <= set(expected)):
             raise ShardError(f"{directory}: shard {index} holds other schedule runs than its plan gives it")
     ordered = sorted(by_index)
     count = first["shard"]["count"]

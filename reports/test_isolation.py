@@ -1,8 +1,10 @@
-"""A cache that crashes the process (an abort, a segfault, a kill) is that
-schedule run's FAIL, naming the schedule, event and member it died in, with a
-report, and the rest of the run goes on: the ``kvparity`` executable runs
-``run`` and ``check`` in a child process with a flight recorder
-(``suites/flight.py``)."""
+"""A cache that crashes the process (an abort, a segfault, the
+out-of-memory killer) or hangs in a member is that schedule run's FAIL,
+naming the schedule, event and member it died or hung in, with a report, and
+the rest of the run goes on: the ``kvparity`` executable runs ``run`` and
+``check`` in a child process with a flight recorder (``suites/flight.py``). A
+signal from outside that ends the child is no crash: the run is
+interrupted."""
 
 import json
 import subprocess
@@ -11,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_HARNESS_ERROR
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_HARNESS_ERROR, EXIT_INTERRUPTED
 from kvparity.suites.schedule import CATALOG
 
 KVPARITY = Path(sys.executable).with_name("kvparity")  # the console script, as users run it
 CRASHING = """\
-import ctypes, os, signal
+import ctypes, os, signal, time
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 
 
@@ -26,23 +28,30 @@ class CrashesInFilter(BatchQuantizedKVCache):
 """
 LEAVES = CATALOG / "leave-longest.json"  # filter runs at its event #2
 STAYS = CATALOG / "join-empty.json"  # no filter
+# The kvparity executable, on a machine whose count of out-of-memory kills
+# rises while its child runs: the child's SIGKILL is then the OOM killer's.
+OOM_KILLING = ("import itertools, sys; from kvparity.suites import processes; kills = itertools.count(); "
+               "processes.oom_kills = lambda: next(kills); from kvparity.reports.cli import console; "
+               "sys.exit(console())")
 
 
-def check(tmp_path, crash, *schedules):
+def check(tmp_path, crash, *schedules, options=(), memory_ran_out=False):
     (tmp_path / "crashing.py").write_text(CRASHING.format(crash=crash))
-    argv = [str(KVPARITY), "check", "--impl", "crashing:CrashesInFilter", "--level", "L1", "--out", "out"]
+    kvparity = [sys.executable, "-c", OOM_KILLING] if memory_ran_out else [str(KVPARITY)]
+    argv = [*kvparity, "check", "--impl", "crashing:CrashesInFilter", "--level", "L1", "--out", "out", *options]
     for schedule in schedules:
         argv += ["--schedule", str(schedule)]
     return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("crash, died", [
-    ("os.abort()", "SIGABRT (6)"),
-    pytest.param("ctypes.string_at(0)", "SIGSEGV (11)", marks=pytest.mark.slow),
-    pytest.param("os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL (9)", marks=pytest.mark.slow),
+@pytest.mark.parametrize("crash, died, memory_ran_out", [
+    ("os.abort()", "SIGABRT (6)", False),
+    pytest.param("ctypes.string_at(0)", "SIGSEGV (11)", False, marks=pytest.mark.slow),
+    pytest.param("os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL (9)", True, marks=pytest.mark.slow),
 ])
-def test_a_cache_that_crashes_the_process_fails_naming_schedule_event_and_member(tmp_path, crash, died):
-    done = check(tmp_path, crash, LEAVES, STAYS)
+def test_a_cache_that_crashes_the_process_fails_naming_schedule_event_and_member(tmp_path, crash, died,
+                                                                                  memory_ran_out):
+    done = check(tmp_path, crash, LEAVES, STAYS, memory_ran_out=memory_ran_out)
     assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
     assert (f'kvparity: L1 leave-longest: the process died of {died} in filter at event #2 leave ["a"]; '
             "that run is a FAIL and the rest goes on") in done.stderr
@@ -61,3 +70,39 @@ def test_a_crash_outside_every_schedule_run_is_not_blamed_on_a_run(tmp_path):
                            str(STAYS), "--out", "out"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_HARNESS_ERROR, done.stdout + done.stderr
     assert "the process died of SIGABRT (6) outside every schedule run" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_member_that_never_returns_fails_naming_it_and_the_run_goes_on(tmp_path):
+    """A hang in native code (here: a sleep that never ends) is the member's FAIL."""
+    done = check(tmp_path, "time.sleep(10**6)", LEAVES, STAYS, options=("--member-timeout", "2"))
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert ('kvparity: L1 leave-longest: filter did not return within 2 s (--member-timeout) at event #2 leave '
+            '["a"]; it was stopped; that run is a FAIL and the rest goes on') in done.stderr, done.stderr
+    said = ("filter raised MemberHung: filter did not return within 2 s (--member-timeout): a hang inside the "
+            "implementation")
+    assert said in done.stdout and "1 passed, 1 failed (2 schedule runs)" in done.stdout, done.stdout
+    assert "shrink it: kvparity bisect" not in done.stdout  # bisect would hang with it
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    results = {r["schedule"]: r for r in json.loads(report.read_text())["results"]}
+    assert results["leave-longest"]["raised_by"] == "filter" and results["join-empty"]["verdict"] == "pass"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["signal.SIGKILL", "signal.SIGTERM"])
+def test_a_signal_from_outside_that_ends_the_child_is_no_fail(tmp_path, stop):
+    """Sent from inside filter, the signal reaches the process running the
+    schedules and nothing else, as ``kill`` from outside would: the run is
+    interrupted (130), never the implementation's FAIL, whatever the member
+    running then. SIGTERM lets it report what finished; SIGKILL does not."""
+    done = check(tmp_path, f"os.kill(os.getpid(), {stop}); time.sleep(5)", STAYS, LEAVES)
+    assert done.returncode == EXIT_INTERRUPTED, done.stdout + done.stderr
+    assert "FAIL" not in done.stdout + done.stderr
+    if stop == "signal.SIGKILL":
+        assert "was stopped by SIGKILL (9) from outside: interrupted" in done.stderr
+        assert not (tmp_path / "out").exists()
+    else:
+        (report,) = (tmp_path / "out").glob("*/report.json")
+        record = json.loads(report.read_text())
+        assert record["interrupted"] == {"signal": "SIGTERM", "finished": 1, "planned": 2}
+        assert [r["verdict"] for r in record["results"]] == ["pass"]

@@ -32,9 +32,16 @@ from kvparity.suites.checks import ALIAS, CHECKS, HYGIENE_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS
 from kvparity.suites.levels import L1
+from kvparity.suites.processes import signals_deferred
+from kvparity.suites.server_process import SERVER_LOGS
 
 SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(files(__package__) / "schema" / "report.schema.json")  # package data
+
+
+class ReportUnwritten(Exception):
+    """The report directory could not be written (a full disk, a folder
+    made read-only during the run): what the command printed stands."""
 
 
 class ReportDirectory(AtomicDirectory):
@@ -183,6 +190,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "passed": run_verdict.exit_status == EXIT_OK,
         "exit_status": run_verdict.exit_status,
         "headline": run_verdict.headline,
+        "interrupted": run_verdict.interrupted,
         "summary": {
             "schedules": {v: run_verdict.counts.get(v, 0) for v in OUTCOMES},
             "rows": {v: sum(row["verdict"] == v for row in rows) for v in OUTCOMES},
@@ -240,6 +248,9 @@ def expectations_doc(run_verdict: RunVerdict, expectations) -> Optional[dict]:
 def _schedule_doc(verdict: ScheduleVerdict, policy: Policy) -> dict:
     """A schedule run's evidence with its verdict, each row's beside the row's evidence."""
     doc = verdict.evidence.to_json()
+    logs = doc["server"].pop("logs", None)  # L4: written as files beside report.json (write_report)
+    if logs is not None:
+        doc["server"]["log_files"] = [f"{SERVER_LOGS}/{name}" for name in logs]
     # Each verdict field just before the evidence's totals, where report.json has always had it.
     doc.update(verdict=verdict.verdict, events=doc.pop("events"))
     for row, row_doc in zip(verdict.rows, doc["rows"]):
@@ -526,6 +537,11 @@ def render_markdown(record: dict, report_tables) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_logs(verdicts: List[ScheduleVerdict]) -> Dict[str, str]:
+    """L4: each server's log (file name -> its end) the schedule runs kept."""
+    return {name: text for v in verdicts for name, text in v.evidence.server.get("logs", {}).items()}
+
+
 def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, policy: Policy,
                  run_verdict: RunVerdict, probes=None, capabilities=None, sections=(), expectations=None,
                  shard=None, extra: Optional[Callable[[Path], None]] = None, failures=None,
@@ -550,12 +566,21 @@ def write_report(verdicts: List[ScheduleVerdict], environment: dict, root, *, po
     record = build_record(verdicts, environment, shard=shard, **options)
     report_tables = tables(verdicts, environment, **options)
     report = ReportDirectory(root)
-    with report as directory:
-        text = json.dumps(record, indent=2, allow_nan=False) + "\n"
-        (directory / "report.json").write_text(text)
-        (directory / "report.md").write_text(render_markdown(record, report_tables))
-        (directory / "junit.xml").write_bytes(junit.render(record))
-        (directory / "report.html").write_text(html.render(record, report_tables))
-        if extra is not None:
-            extra(directory)
+    # A stop signal waits for the report: a run that finished is reported whole.
+    with signals_deferred():
+        try:
+            with report as directory:
+                text = json.dumps(record, indent=2, allow_nan=False) + "\n"
+                (directory / "report.json").write_text(text)
+                (directory / "report.md").write_text(render_markdown(record, report_tables))
+                (directory / "junit.xml").write_bytes(junit.render(record))
+                (directory / "report.html").write_text(html.render(record, report_tables))
+                for name, text in server_logs(verdicts).items():
+                    (directory / SERVER_LOGS).mkdir(exist_ok=True)
+                    (directory / SERVER_LOGS / name).write_text(text)
+                if extra is not None:
+                    extra(directory)
+        except OSError as error:  # a full disk, a folder made read-only meanwhile: nothing half-written stays
+            raise ReportUnwritten(f"the report could not be written under {root}: "
+                                  f"{error.strerror or error}{f' ({error.filename})' if error.filename else ''}")
     return report.path

@@ -17,6 +17,7 @@ finishes on what it has.
 import functools
 import multiprocessing
 import queue as queues
+import signal
 import time
 import traceback
 from collections import Counter
@@ -27,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.suites.evidence import FAILURES, PASS
 from kvparity.suites.levels import L1, L2, SCHEDULE_LEVELS
+from kvparity.suites.processes import STOP_GRACE_S, die_with_parent, signal_name, stop_signal
 
 LEVELS = SCHEDULE_LEVELS  # the state machine generates schedules
 # Events per generated schedule, as the generated tests use them.
@@ -207,6 +209,7 @@ class CampaignResult:
     seconds: float  # wall time since the workers started generating
     lost: List[str] = field(default_factory=list)  # workers that died, each in words (what it kept, its replacement)
     database_lost: List[str] = field(default_factory=list)  # the example database going away, per worker, in words
+    interrupted: Optional[str] = None  # the signal that stopped the campaign, by name
 
     @property
     def schedules(self) -> int:
@@ -231,7 +234,9 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                  progress_s: float = 5.0) -> CampaignResult:
     """Run the campaign's workers to the end; ``on_progress(result)`` every
     ``progress_s`` seconds and once at the end. The first failure found
-    stops the other workers after their current round."""
+    stops the other workers after their current round; a stop signal
+    (Ctrl-C, SIGTERM, SIGHUP) stops them at once, and the result so far is
+    returned, ``interrupted``."""
     if campaign.level not in LEVELS:
         raise ValueError(f"level {campaign.level!r}: one of {', '.join(LEVELS)}")
     context = multiprocessing.get_context("spawn")  # MLX in a forked child is not safe
@@ -284,13 +289,18 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 last = time.perf_counter()
         if on_progress:
             on_progress(result)
+    except KeyboardInterrupt:  # what the workers reported so far is the campaign's result
+        result.interrupted = stop_signal() or "SIGINT"
     finally:
         stop.set()
         go.set()
-        for process in processes.values():
-            process.join(timeout=30)
+        for process in processes.values():  # interrupted: SIGTERM now, not after their round
+            process.join(timeout=0 if result.interrupted else 30)
             if process.is_alive():
                 process.terminate()
+                process.join(timeout=STOP_GRACE_S)
+            if process.is_alive():
+                process.kill()
                 process.join()
     return result
 
@@ -302,8 +312,6 @@ def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode
     and replaced by a new worker for what it had left (examples, seconds),
     up to one replacement per worker the campaign started with. Returns
     (the new worker's number, its share) or None."""
-    from kvparity.suites.processes import signal_name
-
     kept = result.tallies[dead]
     how = signal_name(exitcode) if exitcode is not None and exitcode < 0 else f"exit {exitcode}"
     said = (f"worker {dead} died ({how}) after {kept.schedules} generated schedules; what it judged up to "
@@ -321,7 +329,11 @@ def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode
 
 def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None):
     """One worker process: load, wait for the start, then rounds of the
-    machine (``share``: a replacement's examples and seconds left)."""
+    machine (``share``: a replacement's examples and seconds left). Ctrl-C
+    at a terminal reaches the whole process group: the campaign stops its
+    workers, which do not take it for an error of their own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()  # a campaign killed outright takes its workers with it
     try:
         machine, round_settings = prepare(campaign, worker, functools.partial(tell, messages, "database", worker))
         if campaign.warm_up:

@@ -169,21 +169,31 @@ class ProcessDied(Exception):
     native code, an abort, or a kill by the out-of-memory killer."""
 
 
+class MemberHung(ProcessDied):
+    """A protocol member did not return within the member timeout, and the
+    process running it was stopped."""
+
+
 def died(result: ScheduleResult) -> bool:
-    """Whether the run's process died in it (``crashed``): running it again would too."""
-    return f"{ProcessDied.__name__}:" in result.reason
+    """Whether the run's process died or hung in it (``crashed``): running it again would too."""
+    return any(f"{kind.__name__}:" in result.reason for kind in (ProcessDied, MemberHung))
 
 
 def crashed(record: dict) -> ScheduleResult:
-    """The FAIL of a schedule run whose process died (``record``: the flight
-    recorder's last word, ``suites/flight.py``), naming the event and the
-    protocol member it died in."""
+    """The FAIL of a schedule run whose process died, or was stopped because
+    a member hung (``record``: the flight recorder's last word,
+    ``suites/flight.py``), naming the event and the protocol member it died
+    or hung in."""
     level, _, name = record["label"].partition(" ")
     result = ScheduleResult(**{"schedule": name, "level": level, "implementation": "", **record.get("result", {})})
     member = record.get("member")
     label = record.get("event") or "#0 (before its first event)"
     how = f"the process died of {record['signal']}"
-    if member is None:
+    if record.get("hung") is not None and member is not None:
+        raised = MemberRaised(member, MemberHung(f"{member} did not return within {record['hung']:g} s "
+                                                 "(--member-timeout): a hang inside the implementation; the "
+                                                 "process running it was stopped"))
+    elif member is None:
         raised = ForwardRaised(ProcessDied(f"{how}, while no protocol member was running (the model's forward or "
                                            "the engine on the batch, or mlx-lm's solo path)"), "the process")
     else:

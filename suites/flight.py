@@ -2,14 +2,16 @@
 
 A cache under test that crashes in native code (a segfault, an abort, the
 kernel's out-of-memory killer) ends the Python process with it: no exception,
-no report. The ``kvparity`` command therefore runs ``run`` and ``check`` in a
-child process whose flight recorder names, before each step, the schedule
-run, the event and the protocol member now running, in one record of a file
-(one ``os.pwrite`` at offset 0, up to its newline: a process that dies
-between two system calls leaves a whole record). When the child dies of a
-signal, the parent reads the record, and the next child judges that
-schedule run as the implementation's FAIL (it died in that member at that
-event) and goes on with the rest; the runs finished before it are kept
+no report; one that hangs there never returns. The ``kvparity`` command
+therefore runs ``run`` and ``check`` in a child process whose flight
+recorder names, before each step, the schedule run, the event and the
+protocol member now running (with its call's number and the member timeout),
+in one record of a file (one ``os.pwrite`` at offset 0, up to its newline: a
+process that dies between two system calls leaves a whole record). When a
+crash's signal ends the child, or the parent, watching the record, stops it
+because one member call outlasted the timeout, the next child judges that
+schedule run as the implementation's FAIL (it died or hung in that member at
+that event) and goes on with the rest; the runs finished before it are kept
 (``IsolatedState``).
 
 Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder.
@@ -18,6 +20,7 @@ Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder.
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -25,11 +28,11 @@ from kvparity.suites.processes import signal_name
 
 STATE_ENV = "KVPARITY_ISOLATED"  # the folder the parent and its children share
 # --member-timeout's default, in seconds: the slowest member call of the
-# whole catalog on a 2-core CPU, every architecture of the zoo and the real
-# model included, took 12 ms (docs/ci-and-bisect.md).
+# catalog on a 2-core CPU took 109 ms (an extract on the real model; 12 ms
+# on every architecture of the zoo; docs/ci-and-bisect.md).
 MEMBER_TIMEOUT_S = 60.0
 RECORD = 8192  # bytes at most: a record of very many requests leaves them out
-FLIGHT_FILE, DONE_FILE, CRASHES_FILE = "flight", "done.pickle", "crashes.jsonl"
+FLIGHT_FILE, DONE_FILE, CRASHES_FILE, PARENT_FILE = "flight", "done.pickle", "crashes.jsonl", "parent"
 
 
 class Flight:
@@ -98,6 +101,22 @@ def read_flight(folder) -> Optional[dict]:
         return json.loads(data) if data else {}
     except ValueError:
         return None
+
+
+def mark_parent(folder):
+    """The parent that made ``folder`` (and removes it) is this process."""
+    (Path(folder) / PARENT_FILE).write_text(str(os.getpid()))
+
+
+def remove_if_orphaned(folder):
+    """The child's last word: where the parent that made ``folder`` died
+    (SIGKILL, which it could not hand on), the child removes the folder."""
+    try:
+        parent = int((Path(folder) / PARENT_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    if os.getppid() != parent:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def note_crash(folder, record: dict, returncode: int, hung: Optional[float] = None):

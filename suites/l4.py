@@ -65,19 +65,23 @@ from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, Schedul
 from kvparity.suites.l3 import SERVE, SERVE_LABEL, engine_requests
 from kvparity.suites.levels import L4, LEVELS
 from kvparity.suites.processes import stopping_on_signals
-from kvparity.suites.server_process import AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem
+from kvparity.suites.server_process import (
+    SERVER_LOGS, AttachedServer, LaunchedServer, ServerDied, ServerGarbage, ServerProblem,
+)
 
 FIRST = "first"  # --quantized-kv-start first: quantized from the first token
-REQUEST_TIMEOUT = 300.0  # seconds one request may take before the server counts as hung
-LOG_LINES = 200  # how much of the server's log the report keeps
+REQUEST_TIMEOUT = 300.0  # --request-timeout: seconds one request may take whole, a stream to its end
+RUN_TIMEOUT = 1800.0  # --run-timeout: seconds an L4 schedule run's servers and requests may take together
+LOG_LINES = 200  # how much of the server's log report.json keeps
+LOG_BYTES = 2**20  # how much of each server's log the report directory keeps (its end), in SERVER_LOGS
 SERVER = "the server"  # what failed at L4, where L1 to L3 name a protocol member
+# A kv_applied finding whose request, served alone, answered as mlx-lm's kv_bits run.
+QUANTIZED_ALONE = ("quantized alone, dense when batched with others (served alone it answers as mlx-lm's kv_bits "
+                   "run)")
 
 
 @dataclass(frozen=True)
 class ServerUnderTest:
-# A kv_applied finding whose request, served alone, answered as mlx-lm's kv_bits run.
-QUANTIZED_ALONE = ("quantized alone, dense when batched with others (served alone it answers as mlx-lm's kv_bits "
-                   "run)")
     """The server as the command line gives it, with what it declares."""
 
     command: Optional[str] = None  # a template with {model} and {port}
@@ -91,6 +95,8 @@ QUANTIZED_ALONE = ("quantized alone, dense when batched with others (served alon
     prefill_step_size: int = 2048  # mlx_lm.server's default
     concurrency: int = 8
     ready_timeout: float = 300.0
+    request_timeout: float = REQUEST_TIMEOUT
+    run_timeout: float = RUN_TIMEOUT
     # Words that turn the server's prompt cache off, added to its command
     # (mlx_lm.server: --prompt-cache-size 0): every request's alone answer then
     # comes from one server; "": from a fresh server per conversation.
@@ -256,20 +262,22 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
         result.stop(NOT_SUPPORTED, f"{L4} {schedule.name} on {loaded.name}: {unread}")
         return result
     everyone = [s.id for s in sent]
+    visit = Visit(schedule.name, time.monotonic() + server.run_timeout)
     try:
         dialect = Dialect(token_id_of(tokenizer))  # learnt alone, used together
-        alone = serve_alone(server, directory, sent, dialect)
-        together = serve(server, directory, sent, server.concurrency, dialect, keep_log=True)
+        alone = serve_alone(server, directory, sent, dialect, visit)
+        together = serve(server, directory, sent, server.concurrency, dialect, visit, "together", keep_log=True)
     except (ServerDied, ServerGarbage) as problem:
         said = f"the server {_kind(problem)}: {problem}"
         result.raised_by = SERVER
-        result.server = server.record(problem.log_tail)
+        result.server = {**server.record(problem.log_tail), "logs": visit.logs}
         result.stop(FAIL, f"{L4} {schedule.name}: {said}")
         result.note(0, RAISED, everyone, 0, [Divergence(RAISED, SERVE_LABEL, detail=said)])
         return result
     started = [served.load_seconds for served in alone + [together] if served.load_seconds is not None]
-    result.server = server.record(together.log, **together.timing, **{
-        "server starts": len(started), "load seconds": round(sum(started), 3), "alone from": server.alone_from})
+    result.server = {**server.record(together.log, **together.timing, **{
+        "server starts": len(started), "load seconds": round(sum(started), 3), "alone from": server.alone_from}),
+        "logs": visit.logs}
     log, together = together.log, together.answers
     alone = {rid: answer for served in alone for rid, answer in served.answers.items()}
     last_error = next((line.strip() for line in reversed(log.splitlines()) if "error" in line.lower()), "")
@@ -440,47 +448,88 @@ class Served:
     load_seconds: Optional[float]  # how long a started server took to answer; None: the one the user runs
 
 
-def serve_alone(server: ServerUnderTest, directory: Path, sent: List[Sent], dialect) -> List[Served]:
+@dataclass
+class Visit:
+    """What the servers of one L4 schedule run share: the time its traffic
+    ends by (``--run-timeout``), and each server's log as the report
+    directory keeps it (file name -> its end), whatever became of the server."""
+
+    schedule: str
+    ends: float  # time.monotonic() at the run's deadline
+    logs: Dict[str, str] = field(default_factory=dict)
+
+    def log_name(self, which: str) -> str:
+        return f"{self.schedule}-{which}.log"
+
+    def limit(self, request_timeout: float):
+        """(seconds the next request may take, the option that bounds it)."""
+        left = self.ends - time.monotonic()
+        if request_timeout <= left:
+            return request_timeout, "--request-timeout"
+        return max(left, 0.0), "--run-timeout"
+
+
+def serve_alone(server: ServerUnderTest, directory: Path, sent: List[Sent], dialect, visit: Visit) -> List[Served]:
     """Each request served alone: sent one at a time, a conversation's turns
     in order, to one fresh server with its prompt cache off where the server
     declares how (``prompt_cache_off``), else each conversation to a fresh
     server of its own: a prompt cache would serve a request from another
     request's stored prefix, which is not bit-identical to a fresh prefill."""
     if server.prompt_cache_off or server.url:
-        return [serve(server, directory, sent, 1, dialect, prompt_cache=False)]
-    return [serve(server, directory, chain, 1, dialect) for chain in conversations(sent)]
+        return [serve(server, directory, sent, 1, dialect, visit, "alone", prompt_cache=False)]
+    return [serve(server, directory, chain, 1, dialect, visit, f"alone-{k}")
+            for k, chain in enumerate(conversations(sent), 1)]
 
 
-def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, dialect,
-          keep_log: bool = False, prompt_cache: bool = True) -> Served:
+def serve(server: ServerUnderTest, directory: Path, sent: List[Sent], concurrency: int, dialect, visit: Visit,
+          which: str, keep_log: bool = False, prompt_cache: bool = True) -> Served:
     """The requests sent to a fresh server (or the attached one), its prompt
-    cache turned off where ``prompt_cache`` is false and the server declares how."""
+    cache turned off where ``prompt_cache`` is false and the server declares
+    how; its log kept in ``visit`` as ``which``'s, its problems pointing there.
+    Past the run's deadline no server starts: each request is an error."""
+    if visit.limit(server.request_timeout)[0] <= 0:
+        late = f"not sent: the L4 run's deadline of {server.run_timeout:g} s (--run-timeout) had passed"
+        return Served({s.id: Answer([], [], None, 0.0, 0.0, late) for s in sent}, "", timing_of({}, 0.0), None)
     with tempfile.TemporaryDirectory(prefix="kvparity-l4-") as scratch:
+        log = Path(scratch) / "server.log"
         if server.url:
             running = AttachedServer(server.url)
         else:
             env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(Path(scratch) / "hub"))
             (Path(scratch) / "hub").mkdir()
             command = server.command if prompt_cache else f"{server.command} {server.prompt_cache_off}"
-            running = LaunchedServer(command, directory, Path(scratch) / "server.log",
-                                     ready_timeout=server.ready_timeout, env=env)
+            running = LaunchedServer(command, directory, log, ready_timeout=server.ready_timeout, env=env,
+                                     shown_log=f"{SERVER_LOGS}/{visit.log_name(which)} in the report directory")
         asked = time.perf_counter()
-        with stopping_on_signals(), running:  # SIGTERM and SIGHUP leave through the with, as Ctrl-C does
-            began = time.perf_counter()
-            answers = asyncio.run(traffic(running.url, sent, concurrency, dialect))
-            wall = time.perf_counter() - began
-            running.check_alive()
-            tail = running.log_tail(LOG_LINES) if keep_log else ""
+        try:
+            with stopping_on_signals(), running:  # SIGTERM and SIGHUP leave through the with, as Ctrl-C does
+                began = time.perf_counter()
+                answers = asyncio.run(traffic(running.url, sent, concurrency, dialect, visit, server.request_timeout))
+                wall = time.perf_counter() - began
+                running.check_alive()
+                tail = running.log_tail(LOG_LINES) if keep_log else ""
+        finally:  # stopped, or never ready: its last words are in
+            if log.exists():
+                visit.logs[visit.log_name(which)] = log_end(log)
     return Served(answers, tail, timing_of(answers, wall), None if server.url else round(began - asked, 3))
 
 
-async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict[str, Answer]:
-    """Every request at its time, at most ``concurrency`` in flight."""
+def log_end(path: Path) -> str:
+    """The last ``LOG_BYTES`` of a log, as text."""
+    with open(path, "rb") as log:
+        log.seek(max(log.seek(0, os.SEEK_END) - LOG_BYTES, 0))
+        return log.read().decode("utf-8", "replace")
+
+
+async def traffic(url: str, sent: List[Sent], concurrency: int, dialect, visit: Visit,
+                  request_timeout: float = REQUEST_TIMEOUT) -> Dict[str, Answer]:
+    """Every request at its time, at most ``concurrency`` in flight, each
+    whole within ``request_timeout`` seconds and all by ``visit``'s deadline."""
     import httpx  # here, not at the top: every command imports this module, few send traffic
 
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=request_timeout, limits=limits, trust_env=False) as client:
         model = await served_model(client)
         began = time.perf_counter()
 
@@ -494,9 +543,10 @@ async def traffic(url: str, sent: List[Sent], concurrency: int, dialect) -> Dict
                     return Answer([], [], None, earlier.done, earlier.done,
                                   f"not sent: the turn it continues, {s.continues!r}, got no answer")
                 history[s.id], since = history[s.continues] + [(by_id[s.continues], earlier)], earlier.done
-            await asyncio.sleep(max(0.0, since + s.at_ms / 1000 - (time.perf_counter() - began)))
+            due = since + s.at_ms / 1000 - (time.perf_counter() - began)
+            await asyncio.sleep(min(max(0.0, due), max(0.0, visit.ends - time.monotonic())))  # the deadline ends it
             async with gate:
-                return await ask(client, model, s, began, dialect, history[s.id])
+                return await ask(client, model, s, began, dialect, history[s.id], visit.limit(request_timeout))
 
         for s in sent:
             turns[s.id] = asyncio.ensure_future(one(s))
@@ -536,7 +586,10 @@ def prompt_of(asked, tokenizer) -> tuple:
     return tuple(int(t) for t in tokenizer.encode(asked))
 
 
-async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect", history=()) -> Answer:
+async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dialect", history=(),
+              limit=(REQUEST_TIMEOUT, "--request-timeout")) -> Answer:
+    """One request, sent and read whole (a stream to its end) within
+    ``limit`` (seconds, and the option that sets them)."""
     import httpx  # loaded by traffic already
     body = {"max_tokens": s.request.max_tokens, "temperature": 0.0, "logprobs": dialect.logprobs[s.endpoint],
             "stream": s.stream}
@@ -548,14 +601,23 @@ async def ask(client, model: Optional[str], s: Sent, began: float, dialect: "Dia
     path = "/v1/chat/completions" if s.endpoint == "chat" else "/v1/completions"
     body["messages" if s.endpoint == "chat" else "prompt"] = asked
     sent = time.perf_counter() - began
-    try:
-        response, events, first = await post(client, path, body, s.stream, began)
-        if dialect.refused_logprobs(s.endpoint, response):  # the other form of the same question, once
+
+    async def exchange():
+        answer = await post(client, path, body, s.stream, began)
+        if dialect.refused_logprobs(s.endpoint, answer[0]):  # the other form of the same question, once
             body["logprobs"] = dialect.logprobs[s.endpoint]
-            response, events, first = await post(client, path, body, s.stream, began)
+            answer = await post(client, path, body, s.stream, began)
+        return answer
+
+    seconds, option = limit
+    try:
+        response, events, first = await asyncio.wait_for(exchange(), seconds)
     except httpx.HTTPError as error:
         return Answer([], [], None, sent, time.perf_counter() - began,
                       f"{path}: no answer ({type(error).__name__}: {error})", asked=asked)
+    except asyncio.TimeoutError:  # a silent server, or a stream that drips and never ends
+        return Answer([], [], None, sent, time.perf_counter() - began,
+                      f"{path}: no whole answer within {seconds:g} s ({option})", asked=asked)
     done = time.perf_counter() - began
     if response.status_code != 200:
         return Answer([], [], None, sent, done, f"{path}: HTTP {response.status_code}: {response.text[:300]}",
@@ -741,6 +803,9 @@ def compare(result: ScheduleResult, s: Sent, expected, dense, precision, togethe
                         if a != b or not same(x, y)), None)
         if differs is not None:  # else mlx-lm's two runs agree here and cannot tell
             as_dense = got.tokens == dense.tokens and all(same(a, b) for a, b in zip(got.logprobs, dense_values))
+            # Served alone as mlx-lm's kv_bits run: it quantizes, but not when it batches.
+            alone_quantized = not apart and alone.tokens == expected.tokens and all(
+                same(a, b) for a, b in zip(alone.logprobs, wanted))
             result.note(0, KV_APPLIED, [rid], 1, [Divergence(
                 KV_APPLIED, SERVE_LABEL, rid, tensor=LOGPROBS,
                 detail=f"the server declares {oracle}, but answers as mlx-lm's dense run (no kv_bits), token for "
@@ -788,6 +853,7 @@ def compare_text(result: ScheduleResult, s: Sent, got: Answer, alone: Answer, ex
     if dense is not None:
         dense_text = detokenized(tokenizer, dense.tokens)[0]
         if dense_text != want:  # else mlx-lm's two runs read the same and cannot tell
+            alone_quantized = not apart and theirs == want
             result.note(0, KV_APPLIED, [rid], 1, [Divergence(
                 KV_APPLIED, SERVE_LABEL, rid, tensor=TEXT,
                 detail=f"the server declares {oracle}, but streams the text of mlx-lm's dense run (no kv_bits), "
@@ -804,9 +870,6 @@ def detokenized(tokenizer, tokens):
     """mlx-lm's streaming detokenizer over tokens, as a server streams them:
     the text, and how long it is after each token."""
     detokenizer = tokenizer.detokenizer
-            # Served alone as mlx-lm's kv_bits run: it quantizes, but not when it batches.
-            alone_quantized = not apart and alone.tokens == expected.tokens and all(
-                same(a, b) for a, b in zip(alone.logprobs, wanted))
     detokenizer.reset()
     ends = []
     for token in tokens:
@@ -854,7 +917,6 @@ def diff(rid: str, check: Optional[str], tokens: List[int], values: List[float],
             found.append(Divergence(check or LENGTH, SERVE_LABEL, rid, tensor=TOKENS, step=len(tokens),
                                     expected=len(tokens), actual=len(got.tokens),
                                     detail=f"more tokens than asked for; {against}"))
-            alone_quantized = not apart and theirs == want
     return found
 
 

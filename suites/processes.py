@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 CRASH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
                       if hasattr(signal, name))
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # linux/prctl.h
 REAP_S = 2.0  # how long a sweep waits for what it killed to be gone
 # How long a process kvparity stopped with a signal has to unwind and report
 # what finished before it is killed with all it started.
@@ -188,17 +188,29 @@ def kill_all(processes: Dict[int, str], signum: int = signal.SIGKILL):
                 pass
 
 
-def become_subreaper() -> bool:
-    """Make this process the child subreaper of its descendants (Linux):
-    an orphan among them is re-parented here, not to init. False where the
-    system offers none."""
+def _prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where the system has none."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc.prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux):
+    an orphan among them is re-parented here, not to init. False where the
+    system offers none."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent() -> bool:
+    """SIGTERM this process when its parent dies (Linux), as if the stop
+    that killed the parent (a SIGKILL it cannot hand on) had reached it: a
+    ``Popen`` preexec_fn, or a worker's first call."""
+    return _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def sweep(timeout: float = REAP_S) -> List[int]:

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 from kvparity.suites.processes import descendants, kill_all, marked, signal_name, signals_deferred
 
 READY_PATH = "/v1/models"  # every OpenAI-compatible server lists its models here
+SERVER_LOGS = "server-logs"  # the report directory's folder of the servers' logs
 PROBE_TIMEOUT = 2.0  # seconds per readiness request
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 TAIL_BYTES = 64 * 1024  # how much of the log's end is read for its last lines
@@ -257,7 +258,7 @@ class LaunchedServer:
             time.sleep(min(self.poll, max(deadline - time.monotonic(), 0)))
         raise ServerNeverReady(f"the server did not answer {self.url}{READY_PATH} within "
                                f"{self.ready_timeout:g} s (last: {seen}){self._last_line()}; it was stopped; "
-                               f"log: {self.log_path}")
+                               f"log: {self.shown_log}")
 
     def check_alive(self):
         """Raise ServerDied if the server has exited (or was never started)."""
@@ -268,7 +269,7 @@ class LaunchedServer:
             message = "was stopped" if self._stopped else how_it_ended(self.process.returncode)
             self.stop()  # its children may still run
             raise ServerDied(f"the server at {self.url} {message} while serving{self._last_line()}; "
-                             f"log: {self.log_path}", self.log_tail())
+                             f"log: {self.shown_log}", self.log_tail())
 
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines this run wrote to the log."""

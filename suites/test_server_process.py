@@ -188,9 +188,11 @@ def test_never_ready_is_stopped_and_named(fake, tmp_path):
 
 
 def test_died_at_start_names_its_status_and_last_words(fake, tmp_path):
-    problem = refused(launched(fake("dies"), tmp_path), ServerDied)
+    problem = refused(launched(fake("dies"), tmp_path, shown_log="server-logs/x.log in the report directory"),
+                      ServerDied)
     message = str(problem)
     assert "exited with status 3 before it was ready" in message, message
+    assert message.endswith("; log: server-logs/x.log in the report directory"), message  # where the user finds it
     assert "cannot load the model" in message
     assert "fake server: cannot load the model" in problem.log_tail
 

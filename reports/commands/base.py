@@ -22,6 +22,7 @@ from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.engines import EngineError, load_engine_factory
+from kvparity.suites.l4 import REQUEST_TIMEOUT, RUN_TIMEOUT
 from kvparity.suites.levels import L2, L3, L4, LEVELS
 from kvparity.suites.runners import RunOptions, model_set
 
@@ -125,6 +126,12 @@ def server_options(command):
                        help="requests in flight at most (default: 8)")
     group.add_argument("--ready-timeout", type=seconds, default=300.0, metavar="SECONDS",
                        help="how long a started server may take to answer (default: 300)")
+    group.add_argument("--request-timeout", type=seconds, default=REQUEST_TIMEOUT, metavar="SECONDS",
+                       help="how long one request may take, whole (a stream to its end); one that takes longer is "
+                       "the server's FAIL (default: %(default)g)")
+    group.add_argument("--run-timeout", type=seconds, default=RUN_TIMEOUT, metavar="SECONDS",
+                       help="how long one L4 schedule run's servers and requests may take together; the requests "
+                       "still unanswered then are the server's FAIL (default: %(default)g)")
     group.add_argument("--prompt-cache-off", metavar="ARGS", default="",
                        help="what turns the server's prompt cache off, added to its command for the server that "
                        "answers each request alone, e.g. '--prompt-cache-size 0' for mlx_lm.server: then one server "
@@ -162,8 +169,9 @@ def server_of(args):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
-    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start,
-                           args.prefill_step_size, args.concurrency, args.ready_timeout, prompt_cache_off=off.strip())
+    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start, args.prefill_step_size,
+                           args.concurrency, args.ready_timeout, args.request_timeout, args.run_timeout,
+                           prompt_cache_off=off.strip())
 
 
 def judges_a_server_only(args) -> bool:

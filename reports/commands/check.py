@@ -3,7 +3,8 @@ with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
 from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option, writable_directory
 from kvparity.reports.commands.runs import (
-    print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
+    member_timeout_option, print_summary, report_written, require_levels_option, select_and_run, shard_of,
+    shard_option, write_run_report,
 )
 
 NAME = "check"
@@ -25,6 +26,7 @@ def arguments(command):
     command.add_argument("--schedule", metavar="FILE", action="append", help="check these schedule files only")
     expectations_option(command)
     require_levels_option(command)
+    member_timeout_option(command)
     shard_option(command)
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 
@@ -37,6 +39,5 @@ def handle(args):
     implementation, policy, results, verdict, declared, plan = select_and_run(args, args.schedule, shard)
     print_summary(results, verdict, policy, quiet=True)
     if args.out:
-        path = write_run_report(args, implementation, policy, results, verdict, declared, shard=plan)
-        print(f"report: {path}")
+        report_written(lambda: write_run_report(args, implementation, policy, results, verdict, declared, shard=plan))
     return verdict.exit_status

@@ -14,6 +14,7 @@ from kvparity.reports.commands.base import (
     DEVICE_HELP, IMPL_HELP, CannotRun, UsageError, check_impl_spec, implementation, model_or_default, policy,
     print_configuration, use_device, writable_directory,
 )
+from kvparity.reports.commands.runs import report_written
 from kvparity.reports.environment import describe
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.reports.writer import write_report
@@ -110,6 +111,8 @@ def handle(args):
         result = run_campaign(campaign, on_progress=show_progress)
     for lost in result.lost + result.database_lost:
         print(f"kvparity fuzz: {lost}", file=sys.stderr)
+    if result.interrupted:
+        return report_interrupted(args, result, chosen, chosen_policy)
     if not result.found:
         return nothing_found(result)
     return report_failures(args, result, chosen, chosen_policy)
@@ -138,6 +141,36 @@ def campaign_section(result):
     return "Fuzz campaign", ["", "value"], rows
 
 
+def campaign_report(args, result, chosen, chosen_policy, results, run_verdict, docs, names):
+    """The report directory of a campaign: the replayed ``results``, the
+    campaign's counts, and the failing schedules ``docs``, each a replayable
+    file ``found/NAME.json``."""
+
+    def found_files(directory):
+        (directory / "found").mkdir()
+        for doc, name in zip(docs, names):
+            atomic_write_json({**doc, "name": name}, directory / "found" / f"{name}.json")
+
+    return write_report(results, describe(chosen, model_or_default(None)), args.out, policy=chosen_policy,
+                        run_verdict=run_verdict, capabilities=chosen.capabilities, extra=found_files,
+                        sections=[campaign_section(result)], configuration=args.configuration)
+
+
+def report_interrupted(args, result, chosen, chosen_policy) -> int:
+    """A campaign a signal stopped: its counts so far and the failures it
+    found, as found (shrinking and replaying them is not done once a signal
+    said stop), in a report marked interrupted; the interrupted status."""
+    docs = [found.doc for found in result.found]
+    names = [f"{doc['name']}-{i + 1}" for i, doc in enumerate(docs)]
+    run_verdict = verdicts.verdict_of_run([], policy=chosen_policy)
+    run_verdict.interrupted = {"signal": result.interrupted, "finished": result.schedules,
+                               "planned": result.campaign.examples}
+    print(f"fuzz {result.campaign.level}: interrupted by {result.interrupted} after {result.schedules} generated "
+          f"schedules ({result.rows_passed} rows passed, {len(docs)} failures found, not shrunk)")
+    report_written(lambda: campaign_report(args, result, chosen, chosen_policy, [], run_verdict, docs, names))
+    return run_verdict.exit_status
+
+
 def report_failures(args, result, chosen, chosen_policy) -> int:
     """Shrink each distinct failure to an event-level fixed point (as
     ``kvparity bisect``), replay it, and write the schedules into a report."""
@@ -159,19 +192,11 @@ def report_failures(args, result, chosen, chosen_policy) -> int:
     results = [run(s) for s in schedules]
     run_verdict = verdicts.verdict_of_run(results, policy=chosen_policy)
     names = [f"{s.name}-{i + 1}" if len(schedules) > 1 else s.name for i, s in enumerate(schedules)]
-
-    def found_files(directory):
-        (directory / "found").mkdir()
-        for doc, name in zip(docs, names):
-            atomic_write_json({**doc, "name": name}, directory / "found" / f"{name}.json")
-
-    path = write_report(results, describe(chosen, model_or_default(None)), args.out, policy=chosen_policy,
-                        run_verdict=run_verdict, capabilities=chosen.capabilities, extra=found_files,
-                        sections=[campaign_section(result)], configuration=args.configuration)
+    path = report_written(lambda: campaign_report(args, result, chosen, chosen_policy, results, run_verdict, docs,
+                                                  names))
     for name, judged in zip(names, results):
         replay = f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
-        print(f"{name}: {judged.verdict}; replay with: {replay}")
-    print(f"report: {path}")
+        print(f"{name}: {judged.verdict}" + (f"; replay with: {replay}" if path else ""))
     if not any(judged.verdict in FAILURES for judged in results):
         raise CannotRun("the failures found did not fail when replayed: the implementation is not deterministic")
     return run_verdict.exit_status

@@ -1,10 +1,14 @@
 """``kvparity merge``: shard report directories into one report and one exit status."""
 
+import shutil
+from pathlib import Path
+
 from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import records, settings, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
-from kvparity.reports.commands.runs import print_summary, require_levels_option, required_levels
+from kvparity.reports.commands.runs import print_summary, report_written, require_levels_option, required_levels
 from kvparity.reports.writer import write_report
+from kvparity.suites.server_process import SERVER_LOGS
 
 NAME = "merge"
 HELP = "merge the report directories of kvparity check --shard K/N into one report and one exit status"
@@ -27,6 +31,13 @@ def arguments(command):
     command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where the merged report directory goes (default: %(default)s)")
     require_levels_option(command)
+
+
+def copy_server_logs(directories, report: Path):
+    """L4: the shards' server logs, where their records point (``server-logs/``)."""
+    for log in (log for directory in directories for log in (Path(directory) / SERVER_LOGS).glob("*")):
+        (report / SERVER_LOGS).mkdir(exist_ok=True)
+        shutil.copyfile(log, report / SERVER_LOGS / log.name)
 
 
 def shown_configuration(doc):
@@ -53,18 +64,19 @@ def handle(args):
           "\n".join(shown_configuration(configuration)))
     policy, declared = records.policy_of(first), records.expectations_of(first)
     results = shards.in_plan_order([v for r in merged.records for v in records.judged(r)], merged.plan)
-    verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog, expectations=declared,
-                                      policy=policy, required_levels=required)
+    verdict = verdicts.verdict_of_run(results, whole_catalog=merged.whole_catalog and not merged.interrupted,
+                                      expectations=declared, policy=policy, required_levels=required)
     verdict.gaps[:0] = merged.gaps()
+    verdict.interrupted = merged.interrupted
     print_summary(results, verdict, policy, quiet=True)
     environment = {**first["environment"], **(first["probe_model"] or {})}
     shown = [[d["index"], d["directory"], d["device"], d["exit_status"]] for d in shards.merged_doc(merged)["merged"]]
     shown += [[k, "(missing)", "", ""] for k in merged.missing]
-    path = write_report(
+    report_written(lambda: write_report(
         results, environment, args.out, policy=policy, run_verdict=verdict, probes=first["probes"],
         capabilities=first["capabilities"], expectations=declared, shard=shards.merged_doc(merged),
         configuration=configuration,
         sections=[(f"Shards merged ({len(merged.records)} of {merged.count})",
-                   ["shard", "report directory", "device", "its own exit status"], sorted(shown))])
-    print(f"report: {path}")
+                   ["shard", "report directory", "device", "its own exit status"], sorted(shown))],
+        extra=lambda report: copy_server_logs(merged.directories, report)))
     return verdict.exit_status

@@ -1,6 +1,8 @@
 """``kvparity run``: the catalog (or given schedules), a summary and a report directory."""
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,10 +17,12 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.bench import benchmarks
 from kvparity.reports.commands.runs import (
-    print_summary, require_levels_option, select_and_run, shard_of, shard_option, write_run_report,
-    write_untrusted_report,
+    member_timeout_option, print_summary, report_written, require_levels_option, select_and_run, shard_of,
+    shard_option, write_run_report, write_untrusted_report,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_USAGE
+from kvparity.suites.flight import STATE_ENV
+from kvparity.suites.processes import STOP_GRACE_S, become_subreaper, die_with_parent, sweep
 
 NAME = "run"
 HELP = "run the schedule catalog and write a report"
@@ -39,6 +43,7 @@ def arguments(command):
     command.add_argument("--no-report", action="store_true", help="print the summary only")
     expectations_option(command)
     require_levels_option(command)
+    member_timeout_option(command)
     command.add_argument("--bench", action="store_true",
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")
@@ -68,31 +73,64 @@ def forwarded(argv):
 
 
 def in_workers(args) -> int:
-    """The run on ``args.workers`` processes, each a shard of the plan, then
-    their reports merged into one under ``args.out``."""
+    """The run on ``args.workers`` processes, each a shard of the plan run
+    as the kvparity executable runs it (isolated: a crash or a hang is its
+    run's FAIL), then their reports merged into one under ``args.out``. A
+    signal stops the workers, and what they finished is merged, marked
+    interrupted."""
     if args.no_report or args.shard or args.bench:
         raise UsageError("--workers: each worker writes a shard's report that the run merges into --out "
                          "(not with --no-report, --shard or --bench)")
     argv = forwarded(args.argv[1:] if args.argv[:1] == ["run"] else args.argv)
+    become_subreaper()  # what a killed worker leaves is re-parented here and swept
+    environment = {k: v for k, v in os.environ.items() if k != STATE_ENV}  # each worker isolates its own runs
     with tempfile.TemporaryDirectory(prefix="kvparity-workers-") as folder:
-        workers = []
-        for k in range(1, args.workers + 1):
-            log = open(Path(folder) / f"worker-{k}.log", "w")
-            command = [sys.executable, "-m", "kvparity", "run", *argv, "--shard", f"{k}/{args.workers}",
-                       "--out", str(Path(folder) / f"shard-{k}")]
-            workers.append((k, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
-        for k, worker, log in workers:
-            worker.wait()
-            log.close()
-        broken = [(k, w.returncode) for k, w, _ in workers if w.returncode not in (0, 1, 125)]
-        if broken:
-            k, status = broken[0]
-            tail = (Path(folder) / f"worker-{k}.log").read_text().splitlines()[-12:]
-            why = f"worker {k} of {args.workers} ended with exit status {status}; its last lines:\n" + "\n".join(tail)
-            raise UsageError(why) if status == EXIT_USAGE else CannotRun(why)
+        workers, interrupted = [], False
+        try:
+            for k in range(1, args.workers + 1):
+                log = open(Path(folder) / f"worker-{k}.log", "w")
+                command = [sys.executable, "-m", "kvparity.reports.cli", "run", *argv, "--shard",
+                           f"{k}/{args.workers}", "--out", str(Path(folder) / f"shard-{k}")]
+                workers.append((k, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                                    preexec_fn=die_with_parent), log))
+            for k, worker, log in workers:
+                worker.wait()
+        except KeyboardInterrupt:  # each worker reports what it finished, or is killed
+            interrupted = True
+            stop_workers([worker for _, worker, _ in workers])
+        finally:
+            for _, _, log in workers:
+                log.close()
         shards_run = [str(Path(folder) / f"shard-{k}") for k in range(1, args.workers + 1)]
+        if interrupted:
+            shards_run = [d for d in shards_run if list(Path(d).glob("*/report.json"))]
+            if not shards_run:
+                raise KeyboardInterrupt
+        else:
+            broken = [(k, w.returncode) for k, w, _ in workers if w.returncode not in (0, 1, 125)]
+            if broken:
+                k, status = broken[0]
+                tail = (Path(folder) / f"worker-{k}.log").read_text().splitlines()[-12:]
+                why = (f"worker {k} of {args.workers} ended with exit status {status}; its last lines:\n"
+                       + "\n".join(tail))
+                raise UsageError(why) if status == EXIT_USAGE else CannotRun(why)
         return merge.handle(argparse.Namespace(directories=shards_run, out=args.out, impl=None,
                                                require_levels=getattr(args, "require_levels", None)))
+
+
+def stop_workers(workers):
+    """SIGTERM each worker (it hands the signal on to its child, which
+    reports what it finished); whatever is left a grace later is killed."""
+    for worker in workers:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S + 1.0  # the workers' own grace, then theirs to end
+    for worker in workers:
+        try:
+            worker.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+    sweep()
 
 
 def handle(args):
@@ -118,7 +156,7 @@ def run(args):
         implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
     except DeviceUntrusted as untrusted:
         if not args.no_report:
-            print(f"report: {write_untrusted_report(args, untrusted)}")
+            report_written(lambda: write_untrusted_report(args, untrusted))
         raise
     print_summary(results, verdict, policy)
     status = verdict.exit_status
@@ -131,10 +169,9 @@ def run(args):
             failed.append(benchmarks(directory, args.quick, args.impl))
         except BenchmarkFailed as error:
             failed.append(str(error))
-    path = write_run_report(args, implementation, policy, results, verdict, expectations, shard=plan,
-                            extra=bench if args.bench else None)
-    print(f"report: {path}")
+    path = report_written(lambda: write_run_report(args, implementation, policy, results, verdict, expectations,
+                                                   shard=plan, extra=bench if args.bench else None))
     if any(failed):
-        print(f"kvparity: {failed[0]}; its results are in {path}", file=sys.stderr)
+        print(f"kvparity: {failed[0]}" + (f"; its results are in {path}" if path else ""), file=sys.stderr)
         status = status or EXIT_BROKEN
     return status

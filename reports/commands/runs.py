@@ -14,16 +14,17 @@ import mlx.core as mx
 from kvparity.reports import failures, settings, shards, verdicts
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, server_of,
+    judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, seconds, server_of,
     use_device,
 )
 from kvparity.reports.commands.probe import probes
 from kvparity.reports.environment import describe
-from kvparity.reports.writer import check_rows, declaration_rows, summary_rows, write_report
+from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.evidence import PASS, crashed
-from kvparity.suites.flight import FLIGHT, IsolatedState
+from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
 from kvparity.suites.levels import L3, L4, LEVELS
+from kvparity.suites.processes import stop_signal
 from kvparity.suites.server_process import ServerNeverReady
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
@@ -58,6 +59,13 @@ def require_levels_option(command):
                          help="levels that must be judged: a run in which one of them judged no schedule run "
                          "(every one mlx-lm defect, not supported, oracle cannot run, ...) cannot be judged "
                          "(exit 125) instead of passing on the other levels; a shard leaves it to kvparity merge")
+
+
+def member_timeout_option(command):
+    command.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT_S, metavar="SECONDS",
+                         help="a protocol member call that does not return within SECONDS is the implementation's "
+                         "FAIL (a hang), naming the member and the event; the process running it is stopped and "
+                         "the rest goes on in a new one (the kvparity executable; default: %(default)g)")
 
 
 def required_levels(args) -> tuple:
@@ -132,11 +140,25 @@ def prepare(args, files=None):
     return chosen_policy, runs, implementation(args.impl)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """A signal stopped the runs: ``results`` are the ones that finished."""
+
+    def __init__(self, results, signal: str, planned: int):
+        super().__init__(signal)
+        self.results, self.signal, self.planned = results, signal, planned
+
+    @property
+    def record(self) -> dict:
+        """``RunVerdict.interrupted``."""
+        return {"signal": self.signal, "finished": len(self.results), "planned": self.planned}
+
+
 def run_all(runs, implementation, policy, progress=None, expectations=None):
     """Run and judge each planned schedule. In an isolated child (the
     ``kvparity`` command's, ``suites/flight.py``) the runs an earlier child
     finished are taken as it kept them, the one it died in is that run's
-    FAIL, and each run this one finishes is kept."""
+    FAIL, and each run this one finishes is kept. A signal raises
+    RunInterrupted with the runs finished before it."""
     results, isolated = [], IsolatedState.from_env()
     for label, run in runs:
         try:
@@ -155,6 +177,8 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
             raise CannotRun(str(error))
         except ServerNeverReady as error:
             raise CannotRun(f"{label}: {error}" + (f"\n{error.log_tail}" if error.log_tail else ""))
+        except KeyboardInterrupt:  # the run it stopped is not reported; the finished ones are
+            raise RunInterrupted(results, stop_signal() or "SIGINT", len(runs)) from None
         if progress:
             progress.advance(label)
     return results
@@ -171,12 +195,17 @@ def solo_cache_noted(run, implementation):
 
 
 def solo_cache_line(results) -> str:
-    """One line for the console when stored solo runs did not prove whole; else empty."""
+    """One line for the console when stored solo runs did not prove whole,
+    or computed ones could not be stored (a full disk); else empty."""
     dropped = [reason for r in results for reason in r.evidence.solo_cache.get("reasons", ())]
-    if not dropped:
-        return ""
-    return (f"solo-run cache: {len(dropped)} stored entr{'y' if len(dropped) == 1 else 'ies'} did not prove whole "
-            f"and were recomputed (first: {dropped[0]})")
+    lines = []
+    if dropped:
+        lines.append(f"solo-run cache: {len(dropped)} stored entr{'y' if len(dropped) == 1 else 'ies'} did not prove "
+                     f"whole and were recomputed (first: {dropped[0]})")
+    if LEDGER.unstored:
+        lines.append(f"solo-run cache: {len(LEDGER.unstored)} solo run(s) computed here could not be stored, and "
+                     f"were used as computed (first: {LEDGER.unstored[0]})")
+    return "\n".join(lines)
 
 
 def shard_option(command):
@@ -214,13 +243,25 @@ def select_and_run(args, files, shard=None):
             raise UsageError(str(error))
         runs = shards.share(runs, plan)
     print_configuration(args, policy=chosen_policy.name, device=mx.default_device().type.name)
+    FLIGHT.limit(getattr(args, "member_timeout", None))
     progress = Progress(len(runs))
-    results = run_all(runs, chosen, chosen_policy, progress, declared)
-    progress.close()
-    # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge.
-    verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None, expectations=declared,
-                                      policy=chosen_policy, required_levels=required if plan is None else ())
-    verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
+    try:
+        results, interrupted = run_all(runs, chosen, chosen_policy, progress, declared), None
+    except RunInterrupted as stop:
+        results, interrupted = stop.results, stop.record
+    finally:
+        progress.close()
+    # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge;
+    # an interrupted run, for what finished.
+    verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None and not interrupted,
+                                      expectations=declared, policy=chosen_policy,
+                                      required_levels=required if plan is None else ())
+    if not interrupted:  # grouping shrinks at L1, which runs schedules: not once a signal said stop
+        try:
+            verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
+        except KeyboardInterrupt:
+            interrupted = RunInterrupted(results, stop_signal() or "SIGINT", len(runs)).record
+    verdict.interrupted = interrupted
     return chosen, chosen_policy, results, verdict, declared, plan
 
 
@@ -245,6 +286,19 @@ def write_run_report(args, implementation, policy, results, verdict, declared, s
         probes=probes(model, args.device), capabilities=implementation.capabilities,
         expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
     )
+
+
+def report_written(write):
+    """The report directory ``write()`` makes, said as ``report: PATH``; one
+    that cannot be written (a full disk) is said instead, and the verdict
+    already printed stands: None."""
+    try:
+        path = write()
+    except ReportUnwritten as error:
+        print(f"kvparity: {error}; the verdict printed above stands", file=sys.stderr)
+        return None
+    print(f"report: {path}")
+    return path
 
 
 def write_untrusted_report(args, untrusted):
