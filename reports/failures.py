@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.adapter import WRITE, ForwardRaised
 from kvparity.suites.checks import OUTPUT_CHECKS, RAISED
@@ -32,8 +33,8 @@ from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.l3 import PREFILL_MODES
 from kvparity.suites.l4 import SERVER
-from kvparity.suites.levels import L1, L3, L4, LEVELS
-from kvparity.suites.schedule import load
+from kvparity.suites.levels import L1, L2, L3, L4, LEVELS
+from kvparity.suites.schedule import ScheduleError, load, parse
 from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
 
 # keys.packed, values.scales, ... inside a tensor's name ("batch.keys.packed",
@@ -263,25 +264,14 @@ def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
     member the failing event called, at L3 (the engine makes the calls) the
     members that reshaped its batch since it arrived, and the write. The
     others stay."""
+    groups = [g for g in _to_l1(groups) if g.failures]
     homes = [g for g in groups if not _output_only(g) and g.member]
-    at_l1 = {}  # (schedule, request or None) -> the group of its L1 run's failure: the evidence after every call
-    for home in homes:
-        for f in home.failures:
-            if f.verdict.evidence.level == L1:
-                at_l1.setdefault((_schedule_of(f), f.first.request if f.first else None), home)
-                at_l1.setdefault((_schedule_of(f), None), home)
     kept = []
     for outputs in groups:
         if not _output_only(outputs) or outputs in homes:
             kept.append(outputs)
             continue
         for failure in list(outputs.failures):
-            schedule = _schedule_of(failure)
-            home = at_l1.get((schedule, failure.first.request if failure.first else None)) or at_l1.get((schedule, None))
-            if home is not None:  # the same schedule's L1 run names the member at fault on the row
-                home.failures.append(failure)
-                outputs.failures.remove(failure)
-                continue
             touched = _touched(failure)
             found = [g for g in homes if {g.member, g.at_fault} & touched]
             if len({g.at_fault for g in found}) == 1:  # one member at fault: its largest group
@@ -290,6 +280,29 @@ def fold_outputs(groups: List[FailureGroup]) -> List[FailureGroup]:
         if outputs.failures:
             kept.append(outputs)
     return kept
+
+
+def _to_l1(groups: List[FailureGroup]) -> List[FailureGroup]:
+    """A run at a higher level of a schedule whose L1 run failed joins the
+    group of that L1 failure on the same row (else on the schedule): L1's
+    evidence after every call names the member at fault there, where the
+    model's logits and the bytes its later layers wrote only follow from it."""
+    at_l1 = {}  # (schedule, request or None) -> the group of its L1 run's failure
+    for group in groups:
+        for f in group.failures:
+            if f.verdict.evidence.level == L1 and f.member:
+                at_l1.setdefault((_schedule_of(f), f.first.request if f.first else None), group)
+                at_l1.setdefault((_schedule_of(f), None), group)
+    for group in groups:
+        for failure in list(group.failures):
+            if failure.verdict.evidence.level == L1:
+                continue
+            schedule = _schedule_of(failure)
+            home = at_l1.get((schedule, failure.first.request if failure.first else None)) or at_l1.get((schedule, None))
+            if home is not None and home is not group:
+                home.failures.append(failure)
+                group.failures.remove(failure)
+    return groups
 
 
 def _output_only(group: FailureGroup) -> bool:
@@ -317,6 +330,8 @@ def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int =
     many times: cheap at L1), shrink the example and name the earlier
     member when the failure shows one event after its cause. ``run(level)``:
     a function schedule -> its judged verdict at that level (as the shrinker takes)."""
+    if L1 in levels:
+        groups[:] = _evidence_at_l1(groups, run(L1))
     for chosen in [g for g in groups if g.level in levels and g.member][:most]:
         result = chosen.example.verdict.evidence
         if not result.path or not Path(result.path).is_file() or died(result):
@@ -330,6 +345,53 @@ def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int =
         chosen.shrunk_first = first_failure(at_level(minimal))
         chosen.exposure = exposure(at_level, minimal)
     groups[:] = _ordered(fold_outputs(groups))  # a member at fault named now may take output-only failures
+
+
+def _evidence_at_l1(groups: List[FailureGroup], at_l1: Callable) -> List[FailureGroup]:
+    """A schedule run at L2 only (no L1 run of its file to name the member
+    at fault on its rows) is replayed at L1 with its synthetic keys and
+    values: where that fails, the evidence after each call names its
+    member, and the run joins that member's group. Where it passes (a bug
+    its synthetic shapes do not reach), the run keeps what its own level says."""
+    twins = {}  # schedule file -> the first failure of its L1 twin (or None)
+    for group in groups:
+        for failure in list(group.failures):
+            result = failure.verdict.evidence
+            if result.level != L2 or (failure.first is not None and failure.first.call is not None):
+                continue  # L1 has its evidence; L3's arrivals are no events to replay at L1
+            if not result.path or not Path(result.path).is_file() or died(result):
+                continue
+            if result.path not in twins:
+                twins[result.path] = _first_at_l1(load(result.path), at_l1)
+            found = twins[result.path]
+            if found is None or not found.member or found.member == failure.member:
+                continue
+            failure.member, failure.member_event = found.member, found.event
+            home = next((g for g in groups if g.failures and found.member in (g.member, g.at_fault)), None)
+            if home is None:
+                home = FailureGroup(group.level, group.check, group.tensor, found.member, options=dict(group.options))
+                groups.append(home)
+            group.failures.remove(failure)
+            home.failures.append(failure)
+    return [g for g in groups if g.failures]
+
+
+def _first_at_l1(schedule, at_l1: Callable) -> Optional[Divergence]:
+    """The first failing divergence of ``schedule`` replayed at L1 (an L2
+    schedule's synthetic block gives its shapes); None where it passes or
+    cannot be."""
+    if L1 in schedule.levels:
+        return None  # its own L1 run is in the run, or was not asked for
+    doc = {**schedule.to_json(), "levels": [L1]}
+    model = random_model(schedule.model) if schedule.model else None
+    if model is not None:  # the model's head dim and dtype, where its synthetic block left the defaults
+        dtype = {short: name for name, short in SCHEDULE_DTYPES.items()}.get(model.dtype, schedule.dtype)
+        doc["synthetic"] = {"kv_heads": schedule.kv_heads, "head_dim": model.head_dim, "dtype": dtype}
+    try:
+        twin = parse(doc, source=schedule.path)
+    except ScheduleError:
+        return None
+    return first_failure(at_l1(twin))
 
 
 def bisect_command(result, options: Dict[str, str]) -> Optional[str]:

@@ -43,7 +43,7 @@ from kvparity.suites.adapter import (
     RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward, layer_of,
 )
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
-from kvparity.suites.checks import EXTRACT, LENGTH, LOGPROBS, QUANTIZED, TOKENS
+from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, QUANTIZED, TOKENS
 from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
 from kvparity.suites.engines import (
     EngineRequest,
@@ -109,7 +109,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     served = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
     run, calls = served or (None, None)
     if run is not None:
-        check_quantized(result, run, requests, loaded.plan)
+        check_quantized(result, run, requests, loaded.plan, calls)
         for request in requests:
             if request.continues is not None:  # a next turn: its prompt as the engine served it
                 if request.id not in run.prompts:
@@ -189,9 +189,13 @@ class CallTrail:
         return reshaping(self.members[self.ends.get(self.arrived[rid] - 1, 0):writes[-1] + 1 if writes else end])
 
 
+MASK_MEMBER = CHECKS[MASK].reads  # make_mask: every forward reads what it returned
+
+
 def reshaping(members) -> Tuple[str, ...]:
-    """The members among ``members`` that reshape a batch, once each, in order of first call."""
-    return tuple(dict.fromkeys(m for m in members if m in RESHAPING_MEMBERS))
+    """The members among ``members`` that reshape a batch or make the mask
+    its forward reads, once each, in order of first call."""
+    return tuple(dict.fromkeys(m for m in members if m in RESHAPING_MEMBERS or m == MASK_MEMBER))
 
 
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
@@ -253,7 +257,8 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     return run, CallTrail(members, ends, arrived)
 
 
-def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan):
+def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan,
+                    calls: Optional[CallTrail] = None):
     """After the engine's first step that generated a token, every layer that
     mlx-lm's solo run quantizes (``plan``, a ``CachePlan``) holds (packed,
     scales, biases) triples of each request's bits and group size at its own
@@ -289,7 +294,9 @@ def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[Engin
                         detail=f"layer {number} holds a {layer.cache} whose {tensor} are {held}, where "
                                f"(packed, scales, biases) triples of {request.bits} bits, group size "
                                f"{request.group_size} at {tensor[:-1]} dim {dim} were asked for"))
-        result.note(0, QUANTIZED, [rid], len(first.layers), found)
+        # The members that made this batch: where its bits and group size came from.
+        made = calls.reshaped(rid, first.step) if calls is not None else ()
+        result.note(0, QUANTIZED, [rid], len(first.layers), [replace(d, reshaped=made) for d in found])
 
 
 def held_otherwise(held, bits: int, group_size: int, head_dim: int) -> Optional[str]:
