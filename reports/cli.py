@@ -8,8 +8,10 @@ golden comes from another machine, or the run gathered no evidence), and
 above 127, which git bisect run takes as "abort the bisection", for what no
 commit is to blame for: 128 an error inside the harness itself, 129 bad
 usage or bad input (before any work; argparse's own errors too), 130
-interrupted. The commands themselves live in ``kvparity.reports.commands``,
-one module each.
+interrupted (Ctrl-C, SIGTERM, SIGHUP: what finished is reported as such). A
+disk that is full or read-only where kvparity must write is 125; a report
+directory that cannot be written keeps the verdict's status and says so. The
+commands themselves live in ``kvparity.reports.commands``, one module each.
 """
 
 import errno
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
         from kvparity.suites.schedule import ScheduleError
 
         parser = build_parser()
+    except KeyboardInterrupt:  # Ctrl-C while kvparity starts
+        return EXIT_INTERRUPTED
     except Exception:
         return internal_error()
     if os.environ.get(STATE_ENV):  # an isolated child: its temporary folders go where its parent removes them
@@ -158,9 +162,9 @@ def isolated(argv) -> int:
                 sweep()  # what it left: L4 servers and daemons re-parented here
                 if status >= 0:  # the child's own (an interrupted one's is EXIT_INTERRUPTED)
                     return status
-                if stop.signal is not None:  # killed after the grace
-                    print(f"kvparity: interrupted ({stop.signal}); the process running the schedules did not end "
-                          f"within {STOP_GRACE_S:g} s and was killed", file=sys.stderr)
+                if stop.signal is not None:  # the signal ended it before its handler was in, or the grace did
+                    print(f"kvparity: interrupted ({stop.signal}); the process running the schedules ended by "
+                          f"{signal_name(status)} before it reported (it has {STOP_GRACE_S:g} s)", file=sys.stderr)
                     return EXIT_INTERRUPTED
                 record = read_flight(state) or {}
                 label = record.get("label")
