@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.adapter import WRITE, ForwardRaised
-from kvparity.suites.checks import OUTPUT_CHECKS, RAISED
+from kvparity.suites.checks import OUTPUT_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
 from kvparity.suites.l3 import PREFILL_MODES

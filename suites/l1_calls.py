@@ -31,9 +31,10 @@ import numpy as np
 
 from kvparity.oracle.arrays import Part
 from kvparity.suites.adapter import WRITE
-from kvparity.suites.checks import (BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, QUANTIZED, RAISED)
+from kvparity.suites.checks import BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, QUANTIZED, RAISED
 from kvparity.suites.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples)
+from kvparity.suites.l1_checks import per_row_ints, quantization_divergences
 
 # The calls that leave the batch's rows in place (right-aligned, left-padded).
 LAID_OUT = ("merge", "extend", "filter", "trim", "rollback", "finalize", WRITE)
@@ -123,12 +124,8 @@ class CallChecks:
 
     def _batch(self, record: CallRecord, fetched):
         batch, schedule, reading = record.batch, self.run.schedule, self.checks.reading
-        held = (getattr(batch, "bits", None), getattr(batch, "group_size", None))
-        want = (schedule.bits, schedule.group_size)
-        record.notes.append((QUANTIZED, record.rows, 1, [] if held == want else [Divergence(
-            QUANTIZED, tensor="bits, group_size", expected=want, actual=held,
-            detail=f"the batch {record.member} left against its rows' bits and group size",
-            **self.where(record))]))
+        record.notes.append((QUANTIZED, record.rows, 1, quantization_divergences(
+            batch, schedule.bits, schedule.group_size, f"the batch {record.member} left", **self.where(record))))
         if record.member == "prepare":
             return
         record.size = batch.size()
@@ -185,7 +182,7 @@ class CallChecks:
         if only_fetched:
             self._bytes(record, range(len(record.rows)), None, ("fetched",))
             return
-        offsets, pads = (_ints(x if k is None else _signed(reading[[k]][0], x)) for k, x in record.ints)
+        offsets, pads = (per_row_ints(x if k is None else _signed(reading[[k]][0], x)) for k, x in record.ints)
         rows, size = record.rows, record.size
         if len(offsets) != len(rows) or len(pads) != len(rows):
             checks.result.note(checks.at, LAYOUT, rows, 1, [Divergence(
@@ -287,9 +284,3 @@ _SIGNED = {mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: n
 def _signed(bits: np.ndarray, dtype):
     """What a reading gives as unsigned bits, as values of ``dtype`` again."""
     return bits.view(_SIGNED[dtype]) if dtype in _SIGNED else mx.array(bits).view(dtype)
-
-
-def _ints(x) -> List[int]:
-    """Per-row integers, as given (an array, a list) or a lone number (one entry)."""
-    values = x.tolist() if hasattr(x, "tolist") else x
-    return [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)]

@@ -199,7 +199,7 @@ def check_layout(batch, rows, checks: EventChecks, event, named, bits: int, grou
     size = batch.size()
     offset, left_padding = batch.offset, batch.left_padding
     mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
-    offsets, pads = _ints(offset), _ints(left_padding)
+    offsets, pads = per_row_ints(offset), per_row_ints(left_padding)
     if len(offsets) != len(rows) or len(pads) != len(rows):
         checks.note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
                                                      f"left_padding {len(pads)} entries for {len(rows)} rows",
@@ -215,11 +215,17 @@ def check_layout(batch, rows, checks: EventChecks, event, named, bits: int, grou
     checks.note(at, SHARED_PADDING, rows, 1,
                 [Divergence(SHARED_PADDING, label, detail=f"every row has >= {min(pads)} pad columns", **named)]
                 if min(pads) > 0 else [])
-    held, want = (getattr(batch, "bits", None), getattr(batch, "group_size", None)), (bits, group_size)
-    checks.note(at, QUANTIZED, rows, 1, [] if held == want else [Divergence(
-        QUANTIZED, label, tensor="bits, group_size", expected=want, actual=held,
-        detail="of the batch, against its rows' bits and group size", **named)])
+    checks.note(at, QUANTIZED, rows, 1, quantization_divergences(batch, bits, group_size, "the batch", event=label,
+                                                                 **named))
     return size, offsets, pads, triples
+
+
+def quantization_divergences(batch, bits: int, group_size: int, whose: str, **where) -> List[Divergence]:
+    """The batch's ``bits`` and ``group_size`` against its rows' (``whose``: the batch, in words)."""
+    held = (getattr(batch, "bits", None), getattr(batch, "group_size", None))
+    return [] if held == (bits, group_size) else [Divergence(
+        QUANTIZED, tensor="bits, group_size", expected=(bits, group_size), actual=held,
+        detail=f"of {whose}, against its rows' bits and group size", **where)]
 
 
 def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout, fetched, batch_known,
@@ -467,5 +473,7 @@ def _solo_tokens(reading: Reading, cache, name, known=None):
     return _parts(reading, list(triple), (Ellipsis, slice(None, cache.offset), slice(None)), known)
 
 
-def _ints(x) -> List[int]:
-    return [int(v) for v in (x.tolist() if isinstance(x, mx.array) else x)]
+def per_row_ints(x) -> List[int]:
+    """Per-row integers as a member gave them (an array, a list), or a lone number (one entry)."""
+    values = x.tolist() if hasattr(x, "tolist") else x
+    return [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)]

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from kvparity.impl import negative_controls
+from kvparity.impl.minimal import MinimalBatchQuantizedKVCache
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.fuzz import YOUNG_THRESHOLD, ConversationMachine, fewer_collections, generate, make_machine
@@ -36,6 +37,8 @@ def test_generated_schedules(implementation, policy, judged, generated_examples,
     # The shapes of real models are drawn: keys apart from values, wide heads, one kv head, several layers.
     for feature in ("keys != values", "head_dim 256 or 512", "one kv head", "several layers"):
         assert machine.shapes_drawn.get(feature, 0) >= generated_examples // 10, machine.shapes_drawn
+    # Every event kind is made: rows stored, and requests joining from a stored prefix.
+    assert machine.resumed >= 1, "no generated request joined from a stored prefix"
 
 
 # Shrinking costs a minute or more for some bugs: two run by default, the
@@ -45,6 +48,7 @@ def test_generated_schedules(implementation, policy, judged, generated_examples,
     [
         negative_controls.MaskIgnoresLeftPadding,
         negative_controls.TrimForgetsOffset,
+        negative_controls.StoredNbytesSkipsBiases,  # the default machine stores rows too
         pytest.param(negative_controls.RollbackByLargest, marks=pytest.mark.slow),
         pytest.param(negative_controls.ExtendForgetsExistingPadding, marks=pytest.mark.slow),
     ],
@@ -116,3 +120,24 @@ def test_the_collector_is_tuned_for_a_generated_run_only():
             assert gc.get_freeze_count() > 0
             raise RuntimeError("a failing run")
     assert (gc.get_threshold(), gc.get_freeze_count()) == before
+
+
+class MinimalMaskMissingForOneToken(MinimalBatchQuantizedKVCache):
+    """The minimal cache (its extract's mx.contiguous leaves views: alias
+    findings, hygiene) with no mask for one-token steps: gating."""
+
+    def make_mask(self, N, return_array=False, **kwargs):
+        return None if N == 1 else super().make_mask(N, return_array=return_array, **kwargs)
+
+
+def test_a_generated_failure_leads_with_its_first_gating_divergence(judged, tmp_path):
+    """Hygiene findings come first in time here (an alias after the first
+    join); the failure's headline is the mask that gates, and says the alias
+    after it, as not gating."""
+    broken = load_implementation(f"{__name__}:MinimalMaskMissingForOneToken")
+    machine = make_machine(broken, judged, tmp_path)
+    with pytest.raises(AssertionError) as failed:
+        generate(machine, settings=fuzz_settings(100, database=None, derandomize=True, print_blob=False))
+    headline = str(failed.value).splitlines()[0]
+    assert ": FAIL: mask: " in headline, headline
+    assert "alias" not in headline.split("(also, not gating:")[0], headline
