@@ -247,6 +247,22 @@ def test_a_prompt_the_model_s_tokenizer_does_not_read_back_is_named_with_why():
     assert "makes no tokens" in l4.unread_prompt([replace(a, request=replace(a.request, prompt=()))], Words(), 16)
 
 
+@pytest.mark.slow  # two servers on a small model
+def test_a_model_directory_is_served_as_it_is(servers_running, tmp_path, capsys):
+    """--model DIR: the server loads that directory, not a copy kvparity writes."""
+    directory = tmp_path / "served"
+    assert main(["model-dir", "qwen3_5", str(directory)]) == EXIT_OK
+    args = ["run", "--level", "L4", "--model", str(directory), "--schedule", BURST, "--server", MLX_LM,
+            "--prompt-cache-off", "--prompt-cache-size 0", "--out", str(tmp_path / "out")]
+    assert main(args) == EXIT_OK
+    (run,) = report(tmp_path / "out")["results"]
+    assert run["verdict"] == "pass" and run["server"]["server starts"] == 2
+    (folder,) = (tmp_path / "out").iterdir()
+    for log in run["server"]["log_files"]:  # each server's log begins with its command line
+        assert f"--model {directory} " in (folder / log).read_text().splitlines()[0]
+    assert not servers_running()
+
+
 def test_a_model_directory_whose_tokenizer_reads_no_prompt_is_not_supported_before_a_server_starts(
         servers_running, tmp_path, capsys):
     """What the issue's Qwen3.5 run met: a word-level tokenizer.json that
