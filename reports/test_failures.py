@@ -304,3 +304,47 @@ def test_a_member_declining_what_mlx_lms_engine_never_hands_is_the_engines_findi
     assert "the engine handed merge an unquantized" in result.reason and "mlx-lm's own engine never does" in result.reason
     (group,) = failures.group([judged])
     assert group.at_fault == ForwardRaised.ENGINE and "refused" not in group.title()
+
+
+def test_a_group_whose_shrunk_schedule_names_another_member_says_both(filter_bug):
+    """The group is named from the shrunk schedule's first failing call;
+    where that is another member's than the full run's, it says both."""
+    _, _, groups = filter_bug
+    group = groups[0]
+    group.shrunk_first = replace(group.example.first, member="extend", call=0)
+    assert group.at_fault == "extend" and group.shrunk_differs
+    text = "\n".join(failures.lines([group]))
+    assert "first failing call, shrunk: " in text and "(the full run's names filter)" in text
+    assert group.to_json()["shrunk_first"] == group.shrunk_first.message()
+    group.shrunk_first = None
+
+
+def test_the_html_row_says_its_verdict_and_its_logits_tier_only_as_logits(tmp_path):
+    """An L2 row whose cache bytes diverged while its logits stayed
+    bit-exact reads FAIL and "logits bit-exact", never "tier bit-exact"; its
+    gating divergences are listed before its hygiene findings."""
+    import mlx.core as mx
+
+    from kvparity.suites.compare import Divergence
+    from kvparity.suites.metrics import LogitStats
+
+    result = ScheduleResult("made-up", "L2", "impl", ["join", "step"])
+    row = result.row("a")
+    stats = LogitStats()
+    logits = mx.zeros((2, 8))
+    stats.add(logits, logits, 0)
+    row.metrics.update(stats.as_dict())
+    result.note(1, "pad", ["a"], 1, [Divergence("pad", "#1 step 1", "a", tensor="batch.keys.packed", index=0,
+                                                expected=0, actual=7)])
+    result.note(1, "bytes", ["a"], 1, [Divergence("bytes", "#1 step 1", "a", tensor="keys.packed", layer=0,
+                                                  index=3, expected=1, actual=2)])
+    result.note(1, "logits", ["a"], 2)
+    judged = verdicts.judge(result, CPU)
+    assert judged.verdict == FAIL and judged.rows[0].tier == "bit-exact"
+    path = write_report([judged], {"implementation": "x"}, tmp_path, policy=CPU,
+                        run_verdict=verdicts.verdict_of_run([judged], policy=CPU))
+    page = (path / "report.html").read_text()
+    assert "tier bit-exact" not in page and "FAIL, 2 divergence(s), logits bit-exact" in page
+    listed = page[page.index('<ol class="divergences">'):]
+    assert listed.index("bytes:") < listed.index("(hygiene, not gating) pad:")
+    assert "overflow-wrap:anywhere" not in page  # names in the failure table break at their ends
