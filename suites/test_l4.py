@@ -360,6 +360,23 @@ def test_an_architecture_mlx_lm_cannot_run_quantized_is_its_named_limit_beside_a
     assert not servers_running()
 
 
+@pytest.mark.slow  # two servers, twice
+@pytest.mark.parametrize("name, status", [(None, EXIT_OK), ("ignores_kv_bits", EXIT_BROKEN)])
+def test_qwen3_5_through_a_server_that_declares_kv_bits(name, status, servers_running, tmp_path, capsys):
+    """The hybrid users report: mlx_lm.server --kv-bits 4 passes; a server that
+    accepts --kv-bits and serves dense fails on kv_applied (it ended in 128 when
+    the model directory's tokenizer read every prompt as no tokens)."""
+    command = (control(name) if name else MLX_LM) + f" {KV}"
+    args = ["run", "--level", "L4", "--model", "qwen3_5", "--schedule", BURST, "--server", command, "--kv-bits", "4",
+            "--out", str(tmp_path)]
+    assert main(args) == status
+    (run,) = report(tmp_path)["results"]
+    assert run["model"] == "qwen3_5" and all(row["metrics"]["tokens compared"] > 0 for row in run["rows"])
+    broke = {d["check"] for row in run["rows"] for d in row["divergences"]}
+    assert (KV_APPLIED in broke) == bool(name), broke
+    assert not servers_running()
+
+
 @pytest.mark.slow  # each control is a server started twice per schedule
 @pytest.mark.parametrize("name, kv, checks, schedule", [
     ("swaps_rows", (), {ALONE}, BURST),
