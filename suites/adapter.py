@@ -132,6 +132,25 @@ class ForwardRaised(MemberRaised):
     refused = False
 
 
+class ReturnedWrong(MemberRaised):
+    """A member returned what the protocol does not allow (a merge that
+    returned None): that member's failure, said as what it returned."""
+
+    def __str__(self):
+        return str(self.error)
+
+    capability = None
+    refused = False
+
+
+def returned_as_expected(member: str, value, holds: bool, expected: str, said: Callable[[object], str]):
+    """What ``member`` returned, about to be used as the protocol says: where
+    it is not (``holds`` false) that member's failure, naming the value
+    (``said(value)``, in words) and what was expected, never kvparity's error."""
+    if not holds:
+        raise ReturnedWrong(member, TypeError(f"{member} returned {said(value)}, expected {expected}"))
+
+
 def handed_unlike_mlx_lm(raised: MemberRaised, batch_class: type) -> str:
     """What the caller handed the member that raised, where mlx-lm's own
     engine hands it nothing of the kind (``BatchGenerator`` merges solo

@@ -139,6 +139,7 @@ class SyntheticBackend:
             with self.in_layer(i):
                 empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
                 batch = self.implementation.batch_class.merge(empty)
+                self.replay.returned_a_batch("merge", batch)
                 called("merge", i, batch, rids, prefill=True)
                 batch.prepare(right_padding=[width - r.prompt_len for r in requests])
                 called("prepare", i, batch, rids, prefill=True)

@@ -12,10 +12,13 @@ evaluation) and compared with the event's other arrays at its end:
   (``quantized``); its ``offset`` and ``size() - left_padding`` are each
   touched row's length alone (``offset``, ``left_padding``);
 * ``merge``, ``finalize``: the rows' bytes on ``[left_padding, size())``
-  (``merge``'s against the rows it was handed);
-* ``update_and_fetch``: the columns it wrote, in what it returned and in the
-  state, equal the tokens appended alone; in a padded prefill (before
-  ``finalize``) each row's prompt on its first columns;
+  (``merge``'s against the rows it was handed), and their padding zero
+  (``pad``, hygiene);
+* ``update_and_fetch``: each row, in what it returned and in the state,
+  equals the row alone (where the next write follows it, the columns it
+  wrote, in what it returned: the next one's evidence reads the rest); in a
+  padded prefill (before ``finalize``) each row's prompt on its first
+  columns;
 * ``extract``: the row it returned has the row's offset, bits and group size
   (its bytes are compared after the event, as every extracted row's).
 
@@ -31,10 +34,10 @@ import numpy as np
 
 from kvparity.oracle.arrays import Part
 from kvparity.suites.adapter import WRITE
-from kvparity.suites.checks import BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, QUANTIZED, RAISED
+from kvparity.suites.checks import BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, PAD, QUANTIZED, RAISED
 from kvparity.suites.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples)
-from kvparity.suites.l1_checks import per_row_ints, quantization_divergences
+from kvparity.suites.l1_checks import layout_of_ints, pad_findings, per_row_ints, quantization_divergences
 
 # The calls that leave the batch's rows in place (right-aligned, left-padded).
 LAID_OUT = ("merge", "extend", "filter", "trim", "rollback", "finalize", WRITE)
@@ -182,12 +185,14 @@ class CallChecks:
         if only_fetched:
             self._bytes(record, range(len(record.rows)), None, ("fetched",))
             return
-        offsets, pads = (per_row_ints(x if k is None else _signed(reading[[k]][0], x)) for k, x in record.ints)
+        read = [x if k is None else _signed(reading[[k]][0], x) for k, x in record.ints]
+        offsets, pads = (per_row_ints(x) for x in read)
         rows, size = record.rows, record.size
-        if len(offsets) != len(rows) or len(pads) != len(rows):
-            checks.result.note(checks.at, LAYOUT, rows, 1, [Divergence(
-                LAYOUT, detail=f"offset has {len(offsets)} and left_padding {len(pads)} entries for {len(rows)} rows",
-                **self.where(record))])
+        said = dict(zip(("offset", "left_padding"), read), size=size)
+        wrong = layout_of_ints(size, offsets, pads, rows, lambda name: in_words(said[name]))
+        if wrong is not None:
+            checks.result.note(checks.at, LAYOUT, rows, 1, [replace(wrong, **{
+                **self.where(record), "member": wrong.member or self.own_offset(wrong) or record.member})])
             return
         placed = []  # rows whose columns are where their length says
         width = _width(record.triples.get("fetched"))
@@ -206,29 +211,35 @@ class CallChecks:
             if ok or odd is not None:  # where size() alone is wrong, the rows' columns end at the width returned
                 placed.append(i)
         self._bytes(record, placed, pads, ("fetched", "batch"), odd)
+        if record.member in ("merge", "finalize"):  # the padding the rows it placed came with (hygiene)
+            taken = record.triples.get("batch", {})
+            checks.note_per_row(PAD, pad_findings([
+                (rows[i], self.where(record, rows[i]), f"batch.{tensor}.{part}", pads[i],
+                 Part(reading, k, (slice(i, i + 1), slice(None), slice(None, pads[i]), slice(None)), x.dtype))
+                for i in placed for tensor, (ticket, arrays) in taken.items()
+                for part, k, x in zip(TRIPLE, ticket, arrays)]))
 
     def _bytes(self, record: CallRecord, placed, pads, names, size: Optional[int] = None):
-        """The columns the call wrote or placed, of the rows ``placed``, in
-        ``names`` ("fetched", "batch"): a write's last columns of what it
-        returned (its own width) and of the batch (up to ``size``, else
-        size()), merge's and finalize's rows on [left_padding, size())."""
+        """The rows ``placed`` in ``names`` ("fetched", "batch"), against the
+        rows alone: merge's and finalize's on [left_padding, size()); a
+        write's whole rows, in what it returned (at its own width) and in the
+        batch (up to ``size``, else size()), or with no ``pads`` (a write
+        the next write follows) the columns it wrote, in what it returned."""
         checks, reading, rows = self.checks, self.checks.reading, record.rows
         size = record.size if size is None else size
         jobs = []
         for i in placed:
             rid, n, alone = rows[i], record.lengths[i], record.alone[rows[i]]
             if record.member in ("merge", "finalize"):
-                if not n:
-                    continue
-                last, spans = n, {"batch": (pads[i], size)}
+                spans = {"batch": (pads[i], size, n)} if n else {}
             elif record.member == WRITE:
-                last = n if record.prefill else record.tokens
-                spans = {name: (0, n) if record.prefill else (end - last, end) for name, end in (
-                    ("fetched", _width(record.triples.get("fetched"))), ("batch", size))}
+                last = n if record.prefill or pads is not None else record.tokens
+                spans = {name: (0, n, n) if record.prefill else (end - last, end, last) for name, end in (
+                    ("fetched", _width(record.triples.get("fetched"))), ("batch", size)) if isinstance(end, int)}
             else:
                 continue
             for name in names:
-                start, stop = spans.get(name, (0, -1))
+                start, stop, last = spans.get(name, (0, -1, 0))
                 if start < 0 or stop < start:
                     continue
                 index = (slice(i, i + 1), slice(None), slice(start, stop), slice(None))
@@ -241,6 +252,10 @@ class CallChecks:
         if jobs:
             compared = compare_later(reading, [job for _, job in jobs])()
             checks.note_per_row(BYTES, ((rid, 1, found) for (rid, _), found in zip(jobs, compared)))
+
+    def own_offset(self, d: Divergence) -> str:
+        """``offset`` where the class computes it (a property) and ``d`` read it: its own output."""
+        return "offset" if self.offset_member and (d.check == OFFSET or d.tensor == "offset") else ""
 
     def stamp(self, raised: str = "", in_call: bool = False):
         """Every divergence noted since the event began, as evidence after a
@@ -258,9 +273,7 @@ class CallChecks:
                 if d.check == RAISED:
                     call, member = (self.position if in_call else last), raised
                 else:
-                    call, member = last, d.member or CHECKS[d.check].reads
-                    if not member and d.check == OFFSET and self.offset_member:
-                        member = "offset"
+                    call, member = last, d.member or CHECKS[d.check].reads or self.own_offset(d)
                 row.divergences[k] = replace(d, call=call if call >= 0 else None, member=member or self.last)
         self.marks = {row.request: len(row.divergences) for row in self.run.result.rows}
 

@@ -3,7 +3,7 @@ row and every source against the same requests alone in mlx-lm's caches.
 What each check compares is declared in ``suites/checks.py``."""
 
 from dataclasses import replace
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -200,10 +200,10 @@ def check_layout(batch, rows, checks: EventChecks, event, named, bits: int, grou
     offset, left_padding = batch.offset, batch.left_padding
     mx.eval([x for x in (offset, left_padding) if isinstance(x, mx.array)])  # both in one evaluation
     offsets, pads = per_row_ints(offset), per_row_ints(left_padding)
-    if len(offsets) != len(rows) or len(pads) != len(rows):
-        checks.note(at, LAYOUT, rows, 1, [Divergence(LAYOUT, label, detail=f"offset has {len(offsets)} and "
-                                                     f"left_padding {len(pads)} entries for {len(rows)} rows",
-                                                     **named)])
+    read = {"size": size, "offset": offset, "left_padding": left_padding}
+    wrong = layout_of_ints(size, offsets, pads, rows, lambda name: in_words(read[name]))
+    if wrong is not None:
+        checks.note(at, LAYOUT, rows, 1, [replace(wrong, event=label, **named)])
         return None
     triples = state_triples(batch.state)
     if triples is None:
@@ -274,19 +274,20 @@ def check_rows(rows, solo: SoloCaches, checks: EventChecks, event, batch, layout
 
 def check_pad(pad_slices, checks: EventChecks):
     """Hygiene: pad columns hold zeros."""
+    checks.later(lambda: checks.note_per_row(PAD, pad_findings(pad_slices)))
 
-    def entries():
-        for rid, where, tensor, lp, part in pad_slices:
-            # No pad columns (lp == 0): nothing to read, nothing can be non-zero.
-            if lp == 0 or not part.bits.any():
-                yield rid, 1, []
-                continue
-            first = int(np.flatnonzero(part.bits)[0])
-            yield rid, 1, [Divergence(PAD, tensor=tensor, index=first, expected=0,
-                                      actual=int(part.bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})",
-                                      **where)]
 
-    checks.later(lambda: checks.note_per_row(PAD, entries()))
+def pad_findings(pad_slices):
+    """(request, 1, divergences) per pad slice (request, where, tensor, pad
+    columns, part), once their reading was evaluated."""
+    for rid, where, tensor, lp, part in pad_slices:
+        # No pad columns (lp == 0): nothing to read, nothing can be non-zero.
+        if lp == 0 or not part.bits.any():
+            yield rid, 1, []
+            continue
+        first = int(np.flatnonzero(part.bits)[0])
+        yield rid, 1, [Divergence(PAD, tensor=tensor, index=first, expected=0,
+                                  actual=int(part.bits.reshape(-1)[first]), detail=f"pad columns [0, {lp})", **where)]
 
 
 def check_nbytes(batch, triples, checks: EventChecks, rows, label, named):
@@ -473,7 +474,24 @@ def _solo_tokens(reading: Reading, cache, name, known=None):
     return _parts(reading, list(triple), (Ellipsis, slice(None, cache.offset), slice(None)), known)
 
 
-def per_row_ints(x) -> List[int]:
-    """Per-row integers as a member gave them (an array, a list), or a lone number (one entry)."""
+def per_row_ints(x) -> Optional[List[int]]:
+    """Per-row integers as a member gave them (an array, a list), a lone
+    number as one entry; None where they are no integers at all."""
     values = x.tolist() if hasattr(x, "tolist") else x
-    return [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)]
+    values = values if isinstance(values, (list, tuple)) else [values]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer() for v in values):
+        return None
+    return [int(v) for v in values]
+
+
+def layout_of_ints(size, offsets, pads, rows, said) -> Optional[Divergence]:
+    """Why ``size()``, offsets and pads cannot place the rows (``said``: what
+    was read, in words, by name), or None where they can."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return Divergence(LAYOUT, "", tensor="size()", detail=f"size() returned {said('size')}, expected the batch's "
+                                                           "width in columns (an int)", member="size")
+    for name, values in (("offset", offsets), ("left_padding", pads)):
+        if values is None or len(values) != len(rows):
+            return Divergence(LAYOUT, "", tensor=name, detail=f"{name} is {said(name)}, expected one integer for each "
+                                                          f"of the {len(rows)} rows")
+    return None

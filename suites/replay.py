@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
-from kvparity.suites.adapter import MemberRaised, consuming
-from kvparity.suites.compare import rows_in_words
+from kvparity.suites.adapter import MemberRaised, consuming, returned_as_expected
+from kvparity.suites.compare import in_words, rows_in_words
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
                                       note_raised)
@@ -236,6 +236,7 @@ class Replay:
             for layer, rows in enumerate(layers):
                 if hasattr(rows[0], "bits"):
                     merged.append(merge(list(rows)))
+                    self.returned_a_batch("merge", merged[-1])
                     self.called("merge", layer, merged[-1], ready, sources=rows)
                 else:
                     merged.append(mlx_lm_batch(rows))
@@ -426,8 +427,17 @@ class Replay:
         i, caches = self.rows.index(rid), []
         for layer, batch in enumerate(self.layers):
             caches.append(batch.extract(i))
-            self.called("extract", layer, batch, self.rows, row=rid, extracted=caches[-1])
+            row = caches[-1]
+            returned_as_expected("extract", row, all(hasattr(row, name) for name in ("offset", "keys", "values")),
+                                 "a solo cache (offset, keys and values)", in_words)
+            self.called("extract", layer, batch, self.rows, row=rid, extracted=row)
         return caches
+
+    def returned_a_batch(self, member: str, batch):
+        """What merge returned is a batch of the class under test, as every later call takes it."""
+        cls = self.backend.implementation.batch_class
+        if isinstance(cls, type):  # a class under test (the coverage model's walk stands in for one)
+            returned_as_expected(member, batch, isinstance(batch, cls), f"a batch of {cls.__name__}", in_words)
 
     def nearest_entry(self, store: str, prompt) -> Optional[StoredEntry]:
         """The entry a fetch of ``prompt`` copies (for messages): the latest
@@ -468,7 +478,8 @@ class _Counted:
 class NoRow:
     """Stands in for a quantized row (solo, or extracted into a store): it holds no bytes."""
 
-    nbytes = 0
+    nbytes = offset = 0
+    keys = values = None
     bits = None  # a quantized layer's row: it merges into the batch under test
 
     def is_trimmable(self):
