@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from kvparity.impl import negative_controls
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import failures, verdicts
 from kvparity.reports.cli import main
 from kvparity.reports.policy import load_policy
@@ -348,3 +349,38 @@ def test_the_html_row_says_its_verdict_and_its_logits_tier_only_as_logits(tmp_pa
     listed = page[page.index('<ol class="divergences">'):]
     assert listed.index("bytes:") < listed.index("(hygiene, not gating) pad:")
     assert "overflow-wrap:anywhere" not in page  # names in the failure table break at their ends
+
+
+class MergeReturnsNothing(BatchQuantizedKVCache):
+    @classmethod
+    def merge(cls, caches):
+        return None
+
+
+class ExtractReturnsNothing(BatchQuantizedKVCache):
+    def extract(self, idx):
+        return None
+
+
+class SizeIsNotAnInt(BatchQuantizedKVCache):
+    def size(self):
+        return None
+
+
+class OffsetIsOneNumber(BatchQuantizedKVCache):
+    offset = property(lambda self: 3, lambda self, value: None)
+
+
+@pytest.mark.parametrize("cls, member", [(MergeReturnsNothing, "merge"), (ExtractReturnsNothing, "extract"),
+                                         (SizeIsNotAnInt, "size"), (OffsetIsOneNumber, "offset")],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_a_member_returning_what_the_protocol_does_not_allow_is_its_failure(cls, member, capsys):
+    """kvparity's code reading what a member returned (a merge's batch, an
+    extracted row, a width, per-row offsets) does not raise on a bad value:
+    the run fails (1, never 128), one group naming the member and the value."""
+    spec = f"{__name__}:{cls.__name__}"
+    assert main(["check", "--level", "L1", "--impl", spec, "--schedule", str(CATALOG / "extract-decode-reinsert.json"),
+                 "--schedule", str(CATALOG / "leave-longest.json")]) == 1
+    out = capsys.readouterr().out
+    assert "internal error" not in out and "root cause(s):\n[1] " + member + ":" in out, out
+    assert "[2] " not in out, out
