@@ -35,6 +35,8 @@ from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.campaign import Campaign, run_campaign
 from kvparity.suites.fuzz import generate, make_machine
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import catalog_paths, load
 
 # pytest-benchmark turns itself off in a pytest-xdist worker (it reads the
 # same variable), and a timing would share the cores with the other workers.
@@ -698,6 +700,23 @@ def test_harness_wall_time(benchmark, implementation, oracle_caches, command, va
     benchmark.pedantic(lambda: seconds.append(time_command(argv, env=env, cwd=root)), rounds=1)
     _record(benchmark, "harness", command, variant, [HARNESS] if variant == "cold" else [],
             seconds=seconds[0])
+
+
+EVIDENCE = Ratio(
+    "L1 catalog: evidence after every protocol call / after every event only", "every call", "every event",
+    targets=(("L1 catalog", "<=", 1.3),),
+)
+
+
+@pytest.mark.parametrize("variant", ["every call", "every event"])
+def test_evidence_after_every_call(benchmark, implementation, variant):
+    """The L1 catalog with the evidence after every protocol call, against
+    the same with the checks after each event only: what naming the member
+    at fault from evidence costs (the whole command: docs/performance.md)."""
+    schedules = [load(path) for path in catalog_paths("L1")]
+    every_call = variant == "every call"
+    _pedantic(benchmark, lambda: [run_l1(schedule, implementation, every_call) for schedule in schedules])
+    _record(benchmark, "evidence", "L1 catalog", variant, [EVIDENCE] if every_call else [])
 
 
 # -- gate power: fuzz campaigns ------------------------------------------------------
