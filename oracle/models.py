@@ -39,6 +39,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
+from .model_path import ModelPathError, read_model_dir
+from .twin import read_twin
 from .plan import CachePlan, plan_for
 from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
@@ -295,19 +297,11 @@ def load_model(name: str) -> LoadedModel:
     return _load_named(name)
 
 
-class ModelPathError(ValueError):
-    """A model given by path that cannot be read: the path, the file and the reason."""
-
-
 @lru_cache(maxsize=None)
 def _load_path(path: str) -> LoadedModel:
     if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
-        from .twin import read_twin
-
         model, args, source = read_twin(Path(path))
         return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
-    from .model_dir import read_model_dir  # the directory format builds on this module
-
     model, args, tokenizer, source = read_model_dir(Path(path))
     return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
 

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import json
 import math
 import sys
 from pathlib import Path
@@ -43,9 +42,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from .models import ModelPathError
+from .inputs import read_json
+from .model_path import ModelPathError
 from .plan import kv_dims
-from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
+from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters, fix_parameters
 
 HIDDEN = 128  # a twin's hidden size where its head_dim is explicit
 KV_HEADS = 2  # at most, where the heads divide down to it
@@ -340,18 +340,13 @@ def build_twin(config: dict, dtype: mx.Dtype = mx.float32, seed: int = SEED, fix
 
 def read_twin(path: Path):
     """(model, config, source) of a config.json given by path: its architecture's twin."""
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise TwinError(f"{path}: not JSON ({error})")
+    config = read_json(path, TwinError)
     if not isinstance(config, dict):
         raise TwinError(f"{path}: expected a config.json object")
     try:
         twin = shrink(config)
     except TwinError as error:
         raise TwinError(f"{path}: {error}")
-    from .zoo import fix_parameters  # the zoo's draws where _init_parameters' are not what a model needs
-
     model, args = build_twin(twin, fix=fix_parameters)
     return model, args, {"path": path, "config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 

@@ -57,7 +57,7 @@ class ModelCost:
 
 def measure(loaded) -> ModelCost:
     """The model's size (from its weight files) and its measured cost per token."""
-    from kvparity.oracle.model_dir import read_config, weights_size
+    from kvparity.oracle.model_path import read_config, weights_size
 
     size = weights_size(loaded.directory, read_config(loaded.directory))
 

@@ -329,7 +329,7 @@ def load_model(name):
 
 def check_weights_fit(directory: Path):
     """Refuse a model directory whose weights alone exceed the memory limit, before loading them."""
-    from kvparity.oracle.model_dir import read_config, weights_size
+    from kvparity.oracle.model_path import read_config, weights_size
     from kvparity.suites.schedule import ScheduleError, gib, memory_limit
 
     try:
