@@ -468,7 +468,7 @@ def probe_rows(probes):
     return headers, [[record.get(h) for h in headers] for record in records]
 
 
-FAILURES_TITLE = "Failures by root cause: the member most likely at fault, and how to shrink each"
+FAILURES_TITLE = "Failures by root cause: the member at fault, and how to shrink each"
 ARCHITECTURES_TITLE = "Architectures: schedule runs per model by outcome, and mlx-lm's limits met"
 CHECKS_TITLE = ("Checks: schedule runs (rows) in which each held, diverged, diverged only as declared, "
                 "or compared nothing")
