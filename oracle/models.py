@@ -216,6 +216,12 @@ class LoadedModel:
     config_sha256: Optional[str] = None
     weights_sha256: Optional[str] = None
 
+    def source(self) -> dict:
+        """Where a model given by path came from, as reports name it; empty for kvparity's own."""
+        if self.path is None:
+            return {}
+        return {"path": str(self.path), "config_sha256": self.config_sha256, "weights_sha256": self.weights_sha256}
+
     @property
     def directory(self) -> Optional[Path]:
         """The local model directory it was loaded from (what a server loads), or None."""

@@ -105,9 +105,11 @@ def hygiene_findings(verdicts: List[ScheduleVerdict]) -> List[dict]:
 
 
 def models(verdicts: List[ScheduleVerdict]) -> List[dict]:
-    """Each model the schedules ran, with its hash and how many schedule runs used it."""
-    runs = Counter((v.evidence.model, v.evidence.model_sha256) for v in verdicts if v.evidence.model)
-    return [{"model": m, "model_sha256": sha, "schedules": n} for (m, sha), n in runs.items()]
+    """Each model the schedules ran, with its hash, where a model given by path
+    came from, and how many schedule runs used it."""
+    runs = Counter((v.evidence.model, v.evidence.model_sha256, tuple(sorted(v.evidence.model_source.items())))
+                   for v in verdicts if v.evidence.model)
+    return [{"model": m, "model_sha256": sha, **dict(source), "schedules": n} for (m, sha, source), n in runs.items()]
 
 
 @dataclasses.dataclass
@@ -397,8 +399,9 @@ def logit_rows(verdicts: List[ScheduleVerdict]):
 
 
 def model_rows(verdicts: List[ScheduleVerdict]):
-    return ["model", "sha256", "schedule runs"], [[m["model"], m["model_sha256"] or "", m["schedules"]]
-                                                  for m in models(verdicts)]
+    return ["model", "sha256", "config.json sha256", "weights sha256", "schedule runs"], [
+        [m["model"], m["model_sha256"] or "", m.get("config_sha256") or "", m.get("weights_sha256") or "",
+         m["schedules"]] for m in models(verdicts)]
 
 
 def timeline_rows(verdicts: List[ScheduleVerdict]):

@@ -78,6 +78,9 @@ class ScheduleResult:
     path: Optional[str] = None
     model: Optional[str] = None
     model_sha256: Optional[str] = None
+    # A model given by path (--model DIR or CONFIG.json): its path and the sha256 of
+    # its config.json and of its weights; empty for kvparity's own models.
+    model_source: dict = field(default_factory=dict)
     members: Dict[str, int] = field(default_factory=dict)  # protocol member -> calls made
     called: Dict[int, List[str]] = field(default_factory=dict)  # event index -> members its replay called, in order
     raised_by: str = ""  # the protocol member whose raising stopped the run (or the model's forward), if one did

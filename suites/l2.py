@@ -265,7 +265,7 @@ def run_l2(schedule, implementation: Implementation, model_name=None, use_cache=
     if unfit:
         raise ValueError(f"{schedule.path}: {unfit}")
     result = ScheduleResult(schedule.name, L2, implementation.name, [e.kind for e in schedule.events],
-                            path=schedule.path, model=loaded.name, model_sha256=loaded.sha256)
+                            path=schedule.path, model=loaded.name, model_sha256=loaded.sha256, model_source=loaded.source())
     for rid in schedule.requests:
         result.row(rid)
     missing = implementation.missing(schedule.needs)

@@ -89,7 +89,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     and note every request's comparisons with its generation alone."""
     loaded = load_model(model_name or schedule.model)
     result = ScheduleResult(schedule.name, L3, implementation.name, [SERVE], path=schedule.path,
-                            model=loaded.name, model_sha256=loaded.sha256)
+                            model=loaded.name, model_sha256=loaded.sha256, model_source=loaded.source())
     for rid in schedule.requests:
         result.row(rid)
     start = time.perf_counter()

@@ -241,7 +241,7 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
            use_cache: bool = True) -> ScheduleResult:
     loaded = load_model(model_name or schedule.model)
     result = ScheduleResult(schedule.name, L4, server.name, [SERVE], path=schedule.path, model=loaded.name,
-                            model_sha256=loaded.sha256)
+                            model_sha256=loaded.sha256, model_source=loaded.source())
     for rid in schedule.requests:
         result.row(rid)
     start = time.perf_counter()

@@ -298,6 +298,8 @@ def test_corrupted_copy_is_refused(real_cache, tmp_cache, no_pip):
 
 # -- models given by path: a model directory, a config.json -------------------------------
 
+import contextlib  # noqa: E402
+import io  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from kvparity.oracle.model_dir import write_model_dir  # noqa: E402
@@ -305,6 +307,7 @@ from kvparity.oracle.twin import TwinError, shrink  # noqa: E402
 from kvparity.oracle.zoo import PUBLISHED_DIR  # noqa: E402
 from kvparity.reports.cli import main  # noqa: E402
 from kvparity.reports.verdicts import EXIT_OK, EXIT_USAGE  # noqa: E402
+from kvparity.suites.schedule import CATALOG  # noqa: E402
 
 
 def _quantized_dir(tmp_path, bits=4, group_size=64):
@@ -313,7 +316,7 @@ def _quantized_dir(tmp_path, bits=4, group_size=64):
 
     loaded = load_model("llama-h64-f32")
     model = build_random_model(loaded.args, mx.float32)
-    with __import__("contextlib").redirect_stdout(__import__("io").StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()):
         quantize_model(model, dict(loaded.args), group_size, bits)
     return write_model_dir(type(loaded)(**{**loaded.__dict__, "model": model}), tmp_path / "quantized")
 
@@ -334,10 +337,17 @@ def test_a_model_directory_is_mlx_lm_s_load_of_it(tmp_path):
 
 def test_a_weight_quantized_model_directory_gets_verdicts_at_l2_and_l3(tmp_path, capsys):
     directory = str(_quantized_dir(tmp_path))
-    for level, schedule in (("L2", "suites/catalog/join-longer-joiner.json"),
-                            ("L3", "suites/catalog/l3/staggered.json")):
-        assert main(["check", "--level", level, "--model", directory, "--schedule", schedule]) == EXIT_OK
+    loaded = load_model(directory)
+    for level, schedule in (("L2", CATALOG / "join-longer-joiner.json"), ("L3", CATALOG / "l3" / "staggered.json")):
+        out = tmp_path / level
+        assert main(["run", "--level", level, "--model", directory, "--schedule", str(schedule),
+                     "--out", str(out)]) == EXIT_OK
         assert "passed, 0 failed" in capsys.readouterr().out
+        # The report names the directory and the hashes of its config and weights (what the solo runs key on).
+        (model,) = json.loads((next(out.iterdir()) / "report.json").read_text())["models"]
+        assert model["path"] == str(loaded.path) and model["model_sha256"] == loaded.sha256
+        assert (model["config_sha256"], model["weights_sha256"]) == (loaded.config_sha256, loaded.weights_sha256)
+        assert model["weights_sha256"] is not None
 
 
 def test_a_path_that_is_no_model_is_a_usage_error(tmp_path, capsys):
