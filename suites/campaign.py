@@ -427,7 +427,7 @@ class WorkerJudge:
 def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, stop, share=None):
     from hypothesis import seed
 
-    from kvparity.suites.fuzz import ScheduleFailed, generate
+    from kvparity.suites.fuzz import ScheduleFailed, found_in, generate, leaves
 
     start = time.perf_counter()
     machine.judge.start = start
@@ -445,7 +445,7 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
         round_start = time.perf_counter()
         try:
             generate(machine, round_settings(examples))
-        except (ScheduleFailed, BaseExceptionGroup) as error:
+        except Exception as error:  # a ScheduleFailed, or a group of them
             failures = found_in(error, ScheduleFailed)
             if not failures or len(failures) < leaves(error):  # anything else is the harness's own error
                 raise
@@ -462,22 +462,6 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
         size = max(1, min(MAX_ROUND, int(rate * ROUND_S)))
         if seconds is not None:  # the last round ends near the time box
             size = max(1, min(size, int(rate * (seconds - (time.perf_counter() - start))) + 1))
-
-
-def found_in(error: BaseException, kind) -> list:
-    """The ``kind`` exceptions in ``error``, which may be a group of them
-    (Hypothesis raises every distinct failure it found)."""
-    if isinstance(error, kind):
-        return [error]
-    if isinstance(error, BaseExceptionGroup):
-        return [e for inner in error.exceptions for e in found_in(inner, kind)]
-    return []
-
-
-def leaves(error: BaseException) -> int:
-    if isinstance(error, BaseExceptionGroup):
-        return sum(leaves(inner) for inner in error.exceptions)
-    return 1
 
 
 def tally(machine, start) -> Tally:

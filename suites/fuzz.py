@@ -17,6 +17,7 @@ reports) in the catalog's format, with the command that replays it.
 
 import gc
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.oracle.models import RANDOM_MODELS, axis_variants
 from kvparity.oracle.synthetic import LayerShape
 from kvparity.suites.evidence import FAILURES
-from kvparity.suites.l1 import L1Run
+from kvparity.suites.l1 import L1Run, run_l1
 from kvparity.suites.levels import L1, L2
 from kvparity.suites.replay import Replay, dry_backend
 from kvparity.suites.coverage import HEAD_DIMS
@@ -37,7 +38,10 @@ from kvparity.suites.events import (
 )
 from kvparity.suites.schedule import (BITS, DTYPES, GROUP_SIZES, Schedule, StoreLimits, parse, parse_request,
                                       save)
-from kvparity.suites.shrink import first_failure
+from kvparity.suites.shrink import Shrinker, first_failure
+
+if sys.version_info < (3, 11):  # Hypothesis brings the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 L2_MODELS = tuple(m.name for m in axis_variants())
 
@@ -365,9 +369,44 @@ def make_machine(implementation, judge, found_dir=None, level=L1, run_l2=None, d
 def generate(machine, settings):
     """Run ``machine`` as a test under ``settings``, as Hypothesis's
     ``run_state_machine_as_test`` does, with the garbage collector tuned for
-    the run (``fewer_collections``)."""
+    the run (``fewer_collections``). Hypothesis shrinks the rules drawn; each
+    failing schedule it ends with is then shrunk event by event, as kvparity
+    bisect shrinks one (``shrunk``), and written again before it is raised."""
     with fewer_collections():
-        run_state_machine_as_test(machine, settings=settings)
+        try:
+            run_state_machine_as_test(machine, settings=settings)
+        except Exception as error:  # a ScheduleFailed, or a group of them
+            for failed in found_in(error, ScheduleFailed):
+                shrunk(machine, failed)
+            raise
+
+
+def shrunk(machine, failed: ScheduleFailed):
+    """``failed``'s schedule shrunk to the fewest events and requests that
+    still fail the same way (``suites/shrink.py``), written where the
+    machine wrote it; ``failed.doc`` becomes it."""
+    schedule = parse(failed.doc, source=f"<generated {machine.level}>")
+    run = machine.run_l2 if machine.level == L2 else run_l1
+    doc = Shrinker(lambda s: machine.judge(run(s, machine.implementation)), schedule).shrink(schedule)
+    if doc is not None:
+        failed.doc = {**doc, "name": schedule.name}
+        save(parse(failed.doc, source=schedule.path), machine.found_dir / f"{schedule.name}.json")
+
+
+def found_in(error: BaseException, kind) -> list:
+    """The ``kind`` exceptions in ``error``, which may be a group of them
+    (Hypothesis raises every distinct failure it found)."""
+    if isinstance(error, kind):
+        return [error]
+    if isinstance(error, BaseExceptionGroup):
+        return [e for inner in error.exceptions for e in found_in(inner, kind)]
+    return []
+
+
+def leaves(error: BaseException) -> int:
+    if isinstance(error, BaseExceptionGroup):
+        return sum(leaves(inner) for inner in error.exceptions)
+    return 1
 
 
 # Objects allocated before a young collection: CPython's default is 700.

@@ -93,6 +93,8 @@ class Shrinker:
         events = doc["events"]
         for i in reversed(range(len(events))):  # drop an event
             yield {**doc, "events": events[:i] + events[i + 1 :]}
+        for i, j in _preemptions(events):  # drop an extract with its reinsert: neither goes alone
+            yield {**doc, "events": events[:i] + events[i + 1 : j] + events[j + 1 :]}
         if len(doc["requests"]) > 1:
             for rid in doc["requests"]:  # drop a request everywhere
                 yield _without_request(doc, rid, self.source)
@@ -111,6 +113,16 @@ class Shrinker:
                 n = request.get(key, least)
                 for fewer in sorted({n // 2, n - 1} - {n}) if n > least else ():
                     yield {**doc, "requests": {**doc["requests"], rid: {**request, key: max(fewer, least)}}}
+
+
+def _preemptions(events):
+    """(index of an extract, index of the reinsert of the same request after it)."""
+    for i, event in enumerate(events):
+        if isinstance(event, dict) and "extract" in event:
+            j = next((j for j in range(i + 1, len(events))
+                      if isinstance(events[j], dict) and events[j].get("reinsert") == event["extract"]), None)
+            if j is not None:
+                yield i, j
 
 
 def _events(doc, source):

@@ -18,10 +18,10 @@ from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
 from kvparity.suites.campaign import (
     REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database, fallible,
-    database_key, found_in, open_database, replace_dead, run_campaign,
+    database_key, open_database, replace_dead, run_campaign,
 )
 from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import ScheduleFailed
+from kvparity.suites.fuzz import ScheduleFailed, found_in
 
 CONTROL = "kvparity.impl.negative_controls:TrimForgetsOffset"
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
