@@ -147,6 +147,7 @@ def test_a_file_over_the_size_limit_is_refused_by_its_size(tmp_path, monkeypatch
         "check", "--impl", REFERENCE, "--level", "L1", "--schedule", str(schedule))
 
 
+@pytest.mark.gqa_batched
 def test_an_unwritable_report_keeps_the_printed_verdict(tmp_path, monkeypatch):
     """A disk that fills while the report is written: said in one line, nothing half-written, the verdict's status."""
     def full(*args, **kwargs):  # the disk fills after report.json and report.md are written
@@ -160,6 +161,7 @@ def test_an_unwritable_report_keeps_the_printed_verdict(tmp_path, monkeypatch):
     assert "Traceback" not in err and not list(tmp_path.iterdir())
 
 
+@pytest.mark.gqa_batched
 @pytest.mark.parametrize("impl, expected", [(REFERENCE, EXIT_OK), (CONTROL, EXIT_BROKEN)])
 def test_a_solo_run_cache_on_a_full_disk_changes_no_verdict(tmp_path, monkeypatch, impl, expected):
     """MLX reports a write to a full disk as RuntimeError: the solo runs

@@ -182,6 +182,7 @@ def test_a_catalog_file_that_does_not_fit_is_not_supported_and_a_user_s_own_is_r
     assert "does not divide head_dim=192" in capsys.readouterr().err
 
 
+@pytest.mark.gqa_batched
 def test_a_published_config_of_an_unlisted_architecture_runs_at_l2(capsys):
     config = str(PUBLISHED_DIR / "ernie4_5.json")
     assert "ernie4_5" not in model_set("all")

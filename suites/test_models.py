@@ -299,6 +299,7 @@ def test_corrupted_copy_is_refused(real_cache, tmp_cache, no_pip):
 # -- models given by path: a model directory, a config.json -------------------------------
 
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import io  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -318,7 +319,7 @@ def _quantized_dir(tmp_path, bits=4, group_size=64):
     model = build_random_model(loaded.args, mx.float32)
     with contextlib.redirect_stdout(io.StringIO()):
         quantize_model(model, dict(loaded.args), group_size, bits)
-    return write_model_dir(type(loaded)(**{**loaded.__dict__, "model": model}), tmp_path / "quantized")
+    return write_model_dir(dataclasses.replace(loaded, model=model), tmp_path / "quantized")
 
 
 def test_a_model_directory_is_mlx_lm_s_load_of_it(tmp_path):
@@ -335,6 +336,7 @@ def test_a_model_directory_is_mlx_lm_s_load_of_it(tmp_path):
     assert load_model(str(other)).config_sha256 != loaded.config_sha256
 
 
+@pytest.mark.gqa_batched
 def test_a_weight_quantized_model_directory_gets_verdicts_at_l2_and_l3(tmp_path, capsys):
     directory = str(_quantized_dir(tmp_path))
     loaded = load_model(directory)

@@ -20,6 +20,9 @@ from kvparity.oracle.sealed import LEDGER, SEAL, Unproven, seal, verify
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.suites.schedule import CATALOG, load
 
+# Every test runs L2 and L3 on a grouped-query model.
+pytestmark = pytest.mark.gqa_batched
+
 CONTROL = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"
 SCHEDULES = {
     "L2": str(CATALOG / "join-longer-joiner.json"),
