@@ -477,10 +477,11 @@ def test_mlx_lm_server_passes_l4_on_smollm2(servers_running, tmp_path, capsys):
 
 @pytest.mark.slow  # 32 requests in flight, each also served alone
 def test_thirty_two_requests_in_flight(servers_running, tmp_path, capsys):
-    """Sent 10 ms apart, all 32 are at the server together. (Connected in the
+    """Sent 10 ms apart, each answering 32 tokens, all 32 are at the server together
+    (3 tokens each let the first finish before the last were sent). (Connected in the
     same instant, mlx_lm.server 0.32.2 resets some: http.server's listen
     backlog is 5. Plain httpx shows it: 8 of 32 dropped, none with a backlog of 64.)"""
-    requests = {f"r{i}": {"arrival": 0, "arrival_ms": 10 * i, "prompt_len": 3 + i % 7, "max_tokens": 3, "seed": i,
+    requests = {f"r{i}": {"arrival": 0, "arrival_ms": 10 * i, "prompt_len": 3 + i % 7, "max_tokens": 32, "seed": i,
                           **({"endpoint": "chat"} if i % 2 else {})} for i in range(32)}
     burst = tmp_path / "burst-32.json"
     burst.write_text(json.dumps({"kind": "arrivals", "name": "burst-32", "model": "llama-h64-f32",
