@@ -281,9 +281,10 @@ def grouped_failures(args, results, implementation, policy, declared):
 def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
     """The report directory of a run (or a shard of one) under ``args.out``."""
     model = model_or_default(args.model)
+    # Once a signal said stop, nothing more is computed: the backend probes are left out.
     return write_report(
         results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-        probes=probes(model, args.device), capabilities=implementation.capabilities,
+        probes=[] if verdict.interrupted else probes(model, args.device), capabilities=implementation.capabilities,
         expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
     )
 
