@@ -57,9 +57,12 @@ def test_generated_schedules(implementation, policy, judged, generated_examples,
 def test_generator_finds_shrinks_and_writes_a_replayable_schedule(variant, judged, tmp_path):
     broken = load_implementation(f"kvparity.impl.negative_controls:{variant.__name__}")
     machine = make_machine(broken, judged, tmp_path)
+    # One bug: with several, Hypothesis goes on generating for 10 s of wall time after the first, so
+    # what it finds (and which file is written last) would depend on the machine's load.
     with pytest.raises(AssertionError, match="replay with: kvparity replay"):
         generate(
-            machine, settings=fuzz_settings(300, database=None, derandomize=True, print_blob=False)
+            machine, settings=fuzz_settings(300, database=None, derandomize=True, print_blob=False,
+                                            report_multiple_bugs=False)
         )
     (path,) = tmp_path.glob("*.json")
     schedule = load(path)
