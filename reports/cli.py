@@ -88,10 +88,11 @@ def main(argv=None) -> int:
 
 # The commands the ``kvparity`` executable runs in a child process, so that a
 # cache that crashes the process or hangs in a member is that schedule run's
-# FAIL and the rest goes on (suites/flight.py). ``python -m kvparity`` and
+# FAIL and the rest goes on (suites/flight.py); ``replay`` too, as a fuzz
+# campaign's crash or hang is replayed. ``python -m kvparity`` and
 # ``main()`` run in process: the children themselves, and tests that patch
 # the process. ``run --workers`` runs each worker so (run.in_workers).
-ISOLATED_COMMANDS = ("run", "check")
+ISOLATED_COMMANDS = ("run", "check", "replay")
 POLL_S = 0.1  # how often the parent looks at its child and its flight record
 
 
@@ -140,7 +141,7 @@ def isolated(argv) -> int:
     kernels stay where they are kept between runs)."""
     import signal
 
-    from kvparity.suites.flight import STATE_ENV, mark_parent, note_crash, read_flight
+    from kvparity.suites.flight import STATE_ENV, ended, how_it_ended, mark_parent, note_crash, read_flight
     from kvparity.suites.processes import (
         STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, signal_name, sweep,
     )
@@ -166,23 +167,19 @@ def isolated(argv) -> int:
                     print(f"kvparity: interrupted ({stop.signal}); the process running the schedules ended by "
                           f"{signal_name(status)} before it reported (it has {STOP_GRACE_S:g} s)", file=sys.stderr)
                     return EXIT_INTERRUPTED
-                record = read_flight(state) or {}
+                record = ended(read_flight(state) or {}, status, hung)
                 label = record.get("label")
                 if hung is None and not died_of_a_crash(status, before, oom_kills()):
                     print(f"kvparity: the process running the schedules was stopped by {signal_name(status)} "
                           "from outside: interrupted", file=sys.stderr)
                     return EXIT_INTERRUPTED
                 if label is None or label in crashed_in:  # no schedule was running: nothing of ours to blame it on
-                    how = (f"{record.get('member')} did not return within {hung:g} s" if hung is not None
-                           else f"the process died of {signal_name(status)}")
-                    print(f"kvparity: {how} outside every schedule run", file=sys.stderr)
+                    print(f"kvparity: {how_it_ended(record, in_a_run=False)} outside every schedule run",
+                          file=sys.stderr)
                     return EXIT_HARNESS_ERROR
                 crashed_in.add(label)
-                note_crash(state, record, status, hung)
-                where = f"at event {record['event']}" if record.get("event") else "before its first event"
-                member = f" in {record['member']}" if record.get("member") else ""
-                how = (f"{record['member']} did not return within {hung:g} s (--member-timeout) {where}; it was "
-                       "stopped" if hung is not None else f"the process died of {signal_name(status)}{member} {where}")
+                note_crash(state, record)
+                how = how_it_ended(record) + ("; it was stopped" if hung is not None else "")
                 print(f"kvparity: {label}: {how}; that run is a FAIL and the rest goes on in a new process",
                       file=sys.stderr, flush=True)
             print(f"kvparity: interrupted ({stop.signal})", file=sys.stderr)
@@ -197,32 +194,26 @@ def supervise(child, state, stop: Stop):
     None). It is killed with everything below it once it overruns the
     member timeout its flight record states, or ``STOP_GRACE_S`` after a
     stop signal."""
-    from kvparity.suites.flight import read_flight
+    from kvparity.suites.flight import Watch
     from kvparity.suites.processes import STOP_GRACE_S, descendants, kill_all
 
     def kill():
         kill_all(descendants(child.pid))
         child.kill()
 
-    call, since, hung = None, time.monotonic(), None
+    watch, hung = Watch(state), None
     while True:
         try:
             return child.wait(timeout=POLL_S), hung
         except subprocess.TimeoutExpired:
             pass
-        now = time.monotonic()
         if stop.since is not None:
-            if now - stop.since >= STOP_GRACE_S:
+            if time.monotonic() - stop.since >= STOP_GRACE_S:
                 kill()
             continue
-        record = read_flight(state)
-        if record is None or hung is not None:  # half a record: read it at the next look
-            continue
-        running = (record.get("label"), record.get("call")) if record.get("member") else None
-        if running != call:
-            call, since = running, now
-        elif running and record.get("timeout") and now - since >= record["timeout"]:
-            hung = record["timeout"]
+        overrun = watch.overrun() if hung is None else None
+        if overrun is not None:
+            hung = overrun["timeout"]
             kill()
 
 

@@ -106,3 +106,36 @@ def test_a_signal_from_outside_that_ends_the_child_is_no_fail(tmp_path, stop):
         record = json.loads(report.read_text())
         assert record["interrupted"] == {"signal": "SIGTERM", "finished": 1, "planned": 2}
         assert [r["verdict"] for r in record["results"]] == ["pass"]
+
+
+def fuzz(tmp_path, crash, *options):
+    (tmp_path / "crashing.py").write_text(CRASHING.format(crash=crash))
+    return subprocess.run([str(KVPARITY), "fuzz", "--impl", "crashing:CrashesInFilter", "--minutes", "1", "--seed", "1",
+                           "--database", "none", "--out", "out", *options],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("crash, said, raised, options", [
+    ("os.abort()", "the process died of SIGABRT (6) in filter at event #", "ProcessDied", ()),
+    pytest.param("time.sleep(10**6)", "filter did not return within 2 s (--member-timeout) at event #", "MemberHung",
+                 ("--member-timeout", "2"), marks=pytest.mark.slow),
+])
+def test_a_fuzz_campaign_the_cache_crashes_or_hangs_fails_naming_the_member_and_replays(tmp_path, crash, said,
+                                                                                       raised, options):
+    """A fuzz worker that the cache under test crashes, or that hangs in a
+    member past the member timeout, is the cache's FAIL (not a worker lost),
+    with the schedule it was running, which ``kvparity replay`` (isolated
+    too) replays as the same FAIL."""
+    done = fuzz(tmp_path, crash, *options)
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert said in done.stderr and "died (" not in done.stderr, done.stderr
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["verdict"] == "FAIL" and result["raised_by"] == "filter"
+    assert f"filter raised {raised}:" in result["reason"]
+    (found,) = (tmp_path / "out").glob("*/found/*.json")
+    assert f"replay with: kvparity replay {found.relative_to(tmp_path)}" in done.stdout
+    again = subprocess.run([str(KVPARITY), "replay", str(found), "--level", "L1", "--impl", "crashing:CrashesInFilter",
+                            *options], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == EXIT_BROKEN, again.stdout + again.stderr
+    assert f"filter raised {raised}:" in again.stdout and "0 passed, 1 failed" in again.stdout

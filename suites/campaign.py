@@ -15,6 +15,7 @@ finishes on what it has.
 """
 
 import functools
+import json
 import multiprocessing
 import queue as queues
 import signal
@@ -25,10 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from kvparity.oracle.atomic import FOUND_DIR
+from kvparity.oracle.atomic import FOUND_DIR, make_folder
 from kvparity.suites.evidence import FAILURES, PASS
+from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, SCHEDULE_FILE, Watch, ended, how_it_ended, read_flight
 from kvparity.suites.levels import L1, L2, SCHEDULE_LEVELS
-from kvparity.suites.processes import STOP_GRACE_S, die_with_parent, signal_name, stop_signal
+from kvparity.suites.processes import (
+    STOP_GRACE_S, die_with_parent, died_of_a_crash, oom_kills, signal_name, stop_signal,
+)
 
 LEVELS = SCHEDULE_LEVELS  # the state machine generates schedules
 # Events per generated schedule, as the generated tests use them.
@@ -166,6 +170,7 @@ class Campaign:
     shrink: bool = True  # False: stop at the first failing example (time to first failure)
     device: Optional[str] = None  # "cpu", "gpu" or MLX's default
     warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts
+    member_timeout: Optional[float] = MEMBER_TIMEOUT_S  # a member call running longer hangs: the worker is stopped
 
     @property
     def starting_workers(self) -> int:
@@ -199,6 +204,12 @@ class Found:
     worker: int
     doc: dict  # the failing schedule, shrunk by Hypothesis unless the campaign does not shrink
     message: str
+    # Where the worker died of a crash or hung in the cache under test: its
+    # flight recorder's last word, with the signal (and the timeout it
+    # overran), as ``suites.evidence.crashed`` reads it. ``doc`` is then the
+    # schedule as far as it had grown, not shrunk: running it again would
+    # crash or hang whoever runs it.
+    record: Optional[dict] = None
 
 
 @dataclass
@@ -250,7 +261,16 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
         return process
 
     processes = {w: started(w) for w in range(workers)}
+    watches = {w: Watch(worker_folder(campaign, w)) for w in range(workers)}
     result = CampaignResult(campaign, {w: Tally() for w in range(workers)}, [], 0.0)
+    oom_before = oom_kills()
+
+    def failed_in_the_cache(worker, record):
+        found = found_dead(campaign, worker, record)
+        if found is not None:
+            result.found.append(found)
+            stop.set()
+        return found is not None
     try:
         for _ in range(workers):  # every worker imported and loaded: start them together
             kind, worker, payload = ready.get(timeout=START_TIMEOUT_S)
@@ -265,11 +285,17 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
             except queues.Empty:
                 for dead in [w for w in running if not processes[w].is_alive()] if messages.empty() else ():
                     running.discard(dead)
-                    replacement = replace_dead(campaign, result, dead, processes[dead].exitcode,
+                    exitcode = processes[dead].exitcode
+                    if (exitcode is not None and exitcode < 0 and died_of_a_crash(exitcode, oom_before, oom_kills())
+                            and failed_in_the_cache(dead, ended(read_flight(worker_folder(campaign, dead)) or {},
+                                                                exitcode))):
+                        continue
+                    replacement = replace_dead(campaign, result, dead, exitcode,
                                                len(processes), time.perf_counter() - start, stop.is_set())
                     if replacement is not None:
                         worker, share = replacement
                         processes[worker], result.tallies[worker] = started(worker, share), Tally()
+                        watches[worker] = Watch(worker_folder(campaign, worker))
                         running.add(worker)
                 kind = None
             if kind == "tally":
@@ -283,6 +309,12 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 result.database_lost.append(f"worker {worker}: {payload}")
             elif kind == "error":
                 raise CampaignError(f"worker {worker} failed:\n{payload}")
+            for hung in [w for w in running if watches[w].overrun() is not None]:
+                record = read_flight(worker_folder(campaign, hung)) or {}
+                processes[hung].kill()
+                processes[hung].join()
+                running.discard(hung)
+                failed_in_the_cache(hung, ended(record, processes[hung].exitcode, record.get("timeout")))
             result.seconds = time.perf_counter() - start
             if on_progress and time.perf_counter() - last >= progress_s:
                 on_progress(result)
@@ -303,6 +335,27 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 process.kill()
                 process.join()
     return result
+
+
+def worker_folder(campaign: Campaign, worker: int) -> Path:
+    """Where worker ``worker`` writes its failing schedules and its flight record."""
+    return Path(campaign.found_dir) / f"worker-{worker}"
+
+
+def found_dead(campaign: Campaign, worker: int, record: dict) -> Optional[Found]:
+    """A worker that died of a crash or was stopped hung (``record``: its
+    flight recorder's last word, with the signal and the timeout it
+    overran) while it ran a schedule of the cache under test: that failure,
+    with the schedule as far as it had grown. None where no schedule was
+    running: nothing to blame it on."""
+    try:
+        doc = json.loads((worker_folder(campaign, worker) / SCHEDULE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not record.get("label"):
+        return None
+    return Found(worker, doc, f"{record['label']}: {how_it_ended(record)}; worker {worker} was stopped"
+                 if record.get("hung") is not None else f"{record['label']}: {how_it_ended(record)}", record)
 
 
 def replace_dead(campaign: Campaign, result: CampaignResult, dead: int, exitcode: int, made: int,
@@ -334,6 +387,8 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None)
     workers, which do not take it for an error of their own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()  # a campaign killed outright takes its workers with it
+    FLIGHT.open(make_folder(worker_folder(campaign, worker)))  # a crash or a hang names its schedule, event, member
+    FLIGHT.limit(campaign.member_timeout)
     try:
         machine, round_settings = prepare(campaign, worker, functools.partial(tell, messages, "database", worker))
         if campaign.warm_up:

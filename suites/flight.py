@@ -14,13 +14,17 @@ schedule run as the implementation's FAIL (it died or hung in that member at
 that event) and goes on with the rest; the runs finished before it are kept
 (``IsolatedState``).
 
-Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder.
+Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder, or
+a fuzz worker opens a folder of its own (``suites/campaign.py``), where the
+schedule it is running is kept too (``SCHEDULE_FILE``): a generated schedule
+exists nowhere else.
 """
 
 import json
 import os
 import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -33,6 +37,7 @@ STATE_ENV = "KVPARITY_ISOLATED"  # the folder the parent and its children share
 MEMBER_TIMEOUT_S = 60.0
 RECORD = 8192  # bytes at most: a record of very many requests leaves them out
 FLIGHT_FILE, DONE_FILE, CRASHES_FILE, PARENT_FILE = "flight", "done.pickle", "crashes.jsonl", "parent"
+SCHEDULE_FILE = "in-flight.json"  # a fuzz worker's schedule now running
 
 
 class Flight:
@@ -43,24 +48,37 @@ class Flight:
     ``--member-timeout`` the parent holds each call to."""
 
     def __init__(self, folder: Optional[str]):
-        self.fd = os.open(Path(folder) / FLIGHT_FILE, os.O_RDWR | os.O_CREAT, 0o644) if folder else None
-        self.state: dict = {}
+        self.fd, self.folder, self.schedule_fd = None, None, None
+        self.state: dict = {}  # the run, its result and the event; the member and its call are kept apart
+        self.head = "{"  # the state encoded, without its closing brace: one encoding per event, not per call
+        self.running: Optional[str] = None
         self.calls = 0
         self.timeout: Optional[float] = None
+        if folder:
+            self.open(folder)
+
+    def open(self, folder):
+        """Record in ``folder`` from now on."""
+        self.folder = Path(folder)
+        self.fd = os.open(self.folder / FLIGHT_FILE, os.O_RDWR | os.O_CREAT, 0o644)
 
     def limit(self, seconds: Optional[float]):
         """Each member call from now on may take ``seconds`` (None: no limit)."""
         self.timeout = seconds
 
-    def _write(self):
-        data = json.dumps(self.state).encode()
-        if len(data) > RECORD:  # a batch of very many requests: the record keeps the rest
-            data = json.dumps({**self.state, "requests": None}).encode()
-        os.pwrite(self.fd, data + b"\n", 0)  # the record ends at its newline; older bytes may follow
+    def _write(self, state_changed: bool = True):
+        if state_changed:
+            head = json.dumps(self.state)
+            if len(head) > RECORD:  # a batch of very many requests: the record keeps the rest
+                head = json.dumps({**self.state, "requests": None})
+            self.head = head[:-1]
+        member = f'"member": {json.dumps(self.running)}, "call": {self.calls}}}'
+        record = f"{self.head}, {member}" if len(self.head) > 1 else "{" + member
+        os.pwrite(self.fd, record.encode() + b"\n", 0)  # the record ends at its newline; older bytes may follow
 
     def run(self, label: str):
         if self.fd is not None:
-            self.state = {"label": label, "timeout": self.timeout}
+            self.state, self.running = {"label": label, "timeout": self.timeout}, None
             self._write()
 
     def result(self, result):
@@ -73,17 +91,29 @@ class Flight:
 
     def event(self, label: str, index: int, requests):
         if self.fd is not None:
-            self.state.update(event=label, index=index, requests=list(requests), member=None)
+            self.state.update(event=label, index=index, requests=list(requests))
+            self.running = None
             self._write()
+
+    def schedule(self, schedule):
+        """The schedule about to run, as far as it has grown (a fuzz
+        worker's: it exists nowhere else), in ``SCHEDULE_FILE``. Written in
+        place, not atomically: its reader waits for the writer's death,
+        which comes in the cache under test, never in this write."""
+        if self.fd is not None:
+            if self.schedule_fd is None:
+                self.schedule_fd = os.open(self.folder / SCHEDULE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            data = json.dumps(schedule.to_json()).encode()
+            os.pwrite(self.schedule_fd, data, 0)
+            os.ftruncate(self.schedule_fd, len(data))
 
     def member(self, name: Optional[str]):
         """The outermost protocol member now running; None once it returned."""
         if self.fd is not None:
             if name is not None:
                 self.calls += 1
-                self.state["call"] = self.calls
-            self.state["member"] = name
-            self._write()
+            self.running = name
+            self._write(state_changed=False)
 
 
 FLIGHT = Flight(os.environ.get(STATE_ENV))
@@ -103,6 +133,29 @@ def read_flight(folder) -> Optional[dict]:
         return None
 
 
+class Watch:
+    """A parent's look at a child's flight record: which member call is
+    running, since when, and whether it has outrun the member timeout the
+    record states."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.call, self.since = None, time.monotonic()
+
+    def overrun(self) -> Optional[dict]:
+        """The record, where its member call has run past its timeout; else None."""
+        record = read_flight(self.folder)
+        if record is None:  # half a record: read it at the next look
+            return None
+        now = time.monotonic()
+        running = (record.get("label"), record.get("call")) if record.get("member") else None
+        if running != self.call:
+            self.call, self.since = running, now
+        elif running and record.get("timeout") and now - self.since >= record["timeout"]:
+            return record
+        return None
+
+
 def mark_parent(folder):
     """The parent that made ``folder`` (and removes it) is this process."""
     (Path(folder) / PARENT_FILE).write_text(str(os.getpid()))
@@ -119,12 +172,27 @@ def remove_if_orphaned(folder):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def note_crash(folder, record: dict, returncode: int, hung: Optional[float] = None):
-    """The run of ``record`` died of signal ``-returncode``; ``hung``: the
+def ended(record: dict, returncode: int, hung: Optional[float] = None) -> dict:
+    """``record`` of a run that died of signal ``-returncode``; ``hung``: the
     parent stopped it because its member did not return within that many seconds."""
     noted = {**record, "signal": signal_name(returncode)}
     if hung is not None:
         noted["hung"] = hung
+    return noted
+
+
+def how_it_ended(noted: dict, in_a_run: bool = True) -> str:
+    """An ``ended`` record in words: the member call that outran its
+    timeout, or the signal the process died of, and (``in_a_run``) where."""
+    where = "" if not in_a_run else f" at event {noted['event']}" if noted.get("event") else " before its first event"
+    if noted.get("hung") is not None:
+        return f"{noted.get('member')} did not return within {noted['hung']:g} s (--member-timeout){where}"
+    member = f" in {noted['member']}" if noted.get("member") and in_a_run else ""
+    return f"the process died of {noted['signal']}{member}{where}"
+
+
+def note_crash(folder, noted: dict):
+    """The run of an ``ended`` record is the next child's FAIL."""
     with open(Path(folder) / CRASHES_FILE, "a", encoding="utf-8") as crashes:
         crashes.write(json.dumps(noted) + "\n")
 

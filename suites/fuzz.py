@@ -28,6 +28,7 @@ from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.oracle.models import RANDOM_MODELS, axis_variants
 from kvparity.oracle.synthetic import LayerShape
 from kvparity.suites.evidence import FAILURES
+from kvparity.suites.flight import FLIGHT
 from kvparity.suites.l1 import L1Run, run_l1
 from kvparity.suites.levels import L1, L2
 from kvparity.suites.replay import Replay, dry_backend
@@ -132,6 +133,8 @@ class ScheduleMachine(RuleBasedStateMachine):
         # in it are evicted by count and by the bytes their nbytes says.
         self.schedule.stores[STORE] = StoreLimits(data.draw(st.integers(1, 4), label="store max_size"),
                                                   data.draw(store_bytes, label="store max_bytes"))
+        FLIGHT.run(f"{self.level} {self.schedule.name}")
+        FLIGHT.schedule(self.schedule)
         if self.level == L1:
             self.run = L1Run(self.schedule, self.implementation)
             self.replay = self.run.replay
@@ -183,6 +186,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         if self.run is None:
             self.replay.apply(event)
             return
+        FLIGHT.schedule(self.schedule)
         self.run.advance([event])
         # Only a divergence or a stop can fail a schedule: judge then.
         if self.run.result.stopped or self.run.result.divergences:
@@ -195,6 +199,7 @@ class ScheduleMachine(RuleBasedStateMachine):
             if self.running():  # one last batched call, so the rows still running show their logits
                 self.add(Step, 1)
             schedule = parse(self.schedule.to_json(), source=self.schedule.path)
+            FLIGHT.schedule(schedule)
             result = self.judge(self.run_l2(schedule, self.implementation))
             self.count(result)
             if result.verdict in FAILURES:
@@ -387,7 +392,13 @@ def shrunk(machine, failed: ScheduleFailed):
     machine wrote it; ``failed.doc`` becomes it."""
     schedule = parse(failed.doc, source=f"<generated {machine.level}>")
     run = machine.run_l2 if machine.level == L2 else run_l1
-    doc = Shrinker(lambda s: machine.judge(run(s, machine.implementation)), schedule).shrink(schedule)
+
+    def attempt(candidate):
+        FLIGHT.run(f"{machine.level} {candidate.name}")
+        FLIGHT.schedule(candidate)
+        return machine.judge(run(candidate, machine.implementation))
+
+    doc = Shrinker(attempt, schedule).shrink(schedule)
     if doc is not None:
         failed.doc = {**doc, "name": schedule.name}
         save(parse(failed.doc, source=schedule.path), machine.found_dir / f"{schedule.name}.json")

@@ -14,14 +14,15 @@ from kvparity.reports.commands.base import (
     DEVICE_HELP, IMPL_HELP, CannotRun, UsageError, check_impl_spec, implementation, model_or_default, policy,
     print_configuration, use_device, writable_directory,
 )
-from kvparity.reports.commands.runs import report_written
+from kvparity.reports.commands.runs import member_timeout_option, report_written
 from kvparity.reports.environment import describe
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.reports.writer import write_report
 from kvparity.suites.campaign import (
     LEVELS, Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign,
 )
-from kvparity.suites.evidence import FAILURES
+from kvparity.suites.evidence import FAILURES, crashed
+from kvparity.suites.flight import MEMBER_TIMEOUT_S
 from kvparity.suites.levels import L1
 from kvparity.suites.runners import RUNNERS, RunOptions
 from kvparity.suites.schedule import atomic_write_json, parse
@@ -58,6 +59,7 @@ def arguments(command):
                          help="verdict policy: cpu, gpu, strict or a policy file (default: this backend's)")
     command.add_argument("--out", metavar="DIR", default=str(OUTPUT_ROOT),
                          help="where the report directory of what failed goes (default: %(default)s)")
+    member_timeout_option(command)
 
 
 def check_budget(args):
@@ -106,7 +108,7 @@ def handle(args):
             implementation=chosen.spec, judge=functools.partial(verdicts.judge, policy=chosen_policy),
             level=args.level, workers=args.workers, examples=args.examples,
             seconds=None if args.minutes is None else args.minutes * 60, database=database, seed=seed,
-            found_dir=found_dir, device=args.device,
+            found_dir=found_dir, device=args.device, member_timeout=args.member_timeout,
         )
         result = run_campaign(campaign, on_progress=show_progress)
     for lost in result.lost + result.database_lost:
@@ -180,22 +182,29 @@ def report_failures(args, result, chosen, chosen_policy) -> int:
     def run(schedule):
         return verdicts.judge(runner.run(schedule, chosen, options), chosen_policy)
 
-    docs = []
+    docs, died_in = [], {}  # the index of a schedule a worker died or hung in -> its flight record
     for found in result.found:
         print(found.message.splitlines()[0], file=sys.stderr)
+        if found.record is not None:  # running it here would crash or hang this process: kept as it was found
+            died_in[len(docs)] = found.record
+            docs.append(found.doc)
+            continue
         schedule = parse(found.doc, source=f"<worker {found.worker}>")
         shrunk = Shrinker(run, schedule).shrink(schedule)  # None: no divergence to shrink towards
         doc = shrunk or found.doc
         if doc not in docs:
             docs.append(doc)
     schedules = [parse(doc, source=doc["name"]) for doc in docs]
-    results = [run(s) for s in schedules]
+    results = [verdicts.judge(crashed(died_in[i]), chosen_policy) if i in died_in else run(s)
+               for i, s in enumerate(schedules)]
     run_verdict = verdicts.verdict_of_run(results, policy=chosen_policy)
     names = [f"{s.name}-{i + 1}" if len(schedules) > 1 else s.name for i, s in enumerate(schedules)]
     path = report_written(lambda: campaign_report(args, result, chosen, chosen_policy, results, run_verdict, docs,
                                                   names))
-    for name, judged in zip(names, results):
-        replay = f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
+    timeout = f" --member-timeout {args.member_timeout:g}" if args.member_timeout != MEMBER_TIMEOUT_S else ""
+    for i, (name, judged) in enumerate(zip(names, results)):
+        replay = (f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
+                  + (timeout if i in died_in else ""))
         print(f"{name}: {judged.verdict}" + (f"; replay with: {replay}" if path else ""))
     if not any(judged.verdict in FAILURES for judged in results):
         raise CannotRun("the failures found did not fail when replayed: the implementation is not deterministic")

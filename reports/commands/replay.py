@@ -1,7 +1,7 @@
 """``kvparity replay``: one schedule file, row by row, with each row's first divergences."""
 
 from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option
-from kvparity.reports.commands.runs import print_summary, select_and_run
+from kvparity.reports.commands.runs import member_timeout_option, print_summary, select_and_run
 from kvparity.suites.checks import HYGIENE, HYGIENE_CHECKS
 
 NAME = "replay"
@@ -17,6 +17,7 @@ def arguments(command):
     command.add_argument("file", metavar="FILE", help="schedule file (JSON)")
     common_options(command)
     expectations_option(command)
+    member_timeout_option(command)
 
 
 def handle(args):
