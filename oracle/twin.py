@@ -30,7 +30,6 @@ weight-quantized.
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import math
 import sys
@@ -42,6 +41,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+from .gguf import sha256_file
 from .inputs import read_json
 from .model_path import ModelPathError
 from .plan import kv_dims
@@ -348,7 +348,7 @@ def read_twin(path: Path):
     except TwinError as error:
         raise TwinError(f"{path}: {error}")
     model, args = build_twin(twin, fix=fix_parameters)
-    return model, args, {"path": path, "config_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return model, args, {"path": path, "config_sha256": sha256_file(path)}
 
 
 __all__ = ["TwinError", "build_twin", "cut_to_depth", "fewest_layers", "layer_kinds", "read_twin", "required_missing",

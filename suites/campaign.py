@@ -254,23 +254,31 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
     messages, ready, go, stop = context.Queue(), context.Queue(), context.Event(), context.Event()
     workers = campaign.starting_workers
 
+    watches = {}  # each worker's flight record, as the campaign looks at it
+
     def started(worker, share=None):
         process = context.Process(target=work, args=(campaign, worker, messages, ready, go, stop, share),
                                   daemon=True)
         process.start()
+        watches[worker] = Watch(worker_folder(campaign, worker))
         return process
 
     processes = {w: started(w) for w in range(workers)}
-    watches = {w: Watch(worker_folder(campaign, w)) for w in range(workers)}
     result = CampaignResult(campaign, {w: Tally() for w in range(workers)}, [], 0.0)
     oom_before = oom_kills()
 
-    def failed_in_the_cache(worker, record):
+    def failed_in_the_cache(worker, record) -> bool:
+        """``record`` (``flight.ended``) a failure found, where the worker was running a schedule."""
         found = found_dead(campaign, worker, record)
         if found is not None:
             result.found.append(found)
             stop.set()
         return found is not None
+
+    def crashed_in_the_cache(worker, exitcode) -> bool:
+        return (exitcode is not None and exitcode < 0 and died_of_a_crash(exitcode, oom_before, oom_kills())
+                and failed_in_the_cache(worker, ended(read_flight(watches[worker].folder) or {}, exitcode)))
+
     try:
         for _ in range(workers):  # every worker imported and loaded: start them together
             kind, worker, payload = ready.get(timeout=START_TIMEOUT_S)
@@ -286,16 +294,13 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 for dead in [w for w in running if not processes[w].is_alive()] if messages.empty() else ():
                     running.discard(dead)
                     exitcode = processes[dead].exitcode
-                    if (exitcode is not None and exitcode < 0 and died_of_a_crash(exitcode, oom_before, oom_kills())
-                            and failed_in_the_cache(dead, ended(read_flight(worker_folder(campaign, dead)) or {},
-                                                                exitcode))):
+                    if crashed_in_the_cache(dead, exitcode):
                         continue
                     replacement = replace_dead(campaign, result, dead, exitcode,
                                                len(processes), time.perf_counter() - start, stop.is_set())
                     if replacement is not None:
                         worker, share = replacement
                         processes[worker], result.tallies[worker] = started(worker, share), Tally()
-                        watches[worker] = Watch(worker_folder(campaign, worker))
                         running.add(worker)
                 kind = None
             if kind == "tally":
@@ -309,12 +314,12 @@ def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
                 result.database_lost.append(f"worker {worker}: {payload}")
             elif kind == "error":
                 raise CampaignError(f"worker {worker} failed:\n{payload}")
-            for hung in [w for w in running if watches[w].overrun() is not None]:
-                record = read_flight(worker_folder(campaign, hung)) or {}
-                processes[hung].kill()
-                processes[hung].join()
-                running.discard(hung)
-                failed_in_the_cache(hung, ended(record, processes[hung].exitcode, record.get("timeout")))
+            for hung, record in [(w, watches[w].overrun()) for w in running]:
+                if record is not None:  # its member call outran the member timeout
+                    processes[hung].kill()
+                    processes[hung].join()
+                    running.discard(hung)
+                    failed_in_the_cache(hung, ended(record, processes[hung].exitcode, record["timeout"]))
             result.seconds = time.perf_counter() - start
             if on_progress and time.perf_counter() - last >= progress_s:
                 on_progress(result)
