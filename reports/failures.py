@@ -348,19 +348,21 @@ def explain(groups: List[FailureGroup], run: Callable, levels=(L1,), most: int =
 
 
 def _evidence_at_l1(groups: List[FailureGroup], at_l1: Callable) -> List[FailureGroup]:
-    """A schedule run at L2 only (no L1 run of its file to name the member
-    at fault on its rows) is replayed at L1 with its synthetic keys and
-    values: where that fails, the evidence after each call names its
-    member, and the run joins that member's group. Where it passes (a bug
-    its synthetic shapes do not reach), the run keeps what its own level says."""
+    """A schedule run that failed at L2 with no failing L1 run of its file
+    in the run (an L2-only schedule, or one whose L1 run was not selected:
+    ``--level L2``) is replayed at L1 with its synthetic keys and values:
+    where that fails, the evidence after each call names its member, and the
+    run joins that member's group. Where it passes (a bug its synthetic
+    shapes do not reach), the run keeps what its own level says."""
+    failed_at_l1 = {f.verdict.evidence.path for g in groups for f in g.failures if f.verdict.evidence.level == L1}
     twins = {}  # schedule file -> the first failure of its L1 twin (or None)
     for group in groups:
         for failure in list(group.failures):
             result = failure.verdict.evidence
             if result.level != L2 or (failure.first is not None and failure.first.call is not None):
                 continue  # L1 has its evidence; L3's arrivals are no events to replay at L1
-            if not result.path or not Path(result.path).is_file() or died(result):
-                continue
+            if not result.path or result.path in failed_at_l1 or not Path(result.path).is_file() or died(result):
+                continue  # its own L1 failure names the member (_to_l1)
             if result.path not in twins:
                 twins[result.path] = _first_at_l1(load(result.path), at_l1)
             found = twins[result.path]
@@ -377,13 +379,11 @@ def _evidence_at_l1(groups: List[FailureGroup], at_l1: Callable) -> List[Failure
 
 
 def _first_at_l1(schedule, at_l1: Callable) -> Optional[Divergence]:
-    """The first failing divergence of ``schedule`` replayed at L1 (an L2
-    schedule's synthetic block gives its shapes); None where it passes or
-    cannot be."""
-    if L1 in schedule.levels:
-        return None  # its own L1 run is in the run, or was not asked for
+    """The first failing divergence of ``schedule`` replayed at L1 (its own
+    synthetic block gives its shapes; an L2-only schedule's, its model's);
+    None where it passes or cannot be."""
     doc = {**schedule.to_json(), "levels": [L1]}
-    model = random_model(schedule.model) if schedule.model else None
+    model = random_model(schedule.model) if schedule.model and L1 not in schedule.levels else None
     if model is not None:  # the model's head dim and dtype, where its synthetic block left the defaults
         dtype = {short: name for name, short in SCHEDULE_DTYPES.items()}.get(model.dtype, schedule.dtype)
         doc["synthetic"] = {"kv_heads": schedule.kv_heads, "head_dim": model.head_dim, "dtype": dtype}

@@ -384,3 +384,38 @@ def test_a_member_returning_what_the_protocol_does_not_allow_is_its_failure(cls,
     out = capsys.readouterr().out
     assert "internal error" not in out and "root cause(s):\n[1] " + member + ":" in out, out
     assert "[2] " not in out, out
+
+
+class ExtractTakesValuesOfTheLastRow(BatchQuantizedKVCache):
+    """Not a control, and no grouping was built around it: extract copies
+    its row's keys, but its values from the batch's last row."""
+
+    def extract(self, idx):
+        import mlx.core as mx
+
+        cache = super().extract(idx)
+        last, start = self.batch_size - 1, self.left_padding.tolist()[idx]
+        if self.values is not None and last != idx:
+            cache.values = tuple(mx.array(x[last:last + 1, :, start:self._idx]) for x in self.values)
+        return cache
+
+
+@pytest.mark.gqa_batched  # L2 on the random models
+def test_a_bug_seen_at_l2_alone_is_named_by_each_schedules_replay_at_l1():
+    """``--level L2`` runs no L1: each failing schedule, whether its file
+    lists L1 too (head-dim-128, extract-decode-reinsert) or not
+    (llama-f32-mixed), is replayed at L1 to name the member at fault from
+    the evidence after every call: one group, extract, not the filter its
+    extract event calls after it (as named before, by the last member
+    called, for the files that list L1), nor the extend of a stored row."""
+    from kvparity.suites.l2 import run_l2
+
+    impl = load_implementation("kvparity.reports.test_failures:ExtractTakesValuesOfTheLastRow")
+    names = ("head-dim-128", "extract-decode-reinsert", "llama-f32-mixed", "prefix-hit-spec-rollback")
+    runs = [verdicts.judge(run_l2(load(CATALOG / f"{name}.json"), impl), CPU) for name in names]
+    assert [r.verdict for r in runs] == [FAIL] * 4
+    groups = failures.group(runs, {"impl": impl.spec})
+    at_l1 = lambda level: lambda schedule: verdicts.judge(run_l1(schedule, impl), CPU)  # noqa: E731
+    failures.explain(groups, at_l1)
+    (group,) = groups
+    assert group.at_fault == "extract" and group.levels == ["L2"] and group.schedules == 4, failures.lines(groups)
