@@ -21,7 +21,8 @@ from kvparity.oracle.mlx_lm_versions import first_write_breaks
 from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
 from kvparity.suites.arrivals import catalog_paths, load, parse
 from kvparity.suites.schedule import ScheduleError
-from kvparity.suites.arrivals_strategy import arrival_documents, check_document, conversation_documents
+from kvparity.suites.arrivals_strategy import (arrival_documents, check_document, conversation_documents,
+                                               no_idle_arrivals)
 from kvparity.suites.engines import EngineError, load_engine_factory, quantized_row_class
 from kvparity.suites.l3 import FROM_STORE, explain, prefill_modes, run_l3
 
@@ -290,6 +291,27 @@ def test_every_negative_control_on_the_catalog(judged):
 
 
 # -- generated arrivals -----------------------------------------------------------------
+
+
+@settings(max_examples=1000, deadline=None)
+@given(doc=st.one_of(arrival_documents(), conversation_documents()))
+def test_every_generated_document_is_one_parse_accepts(doc):
+    """The strategies generate only what a file may hold: what they find is
+    then the engine's or the cache's, never a refusal of the input."""
+    parse(doc, source="<generated arrivals>")
+
+
+def test_a_generated_arrival_comes_while_the_requests_can_fill_the_steps():
+    """One request of a one-token prompt and answer fills 3 steps: an
+    arrival drawn at 6 is brought to 3, which parse accepts (a later one it
+    refuses, as it refused the slow test's generated r0 at step 4)."""
+    doc = {"kind": "arrivals", "name": "late", "model": "llama-h64-bf16", "kv": {"bits": 4, "group_size": 64},
+           "requests": {"r0": {"arrival": 6, "prompt_len": 1, "max_tokens": 1, "seed": 0}}}
+    with pytest.raises(ScheduleError, match="later than the 3 steps"):
+        parse(copy.deepcopy(doc))
+    doc["requests"] = no_idle_arrivals(doc["requests"])
+    assert doc["requests"]["r0"]["arrival"] == 3
+    parse(doc)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
