@@ -57,6 +57,7 @@ __all__ = [
     "axis_variants",
     "build_random_model",
     "is_model_path",
+    "path_exists",
     "load_model",
     "model_sha256",
     "random_model",
@@ -289,10 +290,19 @@ def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> Loade
     )
 
 
+def path_exists(name: str) -> bool:
+    """Whether ``name`` is a path to something; a name no file system takes
+    (longer than a file name may be) is a path to nothing, not an error."""
+    try:
+        return Path(name).exists()
+    except OSError:
+        return False
+
+
 def is_model_path(name: str) -> bool:
     """``--model`` names a model directory or a config.json rather than a model of kvparity's."""
     return name not in available_models() and random_model(name) is None and (
-        "/" in name or name.endswith(".json") or Path(name).exists())
+        "/" in name or name.endswith(".json") or path_exists(name))
 
 
 def load_model(name: str) -> LoadedModel:

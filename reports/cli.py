@@ -74,9 +74,12 @@ def main(argv=None) -> int:
         print(f"kvparity: interrupted ({stop_signal() or 'SIGINT'})", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as error:
+        where = f" {error.filename}" if error.filename else ""
+        if error.errno == errno.ENAMETOOLONG:  # a path given (--out, --policy, ...) no file system takes
+            print(f"kvparity:{where}: {error.strerror}", file=sys.stderr)
+            return EXIT_USAGE
         if error.errno not in DISK_ERRORS:
             return internal_error()
-        where = f" {error.filename}" if error.filename else ""
         print(f"kvparity: cannot judge here: cannot write{where}: {error.strerror}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE
     except Exception:  # the harness's own bug: never blame the commit under test

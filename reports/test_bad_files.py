@@ -85,6 +85,30 @@ def test_a_bad_schedule_or_arrivals_file_is_one_line(tmp_path, source, level, ba
     assert said.startswith(f"kvparity: {path}: ") and BAD[bad][1] in said, said
 
 
+@pytest.mark.parametrize("model, said", [
+    ("[" * 2000 + "llama-h64-f32", "unknown model"),
+    ("models/" + "a" * 5000, "no such model directory or config.json"),
+    ("a" * 5000 + ".json", "no such model directory or config.json"),
+], ids=["a name", "a directory", "a config.json"])
+def test_a_model_named_longer_than_any_file_name_is_one_line(tmp_path, model, said):
+    """The property test's find: a model name no file system takes (over
+    255 bytes) was looked for as a path, and the file system's refusal
+    (ENAMETOOLONG) was kvparity's internal error, 128."""
+    doc = json.loads(ARRIVALS.read_text())
+    path = tmp_path / ARRIVALS.name
+    path.write_text(json.dumps({**doc, "model": model}))
+    assert said in refused("check", "--impl", REFERENCE, "--level", "L3", "--schedule", str(path))
+    assert said in refused("check", "--impl", REFERENCE, "--level", "L2", "--model", model)
+
+
+@pytest.mark.parametrize("option", ["--policy", "--out"])
+def test_a_path_longer_than_any_file_name_is_one_line(tmp_path, option):
+    """A path given that no file system takes is bad usage (129), not kvparity's error."""
+    long = str(tmp_path / ("a" * 5000 + ".json"))
+    said = refused("check", "--impl", REFERENCE, "--level", "L1", "--schedule", str(SCHEDULE), option, long)
+    assert "File name too long" in said or "name too long" in said.lower(), said
+
+
 @pytest.mark.parametrize("bad", ["a key given twice", "NaN as a name", "an integer of 5,000 digits"])
 def test_a_bad_expectations_policy_or_record_is_one_line(tmp_path, bad):
     expectations = tmp_path / "expectations.json"

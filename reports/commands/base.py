@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from kvparity.oracle import known_answer
 from kvparity.oracle.models import (
-    DEEP, DEFAULT_MODEL, MHA, ModelPathError, ModelUnavailable, available_models, is_model_path, random_model,
+    DEEP, DEFAULT_MODEL, MHA, ModelPathError, ModelUnavailable, available_models, is_model_path, path_exists,
+    random_model,
 )
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
@@ -299,7 +300,7 @@ def check_model_name(name, what="--model"):
         return
     if is_model_path(name):
         path = Path(name)
-        if not path.exists():
+        if not path_exists(name):
             raise UsageError(f"{what} {name}: no such model directory or config.json")
         if path.is_dir() and not (path / "config.json").is_file():
             raise UsageError(f"{what} {name}: not a model directory (no config.json; expected the layout "
