@@ -14,10 +14,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.reports import failures
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK
-from kvparity.suites.adapter import load_implementation
+from kvparity.reports.environment import describe
+from kvparity.suites.adapter import (
+    ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
+)
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.l1 import run_l1
@@ -31,22 +35,39 @@ LEAVES = load(CATALOG / "leave-longest.json")  # filter runs at its event #2
 STAYS = load(CATALOG / "join-empty.json")  # no filter
 
 # A process that speaks the frame by hand (no MLX: it starts in milliseconds):
-# its hello, then {fault} at the first request; every process notes its pid.
+# its hello, then {fault} at the first request for {op}; every other request
+# is answered ok with batch 1. Every process notes its pid.
 SPEAKER = """\
 import json, os, struct, sys, time
 with open({pids!r}, "a") as pids:
     pids.write(f"{{os.getpid()}}\\n")
-out = sys.stdout.buffer
+stdin, out = sys.stdin.buffer, sys.stdout.buffer
+SIZES = {{"uint32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4, "bool": 1}}
 
 def send(header):
     text = json.dumps(header).encode()
     out.write(b"KVP1" + struct.pack("<I", len(text)) + text)
     out.flush()
 
+def receive():
+    head = stdin.read(8)
+    if len(head) < 8:
+        sys.exit(0)
+    header = json.loads(stdin.read(struct.unpack("<I", head[4:])[0]))
+    for tensor in header.get("tensors") or []:
+        size = SIZES[tensor["dtype"]]
+        for n in tensor["shape"]:
+            size *= n
+        stdin.read(size)
+    return header
+
 {before_hello}
 send({{"id": 0, "ok": True, "op": "hello", "result": {{"protocol": 1, "name": "speaker", "language": "python"}}}})
-request = sys.stdin.buffer.read(8)
-{fault}
+while True:
+    request = receive()
+    if request["op"] == {op!r}:
+        {fault}
+    send({{"id": request["id"], "ok": True, "result": {{"batch": 1}}}})
 """
 # The reference served, with a fault when a member runs.
 FAULTY_SERVER = """\
@@ -76,9 +97,9 @@ sys.exit(process_server.main([{spec!r}]))
 """
 
 
-def write_speaker(tmp_path, fault, before_hello=""):
+def write_speaker(tmp_path, fault, op="merge", before_hello=""):
     script = tmp_path / "speaker.py"
-    script.write_text(SPEAKER.format(pids=str(tmp_path / "pids"), fault=fault, before_hello=before_hello))
+    script.write_text(SPEAKER.format(pids=str(tmp_path / "pids"), op=op, fault=fault, before_hello=before_hello))
     return f"exec:{shlex.quote(sys.executable)} {shlex.quote(str(script))}"
 
 
@@ -177,9 +198,10 @@ def failed(result, judged, member):
 
 
 def test_a_process_that_exits_before_its_hello_fails_every_run_at_merge(tmp_path, judged):
-    spec = write_speaker(tmp_path, "", before_hello="sys.stderr.write('cannot open cache.bin\\n'); sys.exit(3)")
+    spec = write_speaker(tmp_path, "pass", before_hello="sys.stderr.write('cannot open cache.bin\\n'); sys.exit(3)")
     impl = load_implementation(spec)  # not a usage error: the runs are the cache's FAILs
     reason = failed(run_l1(STAYS, impl), judged, "merge")
+    impl.batch_class._processes.stop()  # the one started again after it, as kvparity's exit does
     assert ("merge raised ProcessDied: the cache process exited with status 3 before its hello; "
             "its stderr was: 'cannot open cache.bin'") in reason
     assert not left_running(tmp_path)
@@ -187,7 +209,9 @@ def test_a_process_that_exits_before_its_hello_fails_every_run_at_merge(tmp_path
 
 def test_garbage_on_the_pipe_is_the_member_s_fail_and_the_process_is_stopped(tmp_path, judged):
     spec = write_speaker(tmp_path, "print('merging 2 rows', flush=True); time.sleep(60)")
-    reason = failed(run_l1(STAYS, load_implementation(spec)), judged, "merge")
+    impl = load_implementation(spec)
+    reason = failed(run_l1(STAYS, impl), judged, "merge")
+    impl.batch_class._processes.stop()
     assert ("merge raised ProcessGarbage: garbage on stdout after merge: no frame (it does not start with "
             "KVP1): b'merging 2 rows\\n'; it wrote nothing on stderr") in reason
     assert not left_running(tmp_path)
@@ -195,19 +219,29 @@ def test_garbage_on_the_pipe_is_the_member_s_fail_and_the_process_is_stopped(tmp
 
 def test_a_process_that_hangs_is_stopped_at_the_member_timeout(tmp_path, judged, member_timeout):
     spec = write_speaker(tmp_path, "sys.stderr.write('waiting for a lock\\n'); sys.stderr.flush(); time.sleep(60)")
-    started = time.monotonic()
-    reason = failed(run_l1(STAYS, load_implementation(spec)), judged, "merge")
+    impl, started = load_implementation(spec), time.monotonic()
+    reason = failed(run_l1(STAYS, impl), judged, "merge")
+    impl.batch_class._processes.stop()
     assert time.monotonic() - started < 10
     assert ("merge raised MemberHung: the cache process did not answer merge within 1 s "
             "(--member-timeout); it was stopped; its stderr was: 'waiting for a lock'") in reason
     assert not left_running(tmp_path)
 
 
-def test_a_process_that_exits_during_a_member_fails_naming_it_and_is_gone(tmp_path, judged):
-    spec = write_faulty_server(tmp_path, "filter", "sys.stderr.write('filter: out of memory\\n'); os._exit(3)")
-    reason = failed(run_l1(LEAVES, load_implementation(spec)), judged, "filter")
-    assert ("filter raised ProcessDied: the cache process exited with status 3 during filter; its stderr "
-            in reason and "filter: out of memory" in reason), reason
+def test_a_process_that_exits_during_a_member_fails_naming_it_and_is_gone(tmp_path):
+    spec = write_speaker(tmp_path, "sys.stderr.write('filter: out of memory\\n'); sys.exit(3)", op="filter")
+    impl = load_implementation(spec)
+    with impl.watching():
+        batch = impl.batch_class.merge([QuantizedKVCache(group_size=64, bits=4)])
+        with pytest.raises(MemberRaised) as raised:
+            batch.filter([0])
+        assert raised.value.member == "filter" and str(raised.value.error) == (
+            "the cache process exited with status 3 during filter; its stderr was: 'filter: out of memory'")
+        with pytest.raises(MemberRaised, match="size raised ProcessDied: the cache process is gone "
+                           r"\(it exited with status 3 during filter\), so size cannot run"):
+            batch.size()  # a batch of a process that ended
+    assert impl.calls["filter"] == 1
+    impl.batch_class._processes.stop()  # the one started again after it, as kvparity's exit does
     assert not left_running(tmp_path)
 
 
@@ -254,3 +288,21 @@ def test_the_whole_l1_catalog_served_over_the_protocol_is_judged_as_in_process(t
         verdicts[spec] = {(r["schedule"], r["level"]): r["verdict"] for r in json.loads(report.read_text())["results"]}
     inside, served = verdicts.values()
     assert inside == served and len(inside) >= len(catalog_paths("L1"))
+
+
+def test_a_command_that_cannot_start_cannot_be_judged_here_and_a_malformed_one_is_a_usage_error():
+    with pytest.raises(ImplementationUnavailable, match="cannot start /nonexistent/cache: .*No such file"):
+        load_implementation("exec:/nonexistent/cache --bits 4")
+    for spec, said in (("exec:", "no command after 'exec:'"), ("exec:'unbalanced", "No closing quotation")):
+        with pytest.raises(ImplementationError, match=said) as refused:
+            load_implementation(spec)
+        assert not isinstance(refused.value, ImplementationUnavailable)
+
+
+def test_the_report_names_the_language_and_the_cache_the_hello_gave(tmp_path):
+    impl = load_implementation(write_speaker(tmp_path, "pass"))
+    env = describe(impl)
+    assert (env["implementation_language"], env["implementation_package"]) == ("python", "speaker")
+    assert load_implementation(REFERENCE).language == "python" and load_implementation(REFERENCE).process is None
+    impl.batch_class._processes.stop()
+    assert not left_running(tmp_path)

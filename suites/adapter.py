@@ -391,6 +391,18 @@ class Implementation:
     def name(self) -> str:
         return self.spec
 
+    @property
+    def process(self) -> Optional[dict]:
+        """The hello of a cache in another process (its name, language,
+        version), {} where it gave none; None for a Python class."""
+        return (self.batch_class.hello or {}) if self.spec.startswith(EXEC) else None
+
+    @property
+    def language(self) -> str:
+        """The language the cache is written in: Python, or what its process says."""
+        process = self.process
+        return "python" if process is None else str(process.get("language") or "unknown")
+
     def supports(self, capability: str) -> bool:
         return self.capabilities.get(capability, False)
 

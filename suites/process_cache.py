@@ -43,6 +43,11 @@ from kvparity.suites.process_frame import (
 from kvparity.suites.processes import die_with_parent, signal_name
 
 EXEC = "exec:"  # the --impl prefix of a command
+# The ops that only read a batch. Between two requests of any other op, the
+# answer to each read of a batch is kept and given again: at L1 the checks
+# read the same batch several times after every member call (about a third of
+# all reads repeat one), and a read that changes the cache is no read.
+READS = frozenset(("size", "offset", "left_padding", "state", "nbytes", "bits", "group_size", "empty"))
 TRIPLE = ("packed", "scales", "biases")
 STDERR_KEPT = 2000  # characters of the process's stderr a failure quotes
 EXIT_GRACE_S = 2.0  # how long a process that closed its pipes has to exit before it is killed
@@ -94,18 +99,19 @@ def remote_error(kind: str, message: str) -> Exception:
 class CacheProcess:
     """One running cache process, its pipes, and its stderr (kept in a file)."""
 
-    def __init__(self, argv: List[str], deadline: Deadline):
-        self.argv = argv
+    def __init__(self, argv: List[str], after_failing=None):
+        self.argv, self.after_failing = argv, after_failing
+        self.hello: Optional[dict] = None  # read by the first member call, within its deadline
         self.stderr = tempfile.TemporaryFile()
         self.ended: Optional[str] = None  # how it ended, once it did
         self.freed: List[int] = []  # handles of batches Python dropped, sent before the next request
+        self.read: Dict[Tuple[int, str], tuple] = {}  # (batch, read op) -> its answer, since the last change
         self.last_id = 0
         self.popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                       preexec_fn=die_with_parent, start_new_session=True)
         os.set_blocking(self.popen.stdin.fileno(), False)
         self.reader = FrameReader(self.popen.stdout.fileno())
         _STARTED.append(self)
-        self.hello = self._hello(deadline)
 
     # -- failures ---------------------------------------------------------------------
 
@@ -123,7 +129,10 @@ class CacheProcess:
         ``error`` (its message, with stderr) from the member running."""
         self.ended = ended
         self.stop(grace=0)
-        raise type(error)(f"{error}{self.stderr_tail()}")
+        said = f"{error}{self.stderr_tail()}"
+        if self.after_failing is not None:
+            self.after_failing()
+        raise type(error)(said)
 
     def _exited(self, during: str, deadline: Deadline):
         """Its pipes closed: how it ended, within ``EXIT_GRACE_S`` (and the member call's deadline)."""
@@ -151,6 +160,12 @@ class CacheProcess:
             self._fail(ProcessGarbage(f"garbage on stdout {'after ' + member if member else during}: "
                                       f"{garbage.reason}: {garbage.seen!r}"), f"wrote garbage {during}")
 
+    def greet(self, deadline: Deadline) -> dict:
+        """Its hello, read once."""
+        if self.hello is None:
+            self.hello = self._hello(deadline)
+        return self.hello
+
     def _hello(self, deadline: Deadline) -> dict:
         header, _ = self._read(None, deadline)
         result = header.get("result")
@@ -169,10 +184,17 @@ class CacheProcess:
         member, deadline = member or op, deadline or Deadline()
         if self.ended is not None:
             raise ProcessDied(f"the cache process is gone (it {self.ended}), so {member} cannot run")
+        self.greet(deadline)
         if self.freed:
             freed, self.freed = self.freed, []
             self._exchange("free", {"batches": freed}, (), f"free (sent before {member})", deadline)
-        return self._exchange(op, args, tensors, member, deadline)
+        if op not in READS:
+            self.read.clear()
+            return self._exchange(op, args, tensors, member, deadline)
+        key = (args.get("batch"), op)
+        if key not in self.read:
+            self.read[key] = self._exchange(op, args, tensors, member, deadline)
+        return self.read[key]
 
     def _exchange(self, op, args, tensors, member, deadline: Deadline):
         self.last_id += 1
@@ -234,18 +256,31 @@ def _stop_started():
 class Processes:
     """The cache process of one ``exec:`` implementation in this Python
     process: the running one, or a new one where none runs (a forked child
-    starts its own; one that ended is started again)."""
+    starts its own). One that failed is started again at once, so that it
+    starts while kvparity goes on (the next merge reads its hello): a start
+    counts in no member call's time but the one that finds it not ready."""
 
     def __init__(self, argv: List[str]):
         self.argv = argv
         self.process: Optional[CacheProcess] = None
         self.pid = None
 
-    def current(self, deadline: Deadline) -> CacheProcess:
+    def current(self) -> CacheProcess:
         if self.process is None or self.pid != os.getpid() or self.process.ended is not None:
             self.process, self.pid = None, os.getpid()
-            self.process = CacheProcess(self.argv, deadline)
+            self.process = CacheProcess(self.argv, self._again)
         return self.process
+
+    def _again(self):
+        if self.pid == os.getpid():
+            try:
+                self.process = CacheProcess(self.argv, self._again)
+            except OSError:  # the next merge tries again, and says why
+                self.process = None
+
+    def stop(self):
+        if self.process is not None and self.pid == os.getpid():
+            self.process.stop()
 
 
 # -- tensors of the protocol's objects ----------------------------------------------------
@@ -309,7 +344,7 @@ class ProcessBatch(_BaseCache):
     @classmethod
     def merge(cls, caches):
         deadline = Deadline()
-        process = cls._processes.current(deadline)
+        process = cls._processes.current()
         rows, tensors = [], []
         for i, row in enumerate(caches):
             fields, arrays = row_message(i, row)
@@ -318,6 +353,15 @@ class ProcessBatch(_BaseCache):
         result, _ = process.call("merge", {"rows": rows}, tensors, "merge", deadline)
         batch = cls.__new__(cls)
         batch._attach(process, field_of(result, "batch", "merge"))
+        return batch
+
+    def __deepcopy__(self, memo):
+        """An independent copy, made in the process (mlx-lm's
+        ``BatchGenerator`` deep-copies its batches' caches when it splits a
+        batch); not a protocol member, so not counted."""
+        result, _ = self._call("copy", "copy (a deep copy)")
+        batch = type(self).__new__(type(self))
+        batch._attach(self._process, field_of(result, "batch", "copy"))
         return batch
 
     def extend(self, other):
@@ -414,7 +458,7 @@ def process_batch_class(spec: str) -> type:
     not an error here: each ``merge`` starts it again and fails, naming how."""
     processes = Processes(command_of(spec))
     try:
-        hello = processes.current(Deadline()).hello
+        hello = processes.current().greet(Deadline())
     except (ProcessDied, ProcessGarbage):
         hello = None
     namespace = {"_processes": processes, "hello": hello, "__module__": __name__,

@@ -11,6 +11,7 @@ unwatched: kvparity watches the proxy on its side of the pipe. Whatever the
 class prints goes to stderr; stdout carries frames only.
 """
 
+import copy
 import os
 import sys
 import traceback
@@ -59,6 +60,8 @@ class Server:
                 self.batches.pop(handle, None)
             return {}, []
         batch = self.batch(args)
+        if op == "copy":
+            return {"batch": self.keep(copy.deepcopy(batch))}, []
         if op == "extend":
             batch.extend(self.batch({"batch": args["other"]}))
         elif op == "filter":
