@@ -111,6 +111,7 @@ class CacheProcess:
                                       preexec_fn=die_with_parent, start_new_session=True)
         os.set_blocking(self.popen.stdin.fileno(), False)
         self.reader = FrameReader(self.popen.stdout.fileno())
+        self.owner = os.getpid()
         _STARTED.append(self)
 
     # -- failures ---------------------------------------------------------------------
@@ -241,16 +242,14 @@ class CacheProcess:
             self.popen.wait()
 
 
-_STARTED: List[CacheProcess] = []  # this Python process's cache processes, stopped at its exit
-_OWNER = os.getpid()
+_STARTED: List[CacheProcess] = []  # the cache processes started, stopped at exit by the process that started each
 
 
 @atexit.register
 def _stop_started():
-    if os.getpid() == _OWNER:  # a forked child's list is its parent's
-        for process in _STARTED:
-            if process.popen.poll() is None:
-                process.stop()
+    for process in _STARTED:
+        if process.owner == os.getpid() and process.popen.poll() is None:  # a forked child's parent's are not its own
+            process.stop()
 
 
 class Processes:
