@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.reports import failures
-from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.reports.environment import describe
 from kvparity.suites.adapter import (
     ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
@@ -311,3 +311,19 @@ def test_the_report_names_the_language_and_the_cache_the_hello_gave(tmp_path):
     assert load_implementation(REFERENCE).language == "python" and load_implementation(REFERENCE).process is None
     impl.batch_class._processes.stop()
     assert not left_running(tmp_path)
+
+
+@pytest.mark.slow
+def test_bisect_through_the_protocol_names_the_member_and_a_replay_command_that_parses(tmp_path, capsys):
+    """kvparity bisect shrinks a control served over the protocol (about 40 s
+    under load: 159 tries) and names filter; the replay command it prints
+    keeps the command as one word (it printed ``--impl exec:python -m ...``)."""
+    spec = f"exec:{SERVER} kvparity.impl.negative_controls:FilterSharedPaddingOffByOne"
+    out = tmp_path / "min.json"
+    assert main(["bisect", str(CATALOG / "leave-longest.json"), "--level", "L1", "--impl", spec,
+                 "--out", str(out)]) == EXIT_BROKEN
+    printed = capsys.readouterr().out
+    assert "member at fault: filter" in printed, printed
+    replay = shlex.split(printed.split("replay with: ")[1].splitlines()[0])
+    assert replay[:3] == ["kvparity", "replay", str(out)] and replay[replay.index("--impl") + 1] == spec
+    assert main(replay[1:]) == EXIT_BROKEN
