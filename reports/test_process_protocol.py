@@ -44,9 +44,9 @@ with open({pids!r}, "a") as pids:
 stdin, out = sys.stdin.buffer, sys.stdout.buffer
 SIZES = {{"uint32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4, "bool": 1}}
 
-def send(header):
+def send(header, after=b""):
     text = json.dumps(header).encode()
-    out.write(b"KVP1" + struct.pack("<I", len(text)) + text)
+    out.write(b"KVP1" + struct.pack("<I", len(text)) + text + after)
     out.flush()
 
 def receive():
@@ -214,6 +214,17 @@ def test_garbage_on_the_pipe_is_the_member_s_fail_and_the_process_is_stopped(tmp
     impl.batch_class._processes.stop()
     assert ("merge raised ProcessGarbage: garbage on stdout after merge: no frame (it does not start with "
             "KVP1): b'merging 2 rows\\n'; it wrote nothing on stderr") in reason
+    assert not left_running(tmp_path)
+
+
+def test_bytes_after_an_answer_are_garbage_of_the_member_answered(tmp_path, judged):
+    # In one write with the answer: what comes later is found after the next request, and is said so.
+    spec = write_speaker(tmp_path, "send({'id': request['id'], 'ok': True, 'result': {'batch': 1}}, b'merged\\n'); "
+                         "time.sleep(60)")
+    impl = load_implementation(spec)
+    reason = failed(run_l1(STAYS, impl), judged, "merge")
+    impl.batch_class._processes.stop()
+    assert "merge raised ProcessGarbage: garbage on stdout after merge: bytes after its answer: b'merged\\n'" in reason
     assert not left_running(tmp_path)
 
 

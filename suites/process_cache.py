@@ -210,6 +210,10 @@ class CacheProcess:
             self._fail(MemberHung(f"the cache process did not read {member}'s request within {deadline.timeout:g} s "
                                   "(--member-timeout); it was stopped"), f"hung {during}")
         header, found = self._read(member, deadline)
+        extra = self.reader.extra()
+        if extra:
+            self._fail(ProcessGarbage(f"garbage on stdout after {member}: bytes after its answer: {extra!r}"),
+                       f"wrote garbage {during}")
         if header.get("id") != asked:
             self._fail(ProcessGarbage(f"garbage on stdout after {member}: the answer to request {asked} came "
                                       f"with id {header.get('id')!r}"), f"wrote garbage {during}")

@@ -110,6 +110,19 @@ class FrameReader:
             if len(self.seen) < SHOWN:
                 self.seen += chunk[:SHOWN]
 
+    def extra(self) -> bytes:
+        """What came after the last whole frame, and what more is there to
+        read now without waiting: an answer is alone on the pipe."""
+        try:
+            while select.select([self.fd], [], [], 0)[0]:
+                chunk = os.read(self.fd, 1 << 16)
+                if not chunk:
+                    break
+                self.buffer += chunk
+        except OSError:
+            pass
+        return bytes(self.buffer[:SHOWN])
+
     def _take(self, n: int, deadline) -> bytes:
         self._fill(n, deadline)
         out = bytes(self.buffer[:n])
