@@ -131,6 +131,7 @@ class CacheProcess:
         self.ended = ended
         self.stop(grace=0)
         said = f"{error}{self.stderr_tail()}"
+        self.stderr.close()  # a campaign may start the command again many times
         if self.after_failing is not None:
             self.after_failing()
         raise type(error)(said)
