@@ -20,24 +20,26 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES
 from kvparity.suites.adapter import ImplementationError, load_implementation
 from kvparity.suites.process_cache import TRIPLE, triple_tensors
 from kvparity.suites.process_frame import PROTOCOL, FrameReader, encode, write_all
 
-BITS, GROUP_SIZES = (2, 3, 4, 5, 6, 8), (32, 64, 128)  # what mx.quantize takes; the class says the rest
-
 
 class Server:
+    """The batches of one served class, by handle, and the answer to each op."""
+
     def __init__(self, batch_class: type, capabilities: Dict[str, bool]):
         self.batch_class, self.capabilities = batch_class, capabilities
         self.batches: Dict[int, object] = {}
         self.next_handle = 1
 
     def hello(self) -> dict:
+        """Its name and capabilities; the settings are mx.quantize's (the class says the rest by raising)."""
         return {"protocol": PROTOCOL, "name": f"{self.batch_class.__module__}.{self.batch_class.__qualname__}",
                 "language": "python", "version": "",
                 "capabilities": [name for name, offered in self.capabilities.items() if offered],
-                "bits": list(BITS), "group_sizes": list(GROUP_SIZES), "dtypes": ["float16", "bfloat16", "float32"]}
+                "bits": list(BITS), "group_sizes": list(GROUP_SIZES), "dtypes": list(DTYPES)}
 
     def batch(self, args):
         handle = args.get("batch")
