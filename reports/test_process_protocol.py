@@ -3,6 +3,7 @@ over the process protocol is judged as in process, a control served so fails
 naming the same member, and a process that exits, crashes, hangs or writes
 garbage is the cache's FAIL, named, with its stderr, and is gone afterwards."""
 
+import gc
 import json
 import os
 import shlex
@@ -214,6 +215,23 @@ def test_garbage_on_the_pipe_is_the_member_s_fail_and_the_process_is_stopped(tmp
     impl.batch_class._processes.stop()
     assert ("merge raised ProcessGarbage: garbage on stdout after merge: no frame (it does not start with "
             "KVP1): b'merging 2 rows\\n'; it wrote nothing on stderr") in reason
+    assert not left_running(tmp_path)
+
+
+def test_an_error_answering_free_says_so_from_the_member_it_came_before(tmp_path):
+    spec = write_speaker(tmp_path, "send({'id': request['id'], 'ok': False, 'error': {'type': 'ValueError', "
+                         "'message': 'no batch 1'}}); continue", op="free")
+    impl = load_implementation(spec)
+    with impl.watching():
+        dropped = impl.batch_class.merge([QuantizedKVCache(group_size=64, bits=4)])
+        kept = impl.batch_class.merge([QuantizedKVCache(group_size=64, bits=4)])
+        del dropped
+        gc.collect()
+        with pytest.raises(MemberRaised) as raised:
+            kept.filter([0])
+    assert raised.value.member == "filter" and isinstance(raised.value.error, ValueError)
+    assert str(raised.value.error) == "free of batches [1], sent before filter, raised: no batch 1"
+    impl.batch_class._processes.stop()
     assert not left_running(tmp_path)
 
 

@@ -189,7 +189,12 @@ class CacheProcess:
         self.greet(deadline)
         if self.freed:
             freed, self.freed = self.freed, []
-            self._exchange("free", {"batches": freed}, (), f"free (sent before {member})", deadline)
+            try:
+                self._exchange("free", {"batches": freed}, (), f"free (sent before {member})", deadline)
+            except (ProcessDied, ProcessGarbage):
+                raise
+            except Exception as error:  # the process's own answer: say which request it answered
+                raise type(error)(f"free of batches {freed}, sent before {member}, raised: {error}") from error
         if op not in READS:
             self.read.clear()
             return self._exchange(op, args, tensors, member, deadline)
