@@ -56,6 +56,11 @@ def describe(implementation=None, model=None, device=None) -> dict:
         package, env["implementation_version"] = implementation_distribution(implementation.spec,
                                                                             implementation.batch_class)
         env["implementation_package"] = package
+        env["implementation_language"] = implementation.language
+        process = implementation.process
+        if process is not None:  # a cache in another process: what its hello says it is
+            env["implementation_package"] = process.get("name")
+            env["implementation_version"] = process.get("version") or None
         env["capabilities"] = implementation.capabilities
     if model is not None:
         env["model"] = model.name

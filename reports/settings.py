@@ -50,7 +50,8 @@ class Setting:
 
 
 SETTINGS: Dict[str, Setting] = {s.name: s for s in (
-    Setting("impl", "MODULE:FACTORY", "the batch cache class under test (a class, or a factory returning one)",
+    Setting("impl", "MODULE:FACTORY", "the batch cache class under test (a class, or a factory returning one), "
+            "or exec:COMMAND, a cache in a process of its own (docs/process-protocol.md)",
             "none: required", option="--impl"),
     Setting("levels", ",".join(LEVELS), f"the levels that run: all ({', '.join(CACHE_LEVELS)}), or some of "
             f"{', '.join(LEVELS)} (L4 with a server)", "all", LIST,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from kvparity.suites.flight import FLIGHT
+from kvparity.suites.process_cache import EXEC, command_of, process_batch_class
 
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
@@ -390,6 +391,18 @@ class Implementation:
     def name(self) -> str:
         return self.spec
 
+    @property
+    def process(self) -> Optional[dict]:
+        """The hello of a cache in another process (its name, language,
+        version), {} where it gave none; None for a Python class."""
+        return (self.batch_class.hello or {}) if self.spec.startswith(EXEC) else None
+
+    @property
+    def language(self) -> str:
+        """The language the cache is written in: Python, or what its process says."""
+        process = self.process
+        return "python" if process is None else str(process.get("language") or "unknown")
+
     def supports(self, capability: str) -> bool:
         return self.capabilities.get(capability, False)
 
@@ -435,7 +448,13 @@ def detect_capabilities(batch_class: type) -> Dict[str, bool]:
 
 
 def split_spec(option: str, spec: str):
-    """``package.module:attribute`` -> (module, attribute); the shape only, no import."""
+    """``package.module:attribute`` -> (module, attribute); the shape only, no
+    import. ``exec:COMMAND`` (a cache in another process) -> (None, its words)."""
+    if spec.startswith(EXEC):
+        try:
+            return None, command_of(spec)
+        except ValueError as error:
+            raise ImplementationError(f"{option} {spec!r}: {error}")
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise ImplementationError(f"{option} {spec!r}: expected 'package.module:factory'")
@@ -447,6 +466,8 @@ def resolve(option: str, spec: str):
     cannot be imported, or whose own code fails, is unavailable here; a
     wrong name is a usage error."""
     module_name, attribute = split_spec(option, spec)
+    if module_name is None:
+        raise ImplementationError(f"{option} {spec!r}: expected 'package.module:attribute', not a command")
     try:
         target = importlib.import_module(module_name)
     except ImportError as error:
@@ -466,6 +487,8 @@ def resolve(option: str, spec: str):
 
 def load_implementation(spec: str = None) -> Implementation:
     spec = spec or REFERENCE
+    if spec.startswith(EXEC):
+        return _process_implementation(spec)
     target = resolve("--impl", spec)
     batch_class = target if inspect.isclass(target) else _call_factory(spec, target)
     missing = [m for m in REQUIRED_MEMBERS if not hasattr(batch_class, m)]
@@ -486,3 +509,15 @@ def _call_factory(spec: str, factory: Callable) -> type:
             f"--impl {spec!r}: the factory returned {type(batch_class).__name__}, not a batch cache class"
         )
     return batch_class
+
+
+def _process_implementation(spec: str) -> Implementation:
+    """``exec:COMMAND``: the proxy class of a cache in a process of its own
+    (``suites/process_cache.py``). A command that cannot be started here
+    (no such program) cannot be judged here."""
+    split_spec("--impl", spec)
+    try:
+        batch_class = process_batch_class(spec)
+    except OSError as error:
+        raise ImplementationUnavailable(f"--impl {spec!r}: cannot start {command_of(spec)[0]}: {error}")
+    return Implementation(spec, batch_class, detect_capabilities(batch_class))

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from kvparity.suites.adapter import ForwardRaised, MemberRaised
 from kvparity.suites.checks import RAISED
 from kvparity.suites.compare import Divergence
-from kvparity.suites.flight import FLIGHT
+from kvparity.suites.flight import FLIGHT, MemberHung, ProcessDied
 
 # Outcomes, shared by rows and schedules.
 PASS = "pass"
@@ -165,16 +165,6 @@ class OracleNondeterministic(Exception):
         super().__init__(f"mlx-lm's solo path for {request!r} differs from itself between two runs: "
                          f"{where}, {tensor}{at}: first run {first!r}, second run {second!r}"
                          + (f" ({detail})" if detail else ""))
-
-
-class ProcessDied(Exception):
-    """The process running the implementation died of a signal: a crash in
-    native code, an abort, or a kill by the out-of-memory killer."""
-
-
-class MemberHung(ProcessDied):
-    """A protocol member did not return within the member timeout, and the
-    process running it was stopped."""
 
 
 def died(result: ScheduleResult) -> bool:

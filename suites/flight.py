@@ -40,6 +40,17 @@ FLIGHT_FILE, DONE_FILE, CRASHES_FILE, PARENT_FILE = "flight", "done.pickle", "cr
 SCHEDULE_FILE = "in-flight.json"  # a fuzz worker's schedule now running
 
 
+class ProcessDied(Exception):
+    """The process running the implementation died: of a signal (a crash in
+    native code, an abort, a kill by the out-of-memory killer), or, for a
+    cache in a process of its own, by exiting."""
+
+
+class MemberHung(ProcessDied):
+    """A protocol member did not return within the member timeout, and the
+    process running it was stopped."""
+
+
 class Flight:
     """The record: the schedule run (its label and its result's identity),
     the event (label, index, the requests in the batch), the outermost

@@ -17,6 +17,7 @@ reports) in the catalog's format, with the command that replays it.
 
 import gc
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -219,8 +220,9 @@ class ScheduleMachine(RuleBasedStateMachine):
         save(self.schedule, path)
         result = judged.evidence
         return (f"{self.level} {result.schedule}: {judged.verdict}: {headline(judged)}\n"
-                f"written to {path}; replay with: kvparity replay {path} --level {self.level}"
-                + (f" --impl {self.implementation.spec}" if self.implementation.spec else ""))
+                f"written to {path}; replay with: "
+                + shlex.join(["kvparity", "replay", str(path), "--level", self.level]
+                             + (["--impl", self.implementation.spec] if self.implementation.spec else [])))
 
     @rule(data=st.data(), count=st.integers(1, 3))
     def join(self, data, count):

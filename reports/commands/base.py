@@ -46,8 +46,8 @@ RUN_SETTINGS = ("impl", "levels", "engine", "model", "device", "policy", "expect
 
 # -- options ---------------------------------------------------------------------------
 
-IMPL_HELP = ("implementation under test as package.module:factory (default: impl in [tool.kvparity] of "
-             "pyproject.toml; required)")
+IMPL_HELP = ("implementation under test as package.module:factory, or exec:COMMAND for a cache in a process of "
+             "its own (default: impl in [tool.kvparity] of pyproject.toml; required)")
 LEVEL_HELP = "L1 cache bytes, L2 model per row, L3 a real engine serving arrivals (default: %(default)s)"
 LEVELS_HELP = ("levels that run: L1 cache bytes, L2 model per row, L3 a real engine serving arrivals; all, one, "
                "or a comma list (default: levels in [tool.kvparity], else all)")

@@ -1,6 +1,7 @@
 """``kvparity bisect``: the first event after which a schedule breaks, and a minimal schedule that breaks the same way."""
 
 import copy
+import shlex
 from pathlib import Path
 
 from kvparity.oracle.atomic import OUTPUT_ROOT
@@ -133,8 +134,9 @@ def handle(args):
         print(f"member at fault: {found.cause}, exposed by {found.exposed_by}: {found.sentence()}")
     elif at_fault:
         print(f"member at fault: {at_fault}")
-    replay = (f"kvparity replay {out} --level {level}" + (f" --impl {args.impl}" if args.impl else "")
-              + (f" --expectations {args.expectations}" if args.expectations else "")
-              + (f" --engine {args.engine}" if getattr(args, "engine", None) else ""))
+    replay = shlex.join(["kvparity", "replay", str(out), "--level", level]
+                        + (["--impl", args.impl] if args.impl else [])
+                        + (["--expectations", args.expectations] if args.expectations else [])
+                        + (["--engine", args.engine] if getattr(args, "engine", None) else []))
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN

@@ -4,6 +4,7 @@ written as a schedule file and replayed into a report directory."""
 
 import functools
 import random
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -203,8 +204,8 @@ def report_failures(args, result, chosen, chosen_policy) -> int:
                                                   names))
     timeout = f" --member-timeout {args.member_timeout:g}" if args.member_timeout != MEMBER_TIMEOUT_S else ""
     for i, (name, judged) in enumerate(zip(names, results)):
-        replay = (f"kvparity replay {Path(path) / 'found' / name}.json --level {level} --impl {chosen.spec}"
-                  + (timeout if i in died_in else ""))
+        replay = (shlex.join(["kvparity", "replay", f"{Path(path) / 'found' / name}.json", "--level", level,
+                              "--impl", chosen.spec]) + (timeout if i in died_in else ""))
         print(f"{name}: {judged.verdict}" + (f"; replay with: {replay}" if path else ""))
     if not any(judged.verdict in FAILURES for judged in results):
         raise CannotRun("the failures found did not fail when replayed: the implementation is not deterministic")
