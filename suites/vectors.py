@@ -222,7 +222,7 @@ class Recorder:
         out = {"layout": how, "rows": rows}
         if how == ALIGNED:
             size = max(lengths, default=0)
-            out.update(size=size, left_padding=[size - n for n in lengths], offsets=lengths)
+            out.update(size=size, left_padding=[size - n for n in lengths])
         return out
 
     def handle(self, batch) -> int:
