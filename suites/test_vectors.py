@@ -1,0 +1,132 @@
+"""Conformance vectors (``suites/vectors.py``): exported byte for byte the
+same every time, held against the current oracle, and read by a cache in
+another language (impl/node/, its own ``node --test``)."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from kvparity.impl.negative_controls import MaskIgnoresLeftPadding
+from kvparity.oracle import tensor_file
+from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
+from kvparity.suites import vectors
+from kvparity.suites.adapter import Implementation
+from kvparity.suites.schedule import CATALOG, load
+
+# Small schedules that between them join, prefill padded, decode, verify, roll back, leave, extract and reinsert.
+FEW = [str(CATALOG / name) for name in ("bits-3.json", "batched-prefill.json", "extract-decode-reinsert.json")]
+NODE = shutil.which("node")
+ROOT = Path(__file__).resolve().parents[1]
+NODE_DIR = ROOT / "impl" / "node"
+SCHEMA = ROOT / "reports" / "schema" / "vectors.schema.json"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    path, _ = vectors.export(tmp_path_factory.mktemp("vectors") / "set", FEW)
+    return path
+
+
+def test_export_is_deterministic(exported, tmp_path):
+    again, manifest = vectors.export(tmp_path / "again", FEW)
+    names = sorted(p.name for p in exported.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    assert len(names) == 2 * len(FEW) + 1
+    for name in names:
+        assert (exported / name).read_bytes() == (again / name).read_bytes(), name
+    assert [s["name"] for s in manifest["schedules"]] == ["bits-3", "batched-prefill", "extract-decode-reinsert"]
+    assert set(manifest["versions"]) >= {"kvparity", "mlx", "mlx_lm"}
+
+
+def test_the_files_are_what_the_manifest_and_the_schema_say(exported):
+    schema = json.loads(SCHEMA.read_text())
+    assert schema["$defs"]["format"]["const"] == vectors.FORMAT
+    assert schema["$defs"]["format_version"]["const"] == vectors.FORMAT_VERSION
+    assert schema["$defs"]["call"]["properties"]["member"]["enum"] == list(vectors.RECORDED)
+    for path in exported.glob("*.json"):
+        jsonschema.validate(json.loads(path.read_text()), schema)
+    wrong = json.loads((exported / "bits-3.json").read_text())
+    wrong["calls"][0]["member"] = "reset"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(wrong, schema)
+    manifest = json.loads((exported / vectors.MANIFEST).read_text())
+    for name, digest in manifest["files"].items():
+        assert vectors.sha256(exported / name) == digest
+    cases = json.loads((exported / "bits-3.json").read_text())
+    tensors, _ = tensor_file.read(exported / cases["tensors"])
+    members = [c["member"] for c in cases["calls"]]
+    assert members[0] == "merge" and "update_and_fetch" in members and "filter" in members
+    write = next(c for c in cases["calls"] if c["member"] == "update_and_fetch")
+    assert tensors[write["args"]["keys"]][0] == "BF16"  # the dense keys, in the schedule's dtype
+    assert tensors["tape/L0/a/keys.packed"][0] == "U32"
+
+
+def test_check_passes_an_exported_set_and_names_what_was_edited(exported, tmp_path, capsys):
+    assert main(["vectors", "check", str(exported)]) == EXIT_OK
+    assert "identical to the current oracle's export" in capsys.readouterr().out
+
+    edited = tmp_path / "edited"
+    shutil.copytree(exported, edited)
+    cases = json.loads((edited / "bits-3.json").read_text())
+    cases["calls"][1]["expected"]["rows"][0]["length"] += 1
+    (edited / "bits-3.json").write_text(json.dumps(cases))
+    assert main(["vectors", "check", str(edited)]) == EXIT_BROKEN
+    assert "bits-3.json: sha256" in capsys.readouterr().out
+
+    # The same edit with the manifest's sha256 made to match: stale against the oracle, named by its path.
+    manifest = json.loads((edited / vectors.MANIFEST).read_text())
+    manifest["files"]["bits-3.json"] = vectors.sha256(edited / "bits-3.json")
+    (edited / vectors.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(vectors.VectorsDiffer, match=r"bits-3.json: at /calls/1/expected/rows/0/length: 23, the "
+                                                    r"current oracle gives 22"):
+        vectors.check(edited)
+
+    # One byte of one tape: the tensor and the index named.
+    tensors, metadata = tensor_file.read(exported / "bits-3.safetensors")
+    code, tape = tensors["tape/L0/b/values.scales"]
+    tape = tape.copy()
+    tape.reshape(-1)[3] ^= 1
+    tensors["tape/L0/b/values.scales"] = (code, tape)
+    tensor_file.write(edited / "bits-3.safetensors", tensors, metadata)
+    shutil.copyfile(exported / "bits-3.json", edited / "bits-3.json")
+    manifest["files"]["bits-3.json"] = vectors.sha256(edited / "bits-3.json")
+    manifest["files"]["bits-3.safetensors"] = vectors.sha256(edited / "bits-3.safetensors")
+    (edited / vectors.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(vectors.VectorsDiffer, match=r"bits-3.safetensors: tensor 'tape/L0/b/values.scales' "
+                                                    r"differs at flat index 3"):
+        vectors.check(edited)
+
+
+def test_no_manifest_is_bad_input(tmp_path, capsys):
+    assert main(["vectors", "check", str(tmp_path)]) == EXIT_USAGE
+    assert "no manifest" in capsys.readouterr().err
+    assert main(["vectors", "export", str(tmp_path)]) == EXIT_USAGE  # never over an existing directory
+
+
+def test_no_vectors_from_a_run_that_fails():
+    """The export gates on the run's checks: a cache the oracle disagrees with writes nothing."""
+    broken = Implementation("MaskIgnoresLeftPadding", MaskIgnoresLeftPadding, {"per_row_rollback": True})
+    with pytest.raises(vectors.VectorsError, match="does not pass it"):
+        vectors.record_schedule(load(FEW[0]), broken)
+
+
+def node_test(directory, bug: str = ""):
+    env = {**os.environ, "KVPARITY_VECTORS": str(directory), "KVPARITY_NODE_BUG": bug}
+    return subprocess.run([NODE, "--test", str(NODE_DIR)], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_the_node_cache_passes_the_vectors_and_its_bug_control_is_named(exported):
+    passed = node_test(exported)
+    assert passed.returncode == 0, passed.stdout[-3000:]
+    assert f"# pass {len(FEW) + 1}" in passed.stdout  # each schedule and the manifest
+
+    failed = node_test(exported, bug="extract")
+    assert failed.returncode != 0
+    assert "not ok" in failed.stdout and "# fail 1" in failed.stdout  # extract-decode-reinsert extracts
+    assert "extract-decode-reinsert: after call 3 (extract, layer 0, event 2): extracted.keys" in failed.stdout
