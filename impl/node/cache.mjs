@@ -18,6 +18,9 @@
 // row's first token (one line, below), which the vectors and kvparity must
 // find and blame on extract.
 
+import { fileURLToPath } from 'node:url';
+
+import { Server } from './protocol.mjs';
 import { quantize, SUPPORTED_BITS } from './quantize.mjs';
 import { place, shiftRow, stack, tensor } from './tensor.mjs';
 
@@ -221,15 +224,17 @@ export class BatchQuantizedKVCache {
     return new QuantizedRow(length, copy(this.keys), copy(this.values), this.bits, this.groupSize);
   }
 
-  // The causal mask for N new tokens that also hides each row's left padding:
-  // bool [B, 1, N, size() + N], true where a query may attend.
-  make_mask(N) {
+  // The causal mask for N new tokens that also hides each row's left padding (and, with a
+  // window, columns window or more behind the query): bool [B, 1, N, size() + N], true where a
+  // query may attend.
+  make_mask(N, windowSize = null) {
     const B = this.offset.length;
     const width = this.idx + N;
     const mask = tensor('bool', [B, 1, N, width]);
     for (let b = 0; b < B; b++) {
       for (let q = 0; q < N; q++) {
-        for (let c = this.leftPadding[b]; c <= this.idx + q; c++) mask.data[(b * N + q) * width + c] = 1;
+        const first = Math.max(this.leftPadding[b], windowSize ? this.idx + q - windowSize + 1 : 0);
+        for (let c = first; c <= this.idx + q; c++) mask.data[(b * N + q) * width + c] = 1;
       }
     }
     return mask;
@@ -240,4 +245,10 @@ export class BatchQuantizedKVCache {
     const all = [...(this.keys || []), ...(this.values || [])];
     return all.reduce((n, t) => n + t.data.byteLength, 0);
   }
+}
+
+if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {
+  new Server(BatchQuantizedKVCache, QuantizedRow, {
+    name: 'BatchQuantizedKVCache (impl/node)', version: '0.1.0',
+  }).serve();
 }
