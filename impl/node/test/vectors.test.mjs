@@ -165,6 +165,20 @@ export function replay(entry, Cache = BatchQuantizedKVCache) {
         fail(at, `at the end of event ${event.label}: size() ${batch.size()} and left_padding [${batch.leftPadding}], expected ${expected.size} and [${expected.left_padding}] (no column may be padding in every row)`);
       }
       checkLayout(at, batch, expected, null);
+      // nbytes counts at least the bytes the rows' columns occupy.
+      const held = expected.rows.reduce((n, row) => n + ['keys', 'values'].reduce((m, name) => m
+        + (rowTriple(expected.layer, row, name) || []).reduce((k, t) => k + t.data.byteLength, 0), 0), 0);
+      if (!(batch.nbytes >= held)) fail({ ...at, member: 'nbytes' }, `nbytes ${batch.nbytes}, the rows' columns hold ${held} bytes`);
+      // extract(i) of every row gives the row, and leaves the batch as it was.
+      expected.rows.forEach((row, b) => {
+        const got = batch.extract(b);
+        const where = { ...at, member: 'extract' };
+        if (got.offset !== row.length || got.bits !== cases.bits || got.groupSize !== cases.group_size) {
+          fail(where, `extract(${b}) has offset ${got.offset}, bits ${got.bits}, group size ${got.groupSize}; expected ${row.length}, ${cases.bits}, ${cases.group_size}`);
+        }
+        compareRow(where, expected.layer, [got.keys, got.values], 0, 0, row, `extract(${b})`);
+      });
+      checkLayout({ ...at, member: 'extract' }, batch, expected, null);
       for (const [n, name] of Object.entries(expected.masks)) {
         const want = tensors[name];
         const got = batch.make_mask(Number(n));
