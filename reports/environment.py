@@ -48,6 +48,15 @@ def implementation_version(spec, batch_class=None):
     return implementation_distribution(spec, batch_class)[1]
 
 
+def implementation_language(implementation) -> str:
+    """The language the cache under test is written in: what a cache in
+    another process says of itself (its hello, on the class standing in for
+    it), else Python (a class kvparity imported)."""
+    hello = getattr(implementation.batch_class, "hello", None)
+    language = hello.get("language") if isinstance(hello, dict) else None
+    return str(language) if language else "python"
+
+
 def describe(implementation=None, model=None, device=None) -> dict:
     env = {**environment(device), "git_commit": git_commit(),
            "known_answer": known_answer.checked(device).to_json()}
@@ -57,6 +66,7 @@ def describe(implementation=None, model=None, device=None) -> dict:
                                                                             implementation.batch_class)
         env["implementation_package"] = package
         env["capabilities"] = implementation.capabilities
+        env["implementation_language"] = implementation_language(implementation)
     if model is not None:
         env["model"] = model.name
         env["model_sha256"] = model.sha256
