@@ -132,3 +132,47 @@ def test_the_node_cache_passes_the_vectors_and_its_bug_control_is_named(exported
     assert f"# fail {len(FEW)}" in failed.stdout  # every row is extracted at each event's end
     named = re.findall(r"0: '([\w-]+): after call \d+ \((\w+), layer 0, event \d+\)", failed.stdout)
     assert sorted(named) == sorted((Path(f).stem, "extract") for f in FEW), failed.stdout[-3000:]
+
+
+def raw_bits(x) -> list:
+    """An array's elements as their bits (unsigned integers of the element's width)."""
+    import numpy as np
+
+    array = tensor_file.bits_of(x)[1]
+    return array.view({4: np.uint32, 2: np.uint16}[array.dtype.itemsize]).reshape(-1).tolist()
+
+
+def quantize_cases() -> list:
+    """Groups that reach each branch of MLX's affine quantization, answered by mx.quantize."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(44)
+    ties = np.tile(np.array([0, 3, 0.5, 1.5, 2.5, 1, 2, 3], np.float32), 16)  # (3 - w) / 1 lands on halves
+    groups = {
+        "normal": lambda: rng.standard_normal(128), "tiny": lambda: rng.standard_normal(128) * 1e-8,
+        "large": lambda: rng.standard_normal(128) * 1e4, "zeros": lambda: np.zeros(128),
+        "constant": lambda: np.full(128, -0.37), "positive": lambda: np.abs(rng.standard_normal(128)),
+        "negative": lambda: -np.abs(rng.standard_normal(128)), "ties": lambda: ties,
+        "subnormal": lambda: rng.standard_normal(128) * 1e-6,
+    }
+    cases = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for bits in (2, 3, 4, 5, 6, 8):
+            for group_size in (32, 64, 128):
+                for label, draw in groups.items():
+                    x = mx.array(np.stack([draw(), draw()]).astype(np.float32)).astype(getattr(mx, dtype))
+                    triple = mx.quantize(x, group_size=group_size, bits=bits)
+                    raw = [raw_bits(a) for a in (x, *triple)]
+                    cases.append(dict(zip(("x", "packed", "scales", "biases"), raw), dtype=dtype, bits=bits,
+                                      group_size=group_size, rows=2, dim=128, label=label))
+    return cases
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_the_node_quantization_is_mlxs_bit_for_bit():
+    cases = quantize_cases()
+    done = subprocess.run([NODE, str(NODE_DIR / "quantize-cases.mjs")], input=json.dumps(cases), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"{len(cases)} of {len(cases)} cases bit-exact" in done.stdout
