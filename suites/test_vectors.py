@@ -5,6 +5,7 @@ another language (impl/node/, its own ``node --test``)."""
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,6 +31,13 @@ SCHEMA = ROOT / "reports" / "schema" / "vectors.schema.json"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     path, _ = vectors.export(tmp_path_factory.mktemp("vectors") / "set", FEW)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """One schedule's vectors: each check of them exports it again."""
+    path, _ = vectors.export(tmp_path_factory.mktemp("vectors") / "one", FEW[:1])
     return path
 
 
@@ -67,7 +75,8 @@ def test_the_files_are_what_the_manifest_and_the_schema_say(exported):
     assert tensors["tape/L0/a/keys.packed"][0] == "U32"
 
 
-def test_check_passes_an_exported_set_and_names_what_was_edited(exported, tmp_path, capsys):
+def test_check_passes_an_exported_set_and_names_what_was_edited(one, tmp_path, capsys):
+    exported = one
     assert main(["vectors", "check", str(exported)]) == EXIT_OK
     assert "identical to the current oracle's export" in capsys.readouterr().out
 
@@ -176,3 +185,19 @@ def test_the_node_quantization_is_mlxs_bit_for_bit():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert f"{len(cases)} of {len(cases)} cases bit-exact" in done.stdout
+
+
+@pytest.mark.slow  # 4 s a level here: the catalog's prefill and extract schedules, passing and with the bug
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+@pytest.mark.parametrize("level", ["L1", "L2"])
+def test_the_node_cache_through_the_process_protocol(level, monkeypatch, capsys):
+    """kvparity check on the Node cache as a process: it passes, and its bug
+    control fails with one root cause, extract (needs the process protocol)."""
+    pytest.importorskip("kvparity.suites.process_cache", reason="the process protocol (--impl exec:) is not here")
+    impl = f"exec:{shlex.quote(NODE)} {shlex.quote(str(NODE_DIR / 'cache.mjs'))}"
+    schedules = [a for f in FEW[1:] for a in ("--schedule", f)]
+    assert main(["check", "--level", level, *schedules, "--impl", impl]) == EXIT_OK, capsys.readouterr().out
+    monkeypatch.setenv("KVPARITY_NODE_BUG", "extract")
+    assert main(["check", "--level", level, *schedules, "--impl", impl]) == EXIT_BROKEN
+    out = capsys.readouterr().out
+    assert "1 root cause(s):" in out and "[1] extract:" in out, out[-3000:]
