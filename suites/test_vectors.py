@@ -56,7 +56,6 @@ def test_the_files_are_what_the_manifest_and_the_schema_say(exported):
     schema = json.loads(SCHEMA.read_text())
     assert schema["$defs"]["format"]["const"] == vectors.FORMAT
     assert schema["$defs"]["format_version"]["const"] == vectors.FORMAT_VERSION
-    assert schema["$defs"]["call"]["properties"]["member"]["enum"] == list(vectors.RECORDED)
     for path in exported.glob("*.json"):
         jsonschema.validate(json.loads(path.read_text()), schema)
     wrong = json.loads((exported / "bits-3.json").read_text())

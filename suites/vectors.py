@@ -49,6 +49,8 @@ PARTS = tuple(f"{name}.{part}" for name in ("keys", "values") for part in TRIPLE
 # What a batch call leaves, for the rows' columns: "aligned" rows own [left_padding, size());
 # "prefill" (a padded prefill before finalize) rows own [0, length); "none" (prepare) nothing yet.
 ALIGNED, PREFILL, NONE = "aligned", "prefill", "none"
+LAYOUTS = (ALIGNED, PREFILL, NONE)
+WHOLE, SELECTED = "whole", "selected"  # the manifest's catalog: every L1 schedule, or those --schedule named
 
 
 class VectorsError(Exception):
@@ -371,7 +373,7 @@ def write_vectors(folder: Path, schedules, whole_catalog: bool, progress=None) -
         if progress:
             progress(recorded.name)
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "versions": versions(),
-                "catalog": "whole" if whole_catalog else "selected", "schedules": listed, "files": files}
+                "catalog": WHOLE if whole_catalog else SELECTED, "schedules": listed, "files": files}
     (folder / MANIFEST).write_bytes(dump_json(manifest))
     return manifest
 
@@ -423,7 +425,7 @@ def check(directory, progress=None) -> Checked:
             raise VectorsDiffer(f"{path}: listed in the manifest, missing")
         if sha256(path) != digest:
             raise VectorsDiffer(f"{path}: sha256 {sha256(path)} is not the manifest's {digest} (edited after export)")
-    if manifest["catalog"] == "whole":
+    if manifest["catalog"] == WHOLE:
         schedules = l1_schedules()
     else:
         known = {s.name: s for s in l1_schedules()}
@@ -432,7 +434,7 @@ def check(directory, progress=None) -> Checked:
             raise VectorsDiffer(f"{directory / MANIFEST}: schedule {missing[0]!r} is no L1 schedule of the catalog now")
         schedules = [known[s["name"]] for s in manifest["schedules"]]
     with tempfile.TemporaryDirectory(prefix="kvparity-vectors-") as scratch:
-        fresh = (write_vectors(Path(scratch), schedules, manifest["catalog"] == "whole", progress))
+        fresh = (write_vectors(Path(scratch), schedules, manifest["catalog"] == WHOLE, progress))
         tensors = compare_directories(directory, Path(scratch), manifest, fresh)
     return Checked(len(fresh["files"]) + 1, tensors, len(schedules))
 
