@@ -100,8 +100,9 @@ export class BatchQuantizedKVCache {
     const width = this.idx + N;
     ['keys', 'values'].forEach((name, k) => {
       this[name] = appended[k].map((fresh, part) => {
-        const grown = place(fresh, rows, 0, N, width, this.idx);
+        const grown = place(fresh, rows, 0, N, width, this.idx); // the new columns, zeros before them
         if (this[name]) {
+          // The old columns, zeros after them: the two cover disjoint columns, so OR joins them.
           const old = place(this[name][part], rows, 0, this.idx, width, 0);
           for (let i = 0; i < grown.data.length; i++) old.data[i] |= grown.data[i];
           return old;

@@ -112,7 +112,6 @@ export function replay(entry, Cache = BatchQuantizedKVCache) {
   };
   const call = (record) => {
     const { member, args, layer } = record;
-    const before = failures.length;
     let batch = batches.get(record.batch);
     let fetched = null;
     try {
@@ -148,7 +147,6 @@ export function replay(entry, Cache = BatchQuantizedKVCache) {
     } else {
       checkLayout(record, batch, record.expected, fetched);
     }
-    void before;
   };
   const compareAll = (record, triples, row, where) => compareRow(record, record.layer, triples, 0, 0, row, where);
   for (const event of cases.events) {
