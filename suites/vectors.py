@@ -36,7 +36,7 @@ from kvparity.oracle.machine import machine, package_version
 from kvparity.suites.adapter import REFERENCE, WRITE, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import TRIPLE
 from kvparity.suites.l1 import L1Run
-from kvparity.suites.l1_checks import MASK_WIDTHS
+from kvparity.suites.l1_checks import MASK_WIDTHS, expected_mask
 from kvparity.suites.levels import L1
 from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
@@ -237,7 +237,7 @@ class Recorder:
 
     def on_call(self, member: str, layer: int, batch, rows: List[str], **what):
         self.after(member, layer, batch, rows, **what)  # the run's own evidence first: it brings the oracle up
-        name, first, args, kwargs, out = self.log.calls[-1]
+        name, _, args, kwargs, _ = self.log.calls[-1]
         self.log.calls.clear()
         if name != member:
             raise VectorsError(f"the replay reported {member}, the last call made was {name}")
@@ -290,22 +290,12 @@ class Recorder:
             for n in MASK_WIDTHS:
                 name = f"event/{index}/L{layer}/mask{n}"
                 masks[str(n)] = name
-                self.tensors[name] = ("BOOL", expected_mask(state["left_padding"], state["size"], n))
+                self.tensors[name] = ("BOOL", expected_mask(state["left_padding"], state["size"], n))  # the L1 check's
             layers.append({"layer": layer, "batch": self.handle(batch), **state, "masks": masks})
         self.events.append({"event": index, "label": event.label, "kind": event.kind,
                             "calls": [self.first_call, len(self.calls)], "layers": layers,
                             "stored": list(self.stored)})
         self.first_call = len(self.calls)
-
-
-def expected_mask(left_padding: List[int], size: int, n: int) -> np.ndarray:
-    """What ``make_mask(n)`` must give, as booleans [rows, n, size + n]: row
-    ``i``'s query ``q`` sees column ``c`` when ``c >= left_padding[i]`` and
-    ``c <= size + q`` (the rule of the L1 mask check)."""
-    columns = np.arange(size + n)[None, None, :]
-    queries = np.arange(n)[None, :, None]
-    pads = np.array(left_padding, dtype=np.int64)[:, None, None]
-    return (columns >= pads) & (columns <= size + queries)
 
 
 def record_schedule(schedule, reference: Implementation = None) -> Recorded:
