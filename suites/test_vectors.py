@@ -15,6 +15,7 @@ import pytest
 
 from kvparity.impl.negative_controls import MaskIgnoresLeftPadding
 from kvparity.oracle import tensor_file
+from kvparity.oracle.gguf import sha256_file
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites import vectors
 from kvparity.suites.adapter import Implementation
@@ -64,7 +65,7 @@ def test_the_files_are_what_the_manifest_and_the_schema_say(exported):
         jsonschema.validate(wrong, schema)
     manifest = json.loads((exported / vectors.MANIFEST).read_text())
     for name, digest in manifest["files"].items():
-        assert vectors.sha256(exported / name) == digest
+        assert sha256_file(exported / name) == digest
     cases = json.loads((exported / "bits-3.json").read_text())
     tensors, _ = tensor_file.read(exported / cases["tensors"])
     members = [c["member"] for c in cases["calls"]]
@@ -89,7 +90,7 @@ def test_check_passes_an_exported_set_and_names_what_was_edited(one, tmp_path, c
 
     # The same edit with the manifest's sha256 made to match: stale against the oracle, named by its path.
     manifest = json.loads((edited / vectors.MANIFEST).read_text())
-    manifest["files"]["bits-3.json"] = vectors.sha256(edited / "bits-3.json")
+    manifest["files"]["bits-3.json"] = sha256_file(edited / "bits-3.json")
     (edited / vectors.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(vectors.VectorsDiffer, match=r"bits-3.json: at /calls/1/expected/rows/0/length: 23, the "
                                                     r"current oracle gives 22"):
@@ -103,8 +104,8 @@ def test_check_passes_an_exported_set_and_names_what_was_edited(one, tmp_path, c
     tensors["tape/L0/b/values.scales"] = (code, tape)
     tensor_file.write(edited / "bits-3.safetensors", tensors, metadata)
     shutil.copyfile(exported / "bits-3.json", edited / "bits-3.json")
-    manifest["files"]["bits-3.json"] = vectors.sha256(edited / "bits-3.json")
-    manifest["files"]["bits-3.safetensors"] = vectors.sha256(edited / "bits-3.safetensors")
+    manifest["files"]["bits-3.json"] = sha256_file(edited / "bits-3.json")
+    manifest["files"]["bits-3.safetensors"] = sha256_file(edited / "bits-3.safetensors")
     (edited / vectors.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(vectors.VectorsDiffer, match=r"bits-3.safetensors: tensor 'tape/L0/b/values.scales' "
                                                     r"differs at flat index 3"):

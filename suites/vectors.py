@@ -21,7 +21,6 @@ its sha256 in the manifest (edited), then against a fresh export (stale),
 naming the file and the first thing that differs.
 """
 
-import hashlib
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import numpy as np
 
 from kvparity.oracle import tensor_file
 from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.gguf import sha256_file
 from kvparity.oracle.machine import machine, package_version
 from kvparity.suites.adapter import REFERENCE, WRITE, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import TRIPLE
@@ -343,10 +343,6 @@ def dump_json(doc) -> bytes:
     return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def write_vectors(folder: Path, schedules, whole_catalog: bool, progress=None) -> dict:
     """Every schedule's cases and tensors into ``folder``, then the manifest; returns it."""
     files, listed = {}, []
@@ -356,7 +352,7 @@ def write_vectors(folder: Path, schedules, whole_catalog: bool, progress=None) -
         (folder / cases_file).write_bytes(dump_json(recorded.cases))
         tensor_file.write(folder / tensors_file, recorded.tensors, {"format": FORMAT, "schedule": recorded.name})
         for name in (cases_file, tensors_file):
-            files[name] = sha256(folder / name)
+            files[name] = sha256_file(folder / name)
         listed.append({"name": recorded.name, "source": recorded.cases["source"], "cases": cases_file,
                        "tensors": tensors_file, "calls": len(recorded.cases["calls"]),
                        "events": len(recorded.cases["events"])})
@@ -413,8 +409,9 @@ def check(directory, progress=None) -> Checked:
         path = directory / name
         if not path.is_file():
             raise VectorsDiffer(f"{path}: listed in the manifest, missing")
-        if sha256(path) != digest:
-            raise VectorsDiffer(f"{path}: sha256 {sha256(path)} is not the manifest's {digest} (edited after export)")
+        actual = sha256_file(path)
+        if actual != digest:
+            raise VectorsDiffer(f"{path}: sha256 {actual} is not the manifest's {digest} (edited after export)")
     if manifest["catalog"] == WHOLE:
         schedules = l1_schedules()
     else:
