@@ -116,6 +116,11 @@ def test_no_manifest_is_bad_input(tmp_path, capsys):
     assert main(["vectors", "check", str(tmp_path)]) == EXIT_USAGE
     assert "no manifest" in capsys.readouterr().err
     assert main(["vectors", "export", str(tmp_path)]) == EXIT_USAGE  # never over an existing directory
+    own = tmp_path / "own.json"
+    shutil.copyfile(FEW[0], own)
+    assert main(["vectors", "export", str(tmp_path / "v"), "--schedule", str(own)]) == EXIT_USAGE
+    assert "not a schedule file of the catalog" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
 
 
 def test_no_vectors_from_a_run_that_fails():

@@ -38,7 +38,7 @@ from kvparity.suites.compare import TRIPLE
 from kvparity.suites.l1 import L1Run
 from kvparity.suites.l1_checks import MASK_WIDTHS, expected_mask
 from kvparity.suites.levels import L1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.schedule import CATALOG, ScheduleError, catalog_paths, load
 
 FORMAT = "kvparity-vectors"
 FORMAT_VERSION = 1
@@ -328,9 +328,24 @@ def record_schedule(schedule, reference: Implementation = None) -> Recorded:
 
 
 def l1_schedules(files: Optional[List[str]] = None) -> list:
-    """The L1 schedules of the catalog (or of ``files``), in file order."""
-    paths = [Path(f) for f in files] if files else catalog_paths(folder=CATALOG)
-    return [s for s in (load(p) for p in paths) if L1 in s.levels]
+    """The L1 schedules of the catalog, or those of its files named in
+    ``files``, in file order. A file of one's own is refused (ScheduleError):
+    ``check`` makes the vectors again from the catalog by name."""
+    catalog = catalog_paths(folder=CATALOG)
+    if not files:
+        return [s for s in (load(p) for p in catalog) if L1 in s.levels]
+    chosen = []
+    for file in files:
+        path = Path(file)
+        if not any(path.is_file() and path.samefile(p) for p in catalog):
+            raise ScheduleError(f"--schedule {file}: not a schedule file of the catalog ({CATALOG}); the vectors "
+                                "are the catalog's, which kvparity vectors check makes again by name")
+        schedule = load(path)
+        if L1 not in schedule.levels:
+            raise ScheduleError(f"--schedule {file}: {schedule.name} is no L1 schedule (levels "
+                                f"{', '.join(schedule.levels)})")
+        chosen.append(schedule)
+    return chosen
 
 
 def versions() -> dict:

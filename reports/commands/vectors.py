@@ -30,7 +30,7 @@ def arguments(command):
     export = actions.add_parser("export", help="write the vectors into a new directory DIR")
     export.add_argument("directory", metavar="DIR")
     export.add_argument("--schedule", metavar="FILE", action="append",
-                        help="these L1 schedule files only (default: the whole L1 catalog)")
+                        help="these L1 schedule files of the catalog only (default: the whole L1 catalog)")
     check = actions.add_parser("check", help="hold DIR against the current oracle")
     check.add_argument("directory", metavar="DIR")
 
