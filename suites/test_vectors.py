@@ -132,7 +132,7 @@ def test_no_vectors_from_a_run_that_fails():
 
 def node_test(directory, bug: str = ""):
     env = {**os.environ, "KVPARITY_VECTORS": str(directory), "KVPARITY_NODE_BUG": bug}
-    return subprocess.run([NODE, "--test", str(NODE_DIR)], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([NODE, "--test", str(NODE_DIR)], env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
@@ -206,3 +206,13 @@ def test_the_node_cache_through_the_process_protocol(level, monkeypatch, capsys)
     assert main(["check", "--level", level, *schedules, "--impl", impl]) == EXIT_BROKEN
     out = capsys.readouterr().out
     assert "1 root cause(s):" in out and "[1] extract:" in out, out[-3000:]
+
+
+@pytest.mark.slow  # the whole L1 catalog: export 9 s and node 10 s on an idle 2-core machine (63 s and 20 s at load 15)
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_the_node_cache_passes_the_whole_catalogs_vectors(tmp_path):
+    path, manifest = vectors.export(tmp_path / "all")
+    assert manifest["catalog"] == vectors.WHOLE and len(manifest["schedules"]) >= 80
+    passed = node_test(path)
+    assert passed.returncode == 0, passed.stdout[-3000:]
+    assert f"# pass {len(manifest['schedules']) + 1}" in passed.stdout
