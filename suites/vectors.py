@@ -359,7 +359,8 @@ def dump_json(doc) -> bytes:
 
 
 def write_vectors(folder: Path, schedules, whole_catalog: bool, progress=None) -> dict:
-    """Every schedule's cases and tensors into ``folder``, then the manifest; returns it."""
+    """Every schedule's cases and tensors into ``folder``, then the manifest;
+    returns it. ``progress(name)`` is told of each schedule written."""
     files, listed = {}, []
     for schedule in schedules:
         recorded = record_schedule(schedule)
@@ -436,7 +437,7 @@ def check(directory, progress=None) -> Checked:
             raise VectorsDiffer(f"{directory / MANIFEST}: schedule {missing[0]!r} is no L1 schedule of the catalog now")
         schedules = [known[s["name"]] for s in manifest["schedules"]]
     with tempfile.TemporaryDirectory(prefix="kvparity-vectors-") as scratch:
-        fresh = (write_vectors(Path(scratch), schedules, manifest["catalog"] == WHOLE, progress))
+        fresh = write_vectors(Path(scratch), schedules, manifest["catalog"] == WHOLE, progress)
         tensors = compare_directories(directory, Path(scratch), manifest, fresh)
     return Checked(len(fresh["files"]) + 1, tensors, len(schedules))
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from kvparity.reports.commands.base import UsageError, writable_directory
+from kvparity.reports.commands.runs import Progress
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
 from kvparity.suites import vectors
 
@@ -45,11 +46,14 @@ def export(args):
         raise UsageError(f"{path}: exists; kvparity vectors export writes a new directory, never over one")
     writable_directory(path.parent if str(path.parent) else Path("."), "DIR", shown=path)
     start = time.perf_counter()
+    progress = Progress(len(vectors.l1_schedules(args.schedule)))
     try:
-        written, manifest = vectors.export(path, args.schedule)
+        written, manifest = vectors.export(path, args.schedule, progress.advance)
     except vectors.VectorsError as error:
         print(f"kvparity vectors: {error}")
         return EXIT_BROKEN
+    finally:
+        progress.close()
     size = sum(p.stat().st_size for p in written.iterdir())
     calls = sum(s["calls"] for s in manifest["schedules"])
     print(f"{written}: {len(manifest['schedules'])} schedules, {calls} protocol calls, "
@@ -60,12 +64,18 @@ def export(args):
 def check(args):
     start = time.perf_counter()
     try:
-        checked = vectors.check(args.directory)
+        progress = Progress(len(vectors.read_manifest(args.directory)["schedules"]))
+    except vectors.VectorsError as error:
+        raise UsageError(str(error))
+    try:
+        checked = vectors.check(args.directory, progress.advance)
     except vectors.VectorsError as error:
         raise UsageError(str(error))
     except vectors.VectorsDiffer as error:
         print(f"kvparity vectors: FAIL {error}")
         return EXIT_BROKEN
+    finally:
+        progress.close()
     print(f"{args.directory}: identical to the current oracle's export ({checked.schedules} schedules, "
           f"{checked.files} files, {checked.tensors} tensors compared byte for byte, "
           f"{time.perf_counter() - start:.1f} s)")
