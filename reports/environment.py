@@ -48,20 +48,6 @@ def implementation_version(spec, batch_class=None):
     return implementation_distribution(spec, batch_class)[1]
 
 
-def said_by_the_process(implementation, key: str):
-    """What a cache in another process says of itself in its hello (kept on
-    the class standing in for it), or None."""
-    hello = getattr(implementation.batch_class, "hello", None)
-    value = hello.get(key) if isinstance(hello, dict) else None
-    return str(value) if value else None
-
-
-def implementation_language(implementation) -> str:
-    """The language the cache under test is written in: its process's word
-    for it, else Python (a class kvparity imported)."""
-    return said_by_the_process(implementation, "language") or "python"
-
-
 def describe(implementation=None, model=None, device=None) -> dict:
     env = {**environment(device), "git_commit": git_commit(),
            "known_answer": known_answer.checked(device).to_json()}
@@ -70,10 +56,7 @@ def describe(implementation=None, model=None, device=None) -> dict:
         package, env["implementation_version"] = implementation_distribution(implementation.spec,
                                                                             implementation.batch_class)
         env["implementation_package"] = package
-        if package is None and said_by_the_process(implementation, "version"):
-            env["implementation_version"] = said_by_the_process(implementation, "version")
         env["capabilities"] = implementation.capabilities
-        env["implementation_language"] = implementation_language(implementation)
     if model is not None:
         env["model"] = model.name
         env["model_sha256"] = model.sha256

@@ -241,6 +241,18 @@ export class BatchQuantizedKVCache {
     return mask;
   }
 
+  // A batch equal to this one that shares nothing with it (mlx-lm's BatchGenerator deep-copies batches).
+  copy() {
+    const twin = Object.assign(Object.create(BatchQuantizedKVCache.prototype), this);
+    for (const name of ['keys', 'values']) {
+      twin[name] = this[name] && this[name].map((t) => tensor(t.dtype, t.shape, t.data.slice()));
+    }
+    twin.leftPadding = [...this.leftPadding];
+    twin.offset = [...this.offset];
+    twin.rightPadding = this.rightPadding && [...this.rightPadding];
+    return twin;
+  }
+
   // The bytes the batch holds.
   get nbytes() {
     const all = [...(this.keys || []), ...(this.values || [])];

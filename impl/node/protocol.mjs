@@ -103,6 +103,11 @@ export class Server {
         this.batches.set(handle, this.Cache.merge(rows));
         return [{ batch: handle }, []];
       }
+      case 'copy': {
+        const handle = this.next++;
+        this.batches.set(handle, batch().copy());
+        return [{ batch: handle }, []];
+      }
       case 'extend': batch().extend(this.batch(args.other)); return [{}, []];
       case 'filter': batch().filter(args.indices); return [{}, []];
       case 'trim': return [{ trimmed: batch().trim(args.n) }, []];
