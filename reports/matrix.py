@@ -103,6 +103,17 @@ class Row:
         return f"{self.implementation} {version}"
 
     @property
+    def language(self) -> Optional[str]:
+        """The language the cache is written in: the report's word (a process
+        cache's hello), else Python for a MODULE:FACTORY it imported; None
+        where neither says."""
+        said = (self.record or {}).get("environment", {}).get("implementation_language")
+        if said:
+            return said
+        module, colon, factory = self.implementation.partition(":")
+        return "python" if colon and module and factory and " " not in module else None
+
+    @property
     def exit_status(self) -> int:
         return EXIT_CANNOT_JUDGE if self.record is None else self.record["exit_status"]
 
@@ -337,7 +348,8 @@ def build(rows: List[Row], out: Path, gate: bool, report_links: bool = True) -> 
     for r in rows:
         env = r.record["environment"] if r.record else {}
         docs.append({
-            "implementation": r.implementation, "name": r.name, "version": r.version, "mlx_lm": r.mlx_lm,
+            "implementation": r.implementation, "name": r.name, "language": r.language, "version": r.version,
+            "mlx_lm": r.mlx_lm,
             "mlx": env.get("mlx"),
             "device": env.get("device"), "folder": str(r.folder),
             "report": _link(r.report / "report.html", out) if r.report and report_links else None,
@@ -445,6 +457,11 @@ def _row_label(row: dict) -> str:
     return row.get("name") or f"{row['implementation']} {row['version'] or 'unknown version'}"
 
 
+def language_text(row: dict) -> str:
+    """A row's language (matrix.json from before the column has none)."""
+    return row.get("language") or "—"
+
+
 def verdict_text(row: dict) -> str:
     """A row's verdict in words: cannot install (why), or its exit status's meaning."""
     if row["cannot_install"] is not None:
@@ -487,11 +504,11 @@ def render_markdown(doc: dict) -> str:
     lines = ["# kvparity conformance matrix", "", f"Written {doc['created']} ({SCHEMA}). {INTRO}", ""]
     levels = [c["name"] for c in doc["columns"] if c["kind"] == "level"]
     checks = [c["name"] for c in doc["columns"] if c["kind"] == "check"]
-    table = [[_row_label(row), row["mlx_lm"] or "", verdict_text(row)]
+    table = [[_row_label(row), language_text(row), row["mlx_lm"] or "", verdict_text(row)]
              + [cell_text(row["cells"][c], row["cannot_install"]) for c in levels]
              + ["; ".join(finding_titles(row)) or "—", f"[report]({row['report']})" if row["report"] else "not published"]
              for row in doc["rows"]]
-    lines += ["## Rows", "", tabulate(table, ["row", "mlx-lm", "verdict", *levels, "findings", "report"],
+    lines += ["## Rows", "", tabulate(table, ["row", "language", "mlx-lm", "verdict", *levels, "findings", "report"],
                                       tablefmt="github"), ""]
     table = [[_row_label(row), row["mlx_lm"] or ""] + [cell_text(row["cells"][c], row["cannot_install"])
                                                        for c in checks] for row in doc["rows"]]
@@ -590,13 +607,14 @@ def render_html(doc: dict) -> str:
     checks = [c["name"] for c in doc["columns"] if c["kind"] == "check"]
     rows, check_rows = [], []
     for i, row in enumerate(doc["rows"]):
-        label = (f'<th scope="row" title="{e(row["implementation"])}">{e(_row_label(row))}</th>'
-                 f'<td class="nowrap">{e(row["mlx_lm"] or "")}</td>')
+        name = f'<th scope="row" title="{e(row["implementation"])}">{e(_row_label(row))}</th>'
+        mlx_lm = f'<td class="nowrap">{e(row["mlx_lm"] or "")}</td>'
         report = f'<a class="report" href="{e(row["report"])}">report</a>' if row["report"] else "not published"
+        language = f'<td class="language nowrap">{e(language_text(row))}</td>'
         findings = "<br>".join(e(t) for t in finding_titles(row)) or "—"
-        rows.append(f'<tr data-row="{i}">{label}<td class="verdict">{e(verdict_text(row))}</td>'
+        rows.append(f'<tr data-row="{i}">{name}{language}{mlx_lm}<td class="verdict">{e(verdict_text(row))}</td>'
                     f'{_cells_html(row, i, levels)}<td>{findings}</td><td class="nowrap">{report}</td></tr>')
-        check_rows.append(f'<tr data-row="{i}">{label}{_cells_html(row, i, checks)}</tr>')
+        check_rows.append(f'<tr data-row="{i}">{name}{mlx_lm}{_cells_html(row, i, checks)}</tr>')
     legend = "".join(f'<span class="{css}">{e(words)}</span>' for css, words in LEGEND)
     level_head = "".join(f'<th class="level">{e(c)}</th>' for c in levels)
     check_head = "".join(f'<th class="check">{e(c)}</th>' for c in checks)
@@ -604,7 +622,7 @@ def render_html(doc: dict) -> str:
             f'<meta name="viewport" content="width=device-width"><style>{STYLE}</style></head><body>'
             f"<h1>kvparity conformance matrix</h1><p>Written {e(doc['created'])}. {e(INTRO)}</p>"
             f'<p class="legend">{legend}</p>'
-            f'<table id="matrix"><thead><tr><th>row</th><th>mlx-lm</th><th>verdict</th>{level_head}'
+            f'<table id="matrix"><thead><tr><th>row</th><th>language</th><th>mlx-lm</th><th>verdict</th>{level_head}'
             f"<th>findings</th><th>report</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             f'<h2>Checks</h2><table id="checks"><thead><tr><th>row</th><th>mlx-lm</th>{check_head}</tr></thead>'
             f"<tbody>{''.join(check_rows)}</tbody></table>{_architectures_html(doc)}{_findings_html(doc)}"

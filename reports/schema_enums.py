@@ -11,12 +11,14 @@ import json
 import sys
 from pathlib import Path
 
+from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES
 from kvparity.reports.expectations import MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import CHOICES, GATES
 from kvparity.reports.verdicts import STATUS
 from kvparity.suites.checks import CHECKS, HYGIENE, HYGIENE_CHECKS, PARITY
 from kvparity.suites.evidence import OUTCOMES, STOPS
 from kvparity.suites.levels import LEVELS, SCHEDULE_LEVELS
+from kvparity.suites.vectors import LAYOUTS, RECORDED, SELECTED, WHOLE
 
 SCHEMAS = Path(__file__).parent / "schema"
 
@@ -37,6 +39,12 @@ ENUMS = {
     ("report.schema.json", "/$defs/divergence/properties/kind"): [PARITY, HYGIENE],
     ("report.schema.json", "/$defs/check"): list(CHECKS),
     ("matrix.schema.json", "/properties/exit_status"): list(STATUS),
+    ("vectors.schema.json", "/$defs/manifest/properties/catalog"): [WHOLE, SELECTED],
+    ("vectors.schema.json", "/$defs/cases/properties/bits"): list(BITS),
+    ("vectors.schema.json", "/$defs/cases/properties/group_size"): list(GROUP_SIZES),
+    ("vectors.schema.json", "/$defs/cases/properties/dtype"): list(DTYPES),
+    ("vectors.schema.json", "/$defs/layout/properties/layout"): list(LAYOUTS),
+    ("vectors.schema.json", "/$defs/call/properties/member"): list(RECORDED),
 }
 
 

@@ -488,3 +488,24 @@ def test_an_l4_finding_on_an_architecture_is_reproduced_on_that_model(tmp_path):
         _, _, replay = matrix._schedule_of(row, name, str(burst), "L4")
         words = shlex.split(replay)
         assert words[words.index("--model") + 1] == model and words[words.index("--server") + 1] == served["command"]
+
+
+def test_a_cache_in_another_language_is_a_row_beside_the_python_ones(rows, tmp_path, capsys):
+    """The language column: a process cache's own word for its language (its
+    hello, in the report's environment), Python for a class kvparity imports."""
+    given = tmp_path / "rows"
+    shutil.copytree(rows / "reference", given / "reference")
+    shutil.copytree(rows / "reference", given / "node")
+    (given / "vlm").mkdir()
+    (given / "vlm" / matrix.CANNOT_INSTALL).write_text(json.dumps(CANNOT))
+    report = next((given / "node").rglob("report.json"))
+    record = json.loads(report.read_text())
+    record["environment"].update(implementation="exec:node impl/node/cache.mjs", implementation_language="javascript")
+    report.write_text(json.dumps(record))
+    status, doc, out = render(given, tmp_path)
+    assert status == EXIT_OK
+    jsonschema.validate(doc, json.loads((matrix.SCHEMAS / "matrix.schema.json").read_text()))
+    assert {row["implementation"]: row["language"] for row in doc["rows"]} == {
+        REFERENCE: "python", "exec:node impl/node/cache.mjs": "javascript", CANNOT["implementation"]: "python"}
+    assert "| language |" in (out / "matrix.md").read_text().replace("  ", " ").replace("  ", " ")
+    assert '<td class="language nowrap">javascript</td>' in (out / "matrix.html").read_text()

@@ -407,11 +407,16 @@ def check_mask(batch, rows, size, pads, checks: EventChecks, event, named):
                                                        named))
 
 
-def _note_mask(checks, rows, size, pads, label, at, N, mask, named):
+def expected_mask(pads, size: int, N: int) -> np.ndarray:
+    """What ``make_mask(N)`` must give, as booleans [rows, N, size + N]: row
+    i may see column c for query q when c >= pads[i] and c <= size + q."""
     columns = np.arange(size + N)[None, :]
     queries = np.arange(N)[:, None]
-    # Row i may see column c for query q when c >= pads[i] and c <= size + q.
-    expected_rows = (columns[None] >= np.array(pads, dtype=np.int64)[:, None, None]) & (columns <= size + queries)
+    return (columns[None] >= np.array(pads, dtype=np.int64)[:, None, None]) & (columns <= size + queries)
+
+
+def _note_mask(checks, rows, size, pads, label, at, N, mask, named):
+    expected_rows = expected_mask(pads, size, N)
     equal = None if mask is None else (mask == expected_rows).all(axis=(1, 2))
     for i, rid in enumerate(rows):
         expected = expected_rows[i]
