@@ -40,7 +40,8 @@ from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, 
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import (
-    RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward, layer_of,
+    RESHAPING_MEMBERS, WRITE, ForwardRaised, HungEarlier, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward,
+    layer_of,
 )
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, QUANTIZED, TOKENS
@@ -53,7 +54,7 @@ from kvparity.suites.engines import (
     make_engine,
 )
 from kvparity.suites.evidence import (
-    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
+    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_not_judged, note_raised,
 )
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.levels import L3
@@ -223,6 +224,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             return None
         except MlxLmDefectFound as found:
             result.stop(MLX_LM_DEFECT, str(found))
+            return None
+        except HungEarlier as skipped:
+            note_not_judged(result, SERVE_LABEL, skipped)
             return None
         except MemberRaised as raised:  # the cache under test declined or broke
             raised.layer = layer_of(raised, loaded.model.layers)

@@ -29,11 +29,11 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
-from kvparity.suites.adapter import MemberRaised, consuming, returned_as_expected
+from kvparity.suites.adapter import HungEarlier, MemberRaised, consuming, returned_as_expected
 from kvparity.suites.compare import in_words, rows_in_words
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
-                                      note_raised)
+                                      note_not_judged, note_raised)
 from kvparity.suites.levels import L2
 
 
@@ -592,5 +592,8 @@ def drive(result: ScheduleResult, replay: Replay, events, check) -> bool:
             return False
         except OracleFailed as error:
             result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")
+            return False
+        except HungEarlier as skipped:
+            note_not_judged(result, label, skipped)
             return False
     return True
