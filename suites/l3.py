@@ -35,17 +35,19 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
+from kvparity.oracle.generation import (
+    SoloGeneration, StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, semantics,
+)
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import (
-    RESHAPING_MEMBERS, WRITE, ForwardRaised, HungEarlier, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward,
-    layer_of,
+    RESHAPING_MEMBERS, WRITE, ForwardRaised, HungEarlier, MemberRaised, OutputRaised, calls_made, handed_unlike_mlx_lm,
+    in_forward, layer_of,
 )
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
-from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, QUANTIZED, TOKENS
-from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
+from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, OUTPUT_CHECKS, QUANTIZED, TOKENS
+from kvparity.suites.compare import Divergence, a_triple, compare_named, first_difference, in_words
 from kvparity.suites.engines import (
     EngineRequest,
     EngineRun,
@@ -135,6 +137,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
             compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
+        check_stored(result, loaded, requests, run, calls)
         result.seconds = time.perf_counter() - start
     return result
 
@@ -240,12 +243,16 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                 result.stop(NOT_SUPPORTED if raised.capability else REFUSED,
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:
-                note_raised(result, 0, SERVE_LABEL, raised, everyone, said=what)
+                raised = from_a_wrong_entry(result, loaded, requests, engine, raised,
+                                            f"the engine's call of {raised.member}") or raised
+                note_raised(result, 0, SERVE_LABEL, raised, everyone, said="" if isinstance(raised, OutputRaised)
+                            else what)
             return None
         except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
             frame = ForwardRaised.FRAME if in_forward(error, loaded.model) else ForwardRaised.ENGINE
             raised = ForwardRaised(error, frame)
             raised.layer = layer_of(error, loaded.model.layers)
+            raised = from_a_wrong_entry(result, loaded, requests, engine, raised, frame) or raised
             # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
             note_raised(result, 0, SERVE_LABEL, raised, everyone, reshaped=reshaping(implementation.trail[trail_start:]))
             return None
@@ -259,6 +266,112 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     ends = {s.step: s.calls - first_call for s in run.timeline or () if s.calls is not None and first_call is not None}
     arrived = {rid: s.step for s in run.timeline or () for rid in s.arrived}
     return run, CallTrail(members, ends, arrived)
+
+
+def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], run: EngineRun,
+                 calls: Optional[CallTrail] = None) -> List[StoredPrefix]:
+    """Each entry the engine stored, as ``extract`` returned it, against
+    mlx-lm's own cache of its request generated alone (from the entry that
+    request started from, as the oracle starts it), on the tokens it is
+    stored under: its offset is their count, its bits and group size the
+    request's, and every quantized layer's bytes on them mlx-lm's. What the
+    engine and the oracle later start from is that entry, so a wrong row
+    would be judged against itself; here it is extract's divergence, before
+    anything that consumed it, unless the request's own output diverged
+    before the entry was stored (the batch was wrong already: the entry
+    then joins what reshaped the batch, as that output does). Entries of a
+    request that started from a wrong one are not checked again: their
+    first divergence is that entry's. Returns the entries that diverged."""
+    asked, wrong, alone = {r.id: r for r in requests}, [], {}
+    for number in sorted(run.stored):
+        entry = run.stored[number]
+        source = asked.get(entry.source)
+        use = run.prefixes.get(entry.source)
+        started_wrong = use is not None and any(w.number == use.entry for w in wrong)
+        if entry.layers is None or source is None or started_wrong:  # unusable: said where a request starts from it
+            continue
+        if entry.source not in alone:
+            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run)
+        found, compared = entry_divergences(entry, alone[entry.source], loaded.plan)
+        if found and output_diverged_by(result, run, entry.source, entry.step):
+            made = calls.reshaped(entry.source, entry.step) if calls is not None else ()
+            found = [replace(d, member="", reshaped=made) for d in found]
+        result.note(0, EXTRACT, [entry.source], compared, found)
+        if found:
+            wrong.append(entry)
+    return wrong
+
+
+def output_diverged_by(result: ScheduleResult, run: EngineRun, rid: str, step: int) -> bool:
+    """Whether a token or log-prob of ``rid`` that came out at engine step
+    ``step`` or before diverged from its generation alone."""
+    steps = run.outputs[rid].steps if rid in run.outputs else []
+    return any(d.check in OUTPUT_CHECKS and d.step is not None and d.step < len(steps) and steps[d.step] <= step
+               for d in result.row(rid).divergences)
+
+
+def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun) -> list:
+    """mlx-lm's prompt cache of ``request`` generated alone to its end (a
+    next turn with the prompt the engine served it, from the entry it
+    started from): every token it holds, as mlx-lm computes it."""
+    prompt = run.prompts.get(request.id, request.prompt)
+    request = replace(request, prompt=tuple(prompt), continues=None)
+    cache: list = []
+    use = run.prefixes.get(request.id)
+    if use is None:
+        generate_alone(loaded.model, request, prompt_cache=cache)
+    else:
+        generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry], prompt_cache=cache)
+    return cache
+
+
+def entry_divergences(entry: StoredPrefix, alone: list, plan) -> Tuple[List[Divergence], int]:
+    """(divergences, comparisons) of a stored entry's quantized layers
+    against mlx-lm's cache ``alone`` on the entry's tokens, each the
+    divergence of ``extract``, whose row it is."""
+    n, found, compared = len(entry.tokens), [], 0
+    where = dict(request=entry.source, member="extract", detail=f"{entry.describe()}, as extract returned it, "
+                                                                "against mlx-lm's cache of that request alone")
+    for planned, stored, solo in zip(plan.layers, entry.layers, alone):
+        if not planned.quantized:
+            continue
+        compared += 1
+        layer, name = planned.index, f"stored entry #{entry.number}"
+        described, asked = (stored.offset, stored.bits, stored.group_size), (n, solo.bits, solo.group_size)
+        if described != asked:
+            found += [Divergence(EXTRACT, SERVE_LABEL, tensor=f"{name}: {what}", layer=layer, expected=e, actual=a,
+                                 **where)
+                      for what, e, a in zip(("offset", "bits", "group_size"), asked, described) if e != a]
+            continue
+        found += [replace(d, check=EXTRACT, member="extract", detail=where["detail"]) for d in compare_named(
+            tokens_of(solo, n), tokens_of(stored, n), f"{name}: ", event=SERVE_LABEL, request=entry.source,
+            layer=layer)]
+    return found, compared
+
+
+def tokens_of(cache, n: int) -> dict:
+    """A quantized layer's keys and values triples on its first ``n`` tokens, by name."""
+    return {f"{side}.{part}": x[..., :n, :] for side in ("keys", "values")
+            for part, x in zip(("packed", "scales", "biases"), getattr(cache, side))}
+
+
+def from_a_wrong_entry(result: ScheduleResult, loaded, requests, engine, raised: MemberRaised,
+                       consumer: str) -> Optional[OutputRaised]:
+    """Where the engine raised after it stored an entry that ``extract``
+    returned wrong (``check_stored`` on what it stored so far,
+    ``engine.so_far``), the raise is that member's: the engine or the model
+    consumed its row. None where every entry stored was right, or the
+    engine does not say what it stored."""
+    so_far = getattr(engine, "so_far", None)
+    try:
+        wrong = check_stored(result, loaded, requests, so_far) if so_far is not None else []
+    except Exception:  # mlx-lm's own path cannot say what the entries should hold: the raise stands as it is
+        return None
+    if not wrong:
+        return None
+    consumed = OutputRaised("extract", raised.error, consumer, f"{wrong[0].describe()}, wrong as stored")
+    consumed.layer = raised.layer
+    return consumed
 
 
 def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan,
