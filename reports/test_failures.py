@@ -444,19 +444,17 @@ class ExtractCountsOneMoreInAnArray(BatchQuantizedKVCache):
 
 
 @pytest.mark.gqa_batched  # L3's engine batches the grouped-query model
-@pytest.mark.parametrize("bug, seen_at_l3", [
-    ("ExtractCountsOneMore", "extract on stored entry #0: offset"),
-    ("ExtractCountsOneMoreInAnArray", "raised"),
-])
-def test_an_extract_bug_seen_at_l3_through_the_store_joins_extracts_group(bug, seen_at_l3):
+@pytest.mark.parametrize("bug, raised", [("ExtractCountsOneMore", ""),
+                                         ("ExtractCountsOneMoreInAnArray", "the engine's call of merge raised")])
+def test_an_extract_bug_seen_at_l3_through_the_store_joins_extracts_group(bug, raised):
     """What the engine stored is what extract returned: at L3 it is held to
     mlx-lm's own cache of the request alone on the tokens it is stored
     under, before anything consumes it (the engine and the oracle then both
-    start from it). A wrong offset is extract's divergence there, and a
-    merge that later raises on the stored row is extract's too: one group
-    with L1's, naming extract. Before, the first passed L3 (both sides
-    started from the same wrong row) and the second was a group of its own
-    naming merge."""
+    start from it). A wrong offset is the first divergence there, made by
+    the members that shaped the row and extract, and a merge that later
+    raises on the stored row follows from it: one group with L1's, naming
+    extract. Before, the first passed L3 (both sides started from the same
+    wrong row) and the second was a group of its own naming merge."""
     from kvparity.suites.arrivals import L3_CATALOG
     from kvparity.suites.arrivals import load as load_arrivals
     from kvparity.suites.l3 import run_l3
@@ -464,9 +462,10 @@ def test_an_extract_bug_seen_at_l3_through_the_store_joins_extracts_group(bug, s
     impl = load_implementation(f"kvparity.reports.test_failures:{bug}")
     stored = load_arrivals(L3_CATALOG / "stored-prompt-longer.json").with_engine(prefill_batch_size=1)
     l3 = verdicts.judge(run_l3(stored, impl), CPU)
-    assert l3.verdict == FAIL and failures.failure_of(l3).what[0] + (
-        f" on {failures.failure_of(l3).what[1]}" if failures.failure_of(l3).what[1] else "") == seen_at_l3
-    assert l3.evidence.raised_by in ("", "extract")
+    first = failures.failure_of(l3).first
+    assert l3.verdict == FAIL and (first.check, first.tensor) == ("extract", "stored entry #0: offset")
+    assert "extract" in first.reshaped and first.expected == 15 and first.actual == 16, first.message()
+    assert raised in l3.evidence.reason and (not raised or "which diverged as extract returned it" in l3.evidence.reason)
     runs = [verdicts.judge(run_l1(load(CATALOG / "extract-decode-reinsert.json"), impl), CPU), l3]
     (group,) = failures.group(runs, {"impl": impl.spec})
     assert group.at_fault == "extract" and group.levels == ["L1", "L3"], failures.lines([group])
