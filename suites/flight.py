@@ -137,6 +137,13 @@ def read_flight(folder) -> Optional[dict]:
         return None
 
 
+def clear_flight(folder):
+    """No record: a child about to start has run nothing yet. The last
+    record of the one before it (a member it hung in) must not be read as
+    the new child's while that one starts up."""
+    (Path(folder) / FLIGHT_FILE).write_bytes(b"")
+
+
 class Watch:
     """A parent's look at a child's flight record: which member call is
     running, since when, and whether it has outrun the member timeout the
