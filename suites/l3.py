@@ -252,7 +252,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             else:
                 made = reshaping(implementation.trail[trail_start:])
                 wrong = wrong_so_far(result, loaded, requests, engine, made)
-                if wrong:  # it raised on what extract had made of the batch: that is the first divergence
+                if wrong:  # a row stored before it raised was wrong already: that is the first divergence
                     consumed = ForwardRaised(raised.error, ForwardRaised.ENGINE)
                     consumed.layer = raised.layer
                     note_raised(result, 0, SERVE_LABEL, consumed, everyone, said=f"{what}, after {wrong}",
