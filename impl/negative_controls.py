@@ -5,12 +5,14 @@ check expected to catch it. ``test_negative_controls.py`` runs the catalog on
 each and fails if any survives. They are also valid ``--impl`` targets, e.g.
 ``kvparity run --impl kvparity.impl.negative_controls:MaskIgnoresLeftPadding``.
 
-Further down: caches that try to pass without evidence (``VACUITY``), and
-classes that behave differently when subclassed (``SUBCLASS_SENSITIVE``),
-which hold the harness to running the class a user ships as itself.
+Further down: caches that try to pass without evidence (``VACUITY``), a
+cache with a member that never returns (``HANGS``), and classes that behave
+differently when subclassed (``SUBCLASS_SENSITIVE``), which hold the harness
+to running the class a user ships as itself.
 """
 
 import copy
+import time
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -602,6 +604,26 @@ class RollbackRaisesNotImplemented(BatchQuantizedKVCache):
 
 
 VACUITY = [RefusesUpdateAndFetch, ZeroesMergeRefusesFilter, StateReturnsNone, ZeroWidthState]
+
+
+# -- hangs: a member that never returns ------------------------------------------------
+# Judged only by the kvparity executable, whose parent stops a member call that
+# outruns --member-timeout (suites/flight.py); run in process, it would hang its caller.
+
+
+class FilterNeverReturns(BatchQuantizedKVCache):
+    """filter never returns, as a deadlock or a spin in native code would
+    not: the cache's FAIL naming filter, one group, in one member timeout
+    however many schedule runs call filter (the others are not judged)."""
+
+    at_fault = "filter"
+
+    def filter(self, batch_indices):
+        while True:
+            time.sleep(3600)
+
+
+HANGS = [FilterNeverReturns]
 
 
 # -- designed differences: caches that differ on purpose ----------------------------

@@ -144,7 +144,9 @@ def isolated(argv) -> int:
     kernels stay where they are kept between runs)."""
     import signal
 
-    from kvparity.suites.flight import STATE_ENV, ended, how_it_ended, mark_parent, note_crash, read_flight
+    from kvparity.suites.flight import (
+        STATE_ENV, clear_flight, ended, how_it_ended, mark_parent, note_crash, read_flight,
+    )
     from kvparity.suites.processes import (
         STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, signal_name, sweep,
     )
@@ -160,6 +162,7 @@ def isolated(argv) -> int:
             crashed_in = set()
             while stop.signal is None:
                 before = oom_kills()
+                clear_flight(state)  # the last child's record is not this one's
                 stop.child = subprocess.Popen([sys.executable, "-m", "kvparity", *argv], env=environment,
                                               preexec_fn=die_with_parent)
                 status, hung = supervise(stop.child, state, stop)

@@ -20,8 +20,8 @@ from kvparity.reports.policy import GATE
 from kvparity.reports.verdicts import DIVERGED, EXIT_BROKEN, EXIT_OK, HELD, NOT_COMPARED, STATUS
 from kvparity.suites.checks import LOGITS, TOKENS
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS,
-    REFUSED,
+    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
 from kvparity.suites.levels import L2, LEVELS
 
@@ -37,6 +37,7 @@ OUTCOME = {
     ORACLE_NONDETERMINISTIC: ("oracle", "mlx-lm's own solo path differs from itself between two runs"),
     MLX_LM_DEFECT: ("oracle", "the installed mlx-lm's own batched path is wrong for this model whatever the cache holds"),
     EXPECTED_DIVERGENCE: ("expected", "every divergence was declared in the expectations file; evidence complete"),
+    NOT_JUDGED: ("muted", "it calls a member that hung earlier in the run, which is not called again"),
 }
 # Columns of the per-check table: a non-zero count is coloured as its state.
 CHECK_CLASS = {HELD: "pass", DIVERGED: "fail", EXPECTED_DIVERGENCE: "expected", NOT_COMPARED: "muted"}

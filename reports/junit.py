@@ -4,7 +4,8 @@ Rendered from the report.json record, so a stored record can be turned into
 JUnit again. classname is ``kvparity.<level>.<schedule>`` and name the row id.
 What a CI dashboard shows must match the gate: a failed or refused row and a
 row with no evidence are <failure> (none of them passes the gate); a row whose
-capability is not supported, or whose oracle cannot run on this backend, is
+capability is not supported, or whose oracle cannot run on this backend, or
+that was not judged (it calls a member that hung earlier in the run), is
 <skipped>, never a pass. A row whose divergences were all declared in an
 expectations file is <skipped> too (it does not fail the gate, and it is not
 a plain pass), its message naming the declarations. The expectations file
@@ -17,12 +18,12 @@ import xml.etree.ElementTree as ET
 
 from kvparity.reports.expectations import MATCHED, UNEXPECTEDLY_PASSING
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, PASS,
-    REFUSED,
+    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
 
 FAILED = (FAIL, REFUSED, NO_EVIDENCE)
-SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT, EXPECTED_DIVERGENCE)
+SKIPPED = (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT, EXPECTED_DIVERGENCE, NOT_JUDGED)
 # Characters XML 1.0 cannot hold at all, even escaped.
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 # Environment keys worth repeating as <properties> on every suite; the model

@@ -419,3 +419,89 @@ def test_a_bug_seen_at_l2_alone_is_named_by_each_schedules_replay_at_l1():
     failures.explain(groups, at_l1)
     (group,) = groups
     assert group.at_fault == "extract" and group.levels == ["L2"] and group.schedules == 4, failures.lines(groups)
+
+
+class ExtractCountsOneMore(BatchQuantizedKVCache):
+    """extract's row holds the row's tokens but says it holds one more."""
+
+    def extract(self, idx):
+        cache = super().extract(idx)
+        cache.offset += 1
+        return cache
+
+
+class ExtractCountsOneMoreInAnArray(BatchQuantizedKVCache):
+    """extract's row says it holds one more token, in an array (as the batch
+    keeps its per-row offsets), where mlx-lm's QuantizedKVCache keeps an int:
+    the engine's later merge of the stored row raises on it."""
+
+    def extract(self, idx):
+        import mlx.core as mx
+
+        cache = super().extract(idx)
+        cache.offset = mx.array(cache.offset + 1)
+        return cache
+
+
+@pytest.mark.gqa_batched  # L3's engine batches the grouped-query model
+@pytest.mark.parametrize("bug, raised", [
+    pytest.param("ExtractCountsOneMore", "", marks=pytest.mark.slow),  # the array one is seen the same way first
+    ("ExtractCountsOneMoreInAnArray", "the engine's call of merge raised"),
+])
+def test_an_extract_bug_seen_at_l3_through_the_store_joins_extracts_group(bug, raised):
+    """What the engine stored is what extract returned: at L3 it is held to
+    mlx-lm's own cache of the request alone on the tokens it is stored
+    under, before anything consumes it (the engine and the oracle then both
+    start from it). A wrong offset is the first divergence there, made by
+    the members that shaped the row and extract, and a merge that later
+    raises on the stored row follows from it: one group with L1's, naming
+    extract. Before, the first passed L3 (both sides started from the same
+    wrong row) and the second was a group of its own naming merge."""
+    from kvparity.suites.arrivals import L3_CATALOG
+    from kvparity.suites.arrivals import load as load_arrivals
+    from kvparity.suites.l3 import run_l3
+
+    impl = load_implementation(f"kvparity.reports.test_failures:{bug}")
+    stored = load_arrivals(L3_CATALOG / "stored-prompt-longer.json").with_engine(prefill_batch_size=1)
+    l3 = verdicts.judge(run_l3(stored, impl), CPU)
+    first = failures.failure_of(l3).first
+    assert l3.verdict == FAIL and (first.check, first.tensor) == ("extract", "stored entry #0: offset")
+    assert "extract" in first.reshaped and first.expected == 15 and first.actual == 16, first.message()
+    assert raised in l3.evidence.reason and (not raised or "which diverged as extract returned it" in l3.evidence.reason)
+    runs = [verdicts.judge(run_l1(load(CATALOG / "extract-decode-reinsert.json"), impl), CPU), l3]
+    (group,) = failures.group(runs, {"impl": impl.spec})
+    assert group.at_fault == "extract" and group.levels == ["L1", "L3"], failures.lines([group])
+    # The reference: each entry compared, none diverged.
+    reference = run_l3(stored, load_implementation(None))
+    assert verdicts.judge(reference, CPU).verdict == "pass"
+    assert reference.row("long").compared("extract") > 0
+
+
+@pytest.mark.slow  # kvparity check on every level: about 110 s on 2 shared cores
+@pytest.mark.gqa_batched
+def test_kvparity_check_on_an_extract_bug_seen_through_the_store_is_one_group(tmp_path, capsys):
+    """The whole default gate (L1, L2, L3, the catalog and its architectures)
+    on an extract whose row says one token more, in an array: L1 sees the
+    offset, L2 the row mlx-lm cannot take (it exited 128 there before), L3
+    the stored entry, and the engine's merge raising on it. One group,
+    naming extract, at every level."""
+    status = main(["check", "--impl", "kvparity.reports.test_failures:ExtractCountsOneMoreInAnArray",
+                   "--out", str(tmp_path)])
+    said = capsys.readouterr().out
+    assert status == 1, said
+    (report,) = tmp_path.glob("*/report.json")
+    groups = json.loads(report.read_text())["failures"]
+    assert [(g["at_fault"], g["levels"]) for g in groups] == [("extract", ["L1", "L2", "L3"])], said
+
+
+@pytest.mark.gqa_batched  # L2 on the random models
+def test_an_extracted_row_whose_offset_is_an_array_is_extracts_failure_at_l2():
+    """mlx-lm slices a solo row by its offset, an int: a row whose offset is
+    an array is no row the protocol allows, extract's FAIL naming it, where
+    L2's reading of the row raised before (exit 128)."""
+    from kvparity.suites.l2 import run_l2
+
+    impl = load_implementation(f"{__name__}:ExtractCountsOneMoreInAnArray")
+    result = run_l2(load(CATALOG / "extract-decode-reinsert.json"), impl)
+    assert verdicts.judge(result, CPU).verdict == FAIL and result.raised_by == "extract", result.reason
+    assert "extract returned QuantizedKVCache(offset array(" in result.reason, result.reason

@@ -88,6 +88,66 @@ def test_a_member_that_never_returns_fails_naming_it_and_the_run_goes_on(tmp_pat
     assert results["leave-longest"]["raised_by"] == "filter" and results["join-empty"]["verdict"] == "pass"
 
 
+HANGING = "kvparity.impl.negative_controls:FilterNeverReturns"
+FILTERS = (LEAVES, CATALOG / "batched-prefill.json", CATALOG / "batched-join-empty-k192-v128.json")  # each calls filter
+
+
+def hung_waits(record: dict) -> list:
+    """The schedule runs a member hang stopped: one member timeout waited each."""
+    return [r for r in record["results"] if r["verdict"] == "FAIL" and "raised MemberHung:" in r["reason"]]
+
+
+def test_a_hung_member_costs_one_timeout_for_the_whole_run(tmp_path):
+    """Once filter hung, the runs after it that call filter are not judged
+    (stopped at that call, never waited on again), and say why; the hang is
+    the cache's one FAIL, one group naming filter. Without the cut, each of
+    the three runs that call filter waited the timeout out. A timeout
+    shorter than a child's start-up holds too that the hung child's last
+    record is never read as the next child's (it was, before: 128)."""
+    argv = [str(KVPARITY), "check", "--impl", HANGING, "--level", "L1", "--out", "out", "--member-timeout", "1"]
+    for schedule in (*FILTERS, STAYS):
+        argv += ["--schedule", str(schedule)]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert done.stderr.count("did not return within 1 s (--member-timeout)") == 1, done.stderr
+    assert "1 passed, 1 failed, 2 not judged (4 schedule runs)" in done.stdout, done.stdout
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    record = json.loads(report.read_text())
+    assert [r["schedule"] for r in hung_waits(record)] == ["leave-longest"]
+    results = {r["schedule"]: r for r in record["results"]}
+    assert results["join-empty"]["verdict"] == "pass"
+    why = "calls filter, which hung in L1 leave-longest after 1 s (--member-timeout): not called again"
+    for name in ("batched-prefill", "batched-join-empty-k192-v128"):
+        assert results[name]["verdict"] == "not judged" and why in results[name]["reason"], results[name]
+    assert "L1 batched-prefill, event #4 leave" in results["batched-prefill"]["reason"]
+    assert [(g["at_fault"], g["schedules"]) for g in record["failures"]] == [("filter", 1)]
+    junit = (report.parent / "junit.xml").read_text()
+    assert junit.count(f"not judged: L1 batched-prefill, event #4 leave") == 4  # its four rows, skipped
+    assert why in (report.parent / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_hung_member_fails_the_default_check_within_one_default_timeout(tmp_path):
+    """kvparity check as a team runs it (every level, the whole catalog, the
+    default --member-timeout) on a cache whose filter never returns: one
+    wait of the timeout, then every run that calls filter (every L3 run:
+    the engine filters out finished requests) is not judged; the verdict is
+    the hang, one group naming filter. About 60 s beside the run's ~30 s
+    of work (2 cores), where waiting once per run took over an hour."""
+    done = subprocess.run([str(KVPARITY), "check", "--impl", HANGING, "--out", "out"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert done.stderr.count("did not return within 60 s (--member-timeout)") == 1, done.stderr
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    record = json.loads(report.read_text())
+    assert len(hung_waits(record)) == 1 and record["summary"]["schedules"]["FAIL"] == 1
+    assert [g["at_fault"] for g in record["failures"]] == ["filter"]
+    not_judged = [r for r in record["results"] if r["verdict"] == "not judged"]
+    assert {r["level"] for r in not_judged} == {"L1", "L2", "L3"}
+    assert all("calls filter, which hung in L1 " in r["reason"] for r in not_judged)
+    assert record["summary"]["schedules"]["pass"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["signal.SIGKILL", "signal.SIGTERM"])
 def test_a_signal_from_outside_that_ends_the_child_is_no_fail(tmp_path, stop):

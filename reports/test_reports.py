@@ -24,10 +24,10 @@ from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_row
 from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-    OUTCOMES, PASS,
-    REFUSED, ScheduleResult,
+    EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, ScheduleResult,
 )
+from kvparity.suites.flight import FLIGHT
 from kvparity.suites.l1 import run_l1
 from kvparity.suites.schedule import CATALOG, load
 
@@ -131,6 +131,11 @@ def unjudged():
                             model_sha256="b" * 64)
     defect.row("a")
     defect.stop(MLX_LM_DEFECT, GQA_LEFT_PADDING_MASK.attribution())
+    FLIGHT.hung = {"filter": "L1 join-longer-joiner after 2 s (--member-timeout)"}  # as an earlier child found
+    try:
+        after_a_hang = l1("leave-longest", reference)
+    finally:
+        FLIGHT.hung = {}
     return [
         l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:MaskIgnoresLeftPadding")),
         l1("join-longer-joiner", reference),
@@ -144,6 +149,7 @@ def unjudged():
         unstable,
         l1("join-longer-joiner", load_implementation("kvparity.impl.negative_controls:ExtractReturnsBfloat16")),
         defect,
+        after_a_hang,
     ]
 
 
@@ -184,7 +190,7 @@ def validator():
 def test_each_outcome_is_shown_by_the_sample(results):
     assert [r.verdict for r in results] == [FAIL, PASS, PASS, NOT_SUPPORTED, REFUSED, NO_EVIDENCE, FAIL, FAIL,
                                             ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, EXPECTED_DIVERGENCE,
-                                            MLX_LM_DEFECT]
+                                            MLX_LM_DEFECT, NOT_JUDGED]
     assert {row.verdict for r in results for row in r.rows} == set(OUTCOMES)
 
 
@@ -199,7 +205,7 @@ def test_a_report_directory_holds_four_files_and_the_record_validates(report, re
     assert record["headline"] == run_verdict.headline
     assert record["summary"]["schedules"] == {PASS: 2, FAIL: 3, REFUSED: 1, NO_EVIDENCE: 1, NOT_SUPPORTED: 1,
                                               ORACLE_CANNOT_RUN: 1, ORACLE_NONDETERMINISTIC: 1,
-                                              MLX_LM_DEFECT: 1, EXPECTED_DIVERGENCE: 1}
+                                              MLX_LM_DEFECT: 1, EXPECTED_DIVERGENCE: 1, NOT_JUDGED: 1}
     assert record["summary"]["rows"][NO_EVIDENCE] == 1 and record["summary"]["rows"][REFUSED] == 3
     l2 = record["results"][7]
     row = l2["rows"][0]
@@ -382,7 +388,7 @@ def test_junit_has_a_testcase_per_schedule_and_row(report, results):
     assert root.get("tests") == str(len(rows) + 2)
     assert root.get("failures") == str(sum(row.verdict in (FAIL, REFUSED, NO_EVIDENCE) for row in rows))
     assert root.get("skipped") == str(1 + sum(row.verdict in (NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-                                                              MLX_LM_DEFECT, EXPECTED_DIVERGENCE)
+                                                              MLX_LM_DEFECT, EXPECTED_DIVERGENCE, NOT_JUDGED)
                                               for row in rows))
 
 

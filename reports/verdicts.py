@@ -23,8 +23,8 @@ from kvparity.suites import coverage as coverage_model
 from kvparity.suites.adapter import REQUIRED_MEMBERS
 from kvparity.suites.checks import CHECKS, LOGITS
 from kvparity.suites.evidence import (
-    EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-    OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
+    EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
+    ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
 from kvparity.suites.levels import L1, LEVELS, Level
 from kvparity.suites.schedule import load
@@ -182,7 +182,7 @@ class RunVerdict:
         parts = [f"{self.counts[PASS]} passed", f"{self.counts[FAIL]} failed"]
         parts += [f"{self.counts[v]} {v}"
                   for v in (EXPECTED_DIVERGENCE, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
-                            ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT)
+                            ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT, NOT_JUDGED)
                   if self.counts[v]]
         text = ", ".join(parts) + f" ({sum(self.counts.values())} schedule runs)"
         unjudged = self.unjudged_levels

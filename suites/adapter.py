@@ -133,6 +133,21 @@ class ForwardRaised(MemberRaised):
     refused = False
 
 
+class HungEarlier(BaseException):
+    """A call of a member that hung earlier in this run (``FLIGHT.hung``):
+    it is not made, so that one hang costs one ``--member-timeout``, not one
+    per schedule run. A BaseException, as KeyboardInterrupt: the cache's own
+    ``except Exception`` and the engine's pass it on to the replay, which
+    stops the schedule run there, not judged."""
+
+    def __init__(self, member: str, hung: str):
+        super().__init__(member, hung)
+        self.member, self.hung = member, hung  # hung: where and after how long, in words
+
+    def __str__(self):
+        return f"calls {self.member}, which hung in {self.hung}: not called again"
+
+
 class ReturnedWrong(MemberRaised):
     """A member returned what the protocol does not allow (a merge that
     returned None): that member's failure, said as what it returned."""
@@ -305,6 +320,8 @@ class _Watch:
 
         @functools.wraps(fn)
         def member(*args, **kwargs):
+            if name in FLIGHT.hung:  # it hung before: calling it again would cost the timeout again
+                raise HungEarlier(name, FLIGHT.hung[name])
             for counter in self.counters:
                 counter[name] += 1
             if not self.depth:

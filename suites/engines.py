@@ -39,6 +39,12 @@ request's full prompt, every entry it stored (``StoredPrefix``, mlx-lm's own
 entry each request started from: the oracle starts the same request alone
 from that entry.
 
+Where ``serve`` raises, an engine may say what it stored until then
+(``so_far``, an ``EngineRun`` of the serve now running or last run: its
+prompts, stored entries and which entry each request started from): L3
+checks those entries, so that a raise on a row ``extract`` returned wrong
+is that member's.
+
 What the engine's caches held (``EngineRun.first_step``, optional): after the
 first step that generated a token, each layer's cache of that batch as
 ``held_layers`` reads it. L3's ``quantized`` check reads it: every layer must
@@ -259,8 +265,10 @@ class BatchGeneratorEngine:
             applied.update({f"prompt_cache_{k}": getattr(store, k) for k in limits})
         elif any(r.continues is not None for r in requests):
             raise EngineUnsupported("a conversation's turns need a prompt cache (settings.prompt_cache_size)")
+        serving = Serving(self, generator, store, requests)
+        self.so_far = serving.so_far(applied)
         try:
-            return Serving(self, generator, store, requests).run(applied)
+            return serving.run(applied)
         finally:
             generator.close()
 
@@ -367,6 +375,10 @@ class Serving:
             timeline.append(record)
             step += 1
         return EngineRun(self.outputs, timeline, applied, self.prompts, self.stored, self.prefixes, first_step)
+
+    def so_far(self, applied) -> EngineRun:
+        """What this serve has stored and started from so far (its dicts, as they grow)."""
+        return EngineRun(self.outputs, None, applied, self.prompts, self.stored, self.prefixes)
 
     def prompt(self, request: EngineRequest) -> Tuple[int, ...]:
         if request.continues is None:

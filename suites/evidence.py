@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from kvparity.suites.adapter import ForwardRaised, MemberRaised
+from kvparity.suites.adapter import ForwardRaised, HungEarlier, MemberRaised
 from kvparity.suites.checks import RAISED
 from kvparity.suites.compare import Divergence
 from kvparity.suites.flight import FLIGHT, MemberHung, ProcessDied
@@ -29,11 +29,14 @@ ORACLE_NONDETERMINISTIC = "oracle nondeterministic"  # mlx-lm's solo path differ
 MLX_LM_DEFECT = "mlx-lm defect"
 # Every divergence was declared in an expectations file, and the evidence is complete: does not gate.
 EXPECTED_DIVERGENCE = "expected divergence"
+# The run called a member that hung earlier in the same run (past --member-timeout): it was
+# stopped there, not waited on again; the hang itself is the FAIL that judges the cache.
+NOT_JUDGED = "not judged"
 OUTCOMES = (PASS, FAIL, REFUSED, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC,
-            MLX_LM_DEFECT, EXPECTED_DIVERGENCE)
+            MLX_LM_DEFECT, EXPECTED_DIVERGENCE, NOT_JUDGED)
 FAILURES = (FAIL, REFUSED)
 # What ends a schedule run early (ScheduleResult.stopped; "" when it ran to the end).
-STOPS = (FAIL, REFUSED, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT)
+STOPS = (FAIL, REFUSED, NOT_SUPPORTED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC, MLX_LM_DEFECT, NOT_JUDGED)
 
 
 @dataclass
@@ -73,7 +76,7 @@ class ScheduleResult:
     implementation: str
     event_kinds: List[str] = field(default_factory=list)  # kind of each event, in order
     rows: List[RowResult] = field(default_factory=list)
-    stopped: str = ""  # NOT_SUPPORTED, REFUSED, ORACLE_CANNOT_RUN, ORACLE_NONDETERMINISTIC or MLX_LM_DEFECT when it ended early
+    stopped: str = ""  # one of STOPS when it ended early
     reason: str = ""  # why it stopped, or what raised
     path: Optional[str] = None
     model: Optional[str] = None
@@ -191,8 +194,17 @@ def crashed(record: dict) -> ScheduleResult:
                                            "the engine on the batch, or mlx-lm's solo path)"), "the process")
     else:
         raised = MemberRaised(member, ProcessDied(f"{how} while {member} ran: a crash inside the implementation"))
+    if member is not None:  # it was called: the evidence that it ran
+        result.members = {member: 1}
     note_raised(result, record.get("index") or 0, label, raised, record.get("requests") or ["(the batch)"])
     return result
+
+
+def note_not_judged(result: ScheduleResult, label: str, skipped: HungEarlier):
+    """The run called a member that hung earlier in this run: it stops
+    there, not judged; what it found before stays recorded (a divergence
+    found before still fails it)."""
+    result.stop(NOT_JUDGED, f"{result.level} {result.schedule}, event {label} {skipped}")
 
 
 def note_raised(result: ScheduleResult, event_index: int, label: str, raised: MemberRaised, requests,

@@ -12,7 +12,9 @@ crash's signal ends the child, or the parent, watching the record, stops it
 because one member call outlasted the timeout, the next child judges that
 schedule run as the implementation's FAIL (it died or hung in that member at
 that event) and goes on with the rest; the runs finished before it are kept
-(``IsolatedState``).
+(``IsolatedState``). A member that hung is not called again in the run
+(``Flight.hung``): a later schedule run that calls it stops there, not
+judged, so that one hang costs one timeout, not one per schedule run.
 
 Nothing is written unless ``KVPARITY_ISOLATED`` names the state folder, or
 a fuzz worker opens a folder of its own (``suites/campaign.py``), where the
@@ -65,6 +67,8 @@ class Flight:
         self.running: Optional[str] = None
         self.calls = 0
         self.timeout: Optional[float] = None
+        # member -> where it hung earlier in this run, in words (IsolatedState.hung): not called again
+        self.hung: Dict[str, str] = {}
         if folder:
             self.open(folder)
 
@@ -142,6 +146,13 @@ def read_flight(folder) -> Optional[dict]:
         return json.loads(data) if data else {}
     except ValueError:
         return None
+
+
+def clear_flight(folder):
+    """No record: a child about to start has run nothing yet. The last
+    record of the one before it (a member it hung in) must not be read as
+    the new child's while that one starts up."""
+    (Path(folder) / FLIGHT_FILE).write_bytes(b"")
 
 
 class Watch:
@@ -228,6 +239,16 @@ class IsolatedState:
             for line in (self.folder / CRASHES_FILE).read_text(encoding="utf-8").splitlines():
                 record = json.loads(line)
                 self.crashes[record["label"]] = record
+
+    def hung(self) -> Dict[str, str]:
+        """Each member that hung in an earlier child -> in which schedule run
+        and after how long, in words (its first hang)."""
+        found: Dict[str, str] = {}
+        for label, record in self.crashes.items():
+            member = record.get("member")
+            if record.get("hung") is not None and member and member not in found:
+                found[member] = f"{label} after {record['hung']:g} s (--member-timeout)"
+        return found
 
     @classmethod
     def from_env(cls) -> Optional["IsolatedState"]:

@@ -36,7 +36,7 @@ from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
 from kvparity.suites.adapter import WRITE, Implementation, MemberRaised, consuming
 from kvparity.suites.compare import rows_in_words
-from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.evidence import NOT_JUDGED, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1_calls import CallChecks
 from kvparity.suites.l1_checks import EventChecks, check_event
 from kvparity.suites.l1_solo import SOLO_STATES, SoloCaches, prefilled_from
@@ -200,7 +200,7 @@ class L1Run:
         if self.running:
             with self.implementation.watching():
                 self.running = drive(self.result, self.replay, events, self.check)
-                if not self.running:
+                if not self.running and self.result.stopped != NOT_JUDGED:  # not judged: nothing more is called
                     self.settle()
         self.seconds += time.perf_counter() - start
         return self.running

@@ -31,20 +31,23 @@ run has, ``#0 serve``; ``reports/verdicts.judge`` says what it means.
 
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from kvparity.oracle.generation import SoloGeneration, cached_generate_alone, generate_from_prefix, semantics
+from kvparity.oracle.generation import (
+    SoloGeneration, StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, semantics,
+)
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
 from kvparity.suites.adapter import (
-    RESHAPING_MEMBERS, WRITE, ForwardRaised, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward, layer_of,
+    RESHAPING_MEMBERS, WRITE, ForwardRaised, HungEarlier, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward,
+    layer_of,
 )
 from kvparity.suites.arrivals import ArrivalSchedule, check_fits
-from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, QUANTIZED, TOKENS
-from kvparity.suites.compare import Divergence, a_triple, first_difference, in_words
+from kvparity.suites.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, OUTPUT_CHECKS, QUANTIZED, TOKENS
+from kvparity.suites.compare import Divergence, a_triple, compare_named, first_difference, in_words
 from kvparity.suites.engines import (
     EngineRequest,
     EngineRun,
@@ -53,7 +56,7 @@ from kvparity.suites.engines import (
     make_engine,
 )
 from kvparity.suites.evidence import (
-    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_raised,
+    MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, ScheduleResult, note_not_judged, note_raised,
 )
 from kvparity.suites.flight import FLIGHT
 from kvparity.suites.levels import L3
@@ -134,6 +137,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
             compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
+        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step))
         result.seconds = time.perf_counter() - start
     return result
 
@@ -176,6 +180,12 @@ class CallTrail:
     ends: Dict[int, int]  # engine step -> members called by its end
     arrived: Dict[str, int]  # request -> the engine step it arrived at
 
+    def by(self, step: int) -> Tuple[str, ...]:
+        """The members that reshaped the batch or made its mask until the end
+        of engine ``step`` (all of them where the engine does not note its
+        steps): what can have left a row wrong by then, whichever request's."""
+        return reshaping(self.members[:self.ends.get(step, len(self.members))])
+
     def reshaped(self, rid: str, bad_step: Optional[int]) -> Tuple[str, ...]:
         """The members that reshaped the batch from the request's arrival up
         to the write that made its wrong token at ``bad_step``, in order of
@@ -190,6 +200,7 @@ class CallTrail:
 
 
 MASK_MEMBER = CHECKS[MASK].reads  # make_mask: every forward reads what it returned
+EXTRACT_MEMBER = CHECKS[EXTRACT].reads  # extract: a stored entry is what it returned
 
 
 def reshaping(members) -> Tuple[str, ...]:
@@ -224,6 +235,9 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
         except MlxLmDefectFound as found:
             result.stop(MLX_LM_DEFECT, str(found))
             return None
+        except HungEarlier as skipped:
+            note_not_judged(result, SERVE_LABEL, skipped)
+            return None
         except MemberRaised as raised:  # the cache under test declined or broke
             raised.layer = layer_of(raised, loaded.model.layers)
             what = f"the engine's call of {raised}"
@@ -236,14 +250,25 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                 result.stop(NOT_SUPPORTED if raised.capability else REFUSED,
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:
-                note_raised(result, 0, SERVE_LABEL, raised, everyone, said=what)
+                made = reshaping(implementation.trail[trail_start:])
+                wrong = wrong_so_far(result, loaded, requests, engine, made)
+                if wrong:  # a row stored before it raised was wrong already: that is the first divergence
+                    consumed = ForwardRaised(raised.error, ForwardRaised.ENGINE)
+                    consumed.layer = raised.layer
+                    note_raised(result, 0, SERVE_LABEL, consumed, everyone, said=f"{what}, after {wrong}",
+                                reshaped=made + (EXTRACT_MEMBER,) * (EXTRACT_MEMBER not in made))
+                else:
+                    note_raised(result, 0, SERVE_LABEL, raised, everyone, said=what)
             return None
         except Exception as error:  # the engine or the model's forward broke where mlx-lm alone did not
             frame = ForwardRaised.FRAME if in_forward(error, loaded.model) else ForwardRaised.ENGINE
             raised = ForwardRaised(error, frame)
             raised.layer = layer_of(error, loaded.model.layers)
             # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
-            note_raised(result, 0, SERVE_LABEL, raised, everyone, reshaped=reshaping(implementation.trail[trail_start:]))
+            made = reshaping(implementation.trail[trail_start:])
+            wrong = wrong_so_far(result, loaded, requests, engine, made)
+            note_raised(result, 0, SERVE_LABEL, raised, everyone, said=f"{raised}, after {wrong}" if wrong else "",
+                        reshaped=made + (EXTRACT_MEMBER,) * (bool(wrong) and EXTRACT_MEMBER not in made))
             return None
     result.members = implementation.calls_since(calls_before)
     result.timeline = [
@@ -255,6 +280,109 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
     ends = {s.step: s.calls - first_call for s in run.timeline or () if s.calls is not None and first_call is not None}
     arrived = {rid: s.step for s in run.timeline or () for rid in s.arrived}
     return run, CallTrail(members, ends, arrived)
+
+
+def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], run: EngineRun,
+                 made: Callable[[StoredPrefix], Tuple[str, ...]]) -> List[StoredPrefix]:
+    """Each entry the engine stored, as ``extract`` returned it, against
+    mlx-lm's own cache of its request generated alone (from the entry that
+    request started from, as the oracle starts it), on the tokens it is
+    stored under: its offset is their count, its bits and group size the
+    request's, and every quantized layer's bytes on them mlx-lm's. What the
+    engine and the oracle later start from is that entry, so a wrong row
+    would be judged against itself; here it is a divergence before anything
+    that consumed it, carrying the members that can have made it wrong
+    (``made(entry)``: those that reshaped the batch until it was stored, and
+    ``extract``), which join it to the group of the one among them at
+    fault, as a request's wrong token joins. Unless the request's own output
+    diverged before the entry was stored: that output is then the first
+    divergence. Entries of a request that started from a wrong one are not
+    checked again: their first divergence is that entry's. Returns the
+    entries that diverged."""
+    asked, wrong, alone = {r.id: r for r in requests}, [], {}
+    for number in sorted(run.stored):
+        entry = run.stored[number]
+        source = asked.get(entry.source)
+        use = run.prefixes.get(entry.source)
+        started_wrong = use is not None and any(w.number == use.entry for w in wrong)
+        if entry.layers is None or source is None or started_wrong:  # unusable: said where a request starts from it
+            continue
+        if entry.source not in alone:
+            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run)
+        found, compared = entry_divergences(entry, alone[entry.source], loaded.plan)
+        if found:
+            wrong.append(entry)
+            if output_diverged_by(result, run, entry.source, entry.step):  # its first divergence is that output's
+                continue
+            members = tuple(made(entry))
+            found = [replace(d, reshaped=members + (EXTRACT_MEMBER,) * (EXTRACT_MEMBER not in members))
+                     for d in found]
+        result.note(0, EXTRACT, [entry.source], compared, found)
+    return wrong
+
+
+def output_diverged_by(result: ScheduleResult, run: EngineRun, rid: str, step: int) -> bool:
+    """Whether a token or log-prob of ``rid`` that came out at engine step
+    ``step`` or before diverged from its generation alone."""
+    steps = run.outputs[rid].steps if rid in run.outputs else []
+    return any(d.check in OUTPUT_CHECKS and d.step is not None and d.step < len(steps) and steps[d.step] <= step
+               for d in result.row(rid).divergences)
+
+
+def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun) -> list:
+    """mlx-lm's prompt cache of ``request`` generated alone to its end (a
+    next turn with the prompt the engine served it, from the entry it
+    started from): every token it holds, as mlx-lm computes it."""
+    prompt = run.prompts.get(request.id, request.prompt)
+    request = replace(request, prompt=tuple(prompt), continues=None)
+    cache: list = []
+    use = run.prefixes.get(request.id)
+    if use is None:
+        generate_alone(loaded.model, request, prompt_cache=cache)
+    else:
+        generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry], prompt_cache=cache)
+    return cache
+
+
+def entry_divergences(entry: StoredPrefix, alone: list, plan) -> Tuple[List[Divergence], int]:
+    """(divergences, comparisons) of a stored entry's quantized layers
+    against mlx-lm's cache ``alone`` on the entry's tokens."""
+    n, found, compared = len(entry.tokens), [], 0
+    where = dict(request=entry.source, detail=f"{entry.describe()}, as extract returned it, against mlx-lm's "
+                                              "cache of that request alone")
+    for planned, stored, solo in zip(plan.layers, entry.layers, alone):
+        if not planned.quantized:
+            continue
+        compared += 1
+        layer, name = planned.index, f"stored entry #{entry.number}"
+        described, asked = (stored.offset, stored.bits, stored.group_size), (n, solo.bits, solo.group_size)
+        if described != asked:
+            found += [Divergence(EXTRACT, SERVE_LABEL, tensor=f"{name}: {what}", layer=layer, expected=e, actual=a,
+                                 **where)
+                      for what, e, a in zip(("offset", "bits", "group_size"), asked, described) if e != a]
+            continue
+        found += [replace(d, check=EXTRACT, detail=where["detail"]) for d in compare_named(
+            tokens_of(solo, n), tokens_of(stored, n), f"{name}: ", event=SERVE_LABEL, request=entry.source,
+            layer=layer)]
+    return found, compared
+
+
+def tokens_of(cache, n: int) -> dict:
+    """A quantized layer's keys and values triples on its first ``n`` tokens, by name."""
+    return {f"{side}.{part}": x[..., :n, :] for side in ("keys", "values")
+            for part, x in zip(("packed", "scales", "biases"), getattr(cache, side))}
+
+
+def wrong_so_far(result: ScheduleResult, loaded, requests, engine, made: Tuple[str, ...]) -> str:
+    """Where the engine raised: the first entry it had stored that
+    ``check_stored`` finds wrong (``engine.so_far``, what it stored until
+    then), in words; empty where none was, or the engine does not say."""
+    so_far = getattr(engine, "so_far", None)
+    try:
+        wrong = check_stored(result, loaded, requests, so_far, lambda entry: made) if so_far is not None else []
+    except Exception:  # mlx-lm's own path cannot say what the entries should hold: the raise stands as it is
+        return ""
+    return f"{wrong[0].describe()}, which diverged as extract returned it" if wrong else ""
 
 
 def check_quantized(result: ScheduleResult, run: EngineRun, requests: List[EngineRequest], plan,

@@ -157,9 +157,12 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
     """Run and judge each planned schedule. In an isolated child (the
     ``kvparity`` command's, ``suites/flight.py``) the runs an earlier child
     finished are taken as it kept them, the one it died in is that run's
-    FAIL, and each run this one finishes is kept. A signal raises
+    FAIL, a member that hung in one is not called again (the runs that
+    call it are not judged), and each run this one finishes is kept. A signal raises
     RunInterrupted with the runs finished before it."""
     results, isolated = [], IsolatedState.from_env()
+    if isolated is not None:  # a member that hung in an earlier child is not called again
+        FLIGHT.hung = isolated.hung()
     for label, run in runs:
         try:
             if isolated is None:
