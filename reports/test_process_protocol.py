@@ -21,7 +21,7 @@ from kvparity.reports import failures
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.reports.environment import describe
 from kvparity.suites.adapter import (
-    ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
+    HungEarlier, ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
 )
 from kvparity.suites.evidence import FAIL, PASS
 from kvparity.suites.flight import FLIGHT
@@ -131,10 +131,12 @@ def status_of(pid):
 
 @pytest.fixture
 def member_timeout():
-    before = FLIGHT.timeout
+    before, hung = FLIGHT.timeout, FLIGHT.hung
     FLIGHT.limit(1.0)
+    FLIGHT.hung = {}
     yield 1.0
     FLIGHT.limit(before)
+    FLIGHT.hung = hung
 
 
 # -- the frame -----------------------------------------------------------------------------
@@ -254,6 +256,29 @@ def test_a_process_that_hangs_is_stopped_at_the_member_timeout(tmp_path, judged,
     assert time.monotonic() - started < 10
     assert ("merge raised MemberHung: the cache process did not answer merge within 1 s "
             "(--member-timeout); it was stopped; its stderr was: 'waiting for a lock'") in reason
+    assert not left_running(tmp_path)
+
+
+def test_a_member_a_process_hung_in_is_not_waited_on_again(tmp_path, member_timeout):
+    """After filter hung once (the process stopped: the member's FAIL), a later
+    call of filter in the run raises HungEarlier at once, which stops the
+    schedule run calling it as not judged: a hung cache process costs one
+    timeout for the whole run, as a member hung in an isolated child does."""
+    spec = write_speaker(tmp_path, "time.sleep(60)", op="filter")
+    impl = load_implementation(spec)
+    FLIGHT.run("L1 leave-longest")
+    with impl.watching():
+        batch = impl.batch_class.merge([QuantizedKVCache(group_size=64, bits=4)])
+        with pytest.raises(MemberRaised, match="filter raised MemberHung: the cache process did not answer filter"):
+            batch.filter([0])
+        started = time.monotonic()
+        again = impl.batch_class.merge([QuantizedKVCache(group_size=64, bits=4)])  # the process started again
+        with pytest.raises(HungEarlier) as skipped:
+            again.filter([0])
+        assert time.monotonic() - started < 1  # no second wait of the 1 s timeout
+    assert str(skipped.value) == "calls filter, which hung in L1 leave-longest after 1 s (--member-timeout): not called again"
+    assert impl.calls["filter"] == 1
+    impl.batch_class._processes.stop()
     assert not left_running(tmp_path)
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from kvparity.suites.flight import FLIGHT
+from kvparity.suites.flight import FLIGHT, MemberHung
 from kvparity.suites.process_cache import EXEC, command_of, process_batch_class
 
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
@@ -335,6 +335,8 @@ class _Watch:
             except MemberRaised:
                 raise
             except Exception as error:
+                if isinstance(error, MemberHung):  # a cache process stopped at the timeout: never waited on again
+                    FLIGHT.hung_here(name)
                 raised = MemberRaised(name, error)
                 raised.handed = args[1:], kwargs  # what the caller gave it (after self or cls)
                 raise raised from error

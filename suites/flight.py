@@ -92,8 +92,8 @@ class Flight:
         os.pwrite(self.fd, record.encode() + b"\n", 0)  # the record ends at its newline; older bytes may follow
 
     def run(self, label: str):
+        self.state, self.running = {"label": label, "timeout": self.timeout}, None
         if self.fd is not None:
-            self.state, self.running = {"label": label, "timeout": self.timeout}, None
             self._write()
 
     def result(self, result):
@@ -121,6 +121,13 @@ class Flight:
             data = json.dumps(schedule.to_json()).encode()
             os.pwrite(self.schedule_fd, data, 0)
             os.ftruncate(self.schedule_fd, len(data))
+
+    def hung_here(self, member: str):
+        """``member`` hung in this process and was stopped at the timeout
+        (a cache process's: this one lives on): not called again in the run."""
+        label = self.state.get("label") or "an earlier schedule run"
+        after = self.timeout if self.timeout else MEMBER_TIMEOUT_S
+        self.hung.setdefault(member, f"{label} after {after:g} s (--member-timeout)")
 
     def member(self, name: Optional[str]):
         """The outermost protocol member now running; None once it returned."""

@@ -161,11 +161,12 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
     call it are not judged), and each run this one finishes is kept. A signal raises
     RunInterrupted with the runs finished before it."""
     results, isolated = [], IsolatedState.from_env()
-    if isolated is not None:  # a member that hung in an earlier child is not called again
-        FLIGHT.hung = isolated.hung()
+    # a member that hung in an earlier child, or earlier in this process (a cache process's), is not called again
+    FLIGHT.hung = isolated.hung() if isolated is not None else {}
     for label, run in runs:
         try:
             if isolated is None:
+                FLIGHT.run(label)
                 result = solo_cache_noted(run, implementation)
             elif label in isolated.done:
                 result = isolated.done[label]
