@@ -65,6 +65,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "none", PATH, "--expectations"),
     Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", "none", PATHS),
     Setting("examples", "N", "generated L1 schedules", "300, or KVPARITY_FUZZ_EXAMPLES", COUNT),
+    Setting("generated", "N", "generated L1 schedules kvparity run and check run after the catalog (0: none)",
+            "200", COUNT, "--generated", plugin=False),
+    Setting("generated_database", "DIR", "a Hypothesis example database kept between runs: its saved failures "
+            "are tried first", "none", PATH, "--generated-database", plugin=False),
 )}
 
 
