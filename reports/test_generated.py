@@ -18,6 +18,7 @@ from kvparity.reports.commands.generated import DEFAULT_GENERATED, budget_of, se
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK, judge
 from kvparity.suites.campaign import Campaign, fixed_rounds, prepare
+from kvparity.suites.evidence import FAIL
 
 HERE = f"{__name__}"
 CATALOG = Path(__file__).resolve().parents[1] / "suites" / "catalog"
@@ -120,6 +121,7 @@ def drained(messages, kinds=("tally",)) -> list:
     return out
 
 
+@pytest.mark.slow  # a failure found, then replayed: about 5 s on 2 idle cores
 def test_a_failure_saved_in_the_database_is_tried_first_next_time(tmp_path):
     """A budget that found a failure saved it in the example database; the
     next budget, of one generated schedule that alone finds nothing, replays
@@ -166,11 +168,12 @@ def test_the_default_budget_fails_a_bug_the_catalog_misses(bug, member, tmp_path
     generated = record["generated"]
     (found,) = generated["failures"]
     assert found["replay"].startswith(f"kvparity replay {found['file']} --level L1 --impl")
-    assert [r["schedule"] for r in record["results"] if r["verdict"] == "fail"] == [found["schedule"]]
+    assert [r["schedule"] for r in record["results"] if r["verdict"] == FAIL] == [found["schedule"]]
     # Without the budget, the catalog passes it.
     assert main(["check", "--level", "L1", "--impl", f"{HERE}:{bug}", "--generated", "0"]) == EXIT_OK
 
 
+@pytest.mark.slow  # a worker process, a generated failure shrunk: about 8 s on 2 idle cores
 def test_the_budget_fails_a_bug_the_catalog_misses_shrunk_and_replayable(tmp_path):
     """One catalog file that passes the bug, and the budget: exit 1, one
     group naming filter, of the generated schedule, written shrunk with the

@@ -33,10 +33,7 @@ from kvparity.suites.schedule import atomic_write_json, parse
 from kvparity.suites.shrink import shrunk_found
 
 LEVEL = L1  # generated schedules are judged where every protocol call is: cache bytes
-# Generated schedules after the catalog, by default: on the reference, on 2 shared cores, about 10 s
-# (docs/ci-and-bisect.md); among the first 165 of every seed tried were the off-by-one padding bugs
-# the catalog misses (suites/test_generated_budget.py).
-DEFAULT_GENERATED = 200
+DEFAULT_GENERATED = settings.GENERATED
 FOUND = "found"  # the folder, under --out, of the failing schedules written
 
 
