@@ -28,9 +28,9 @@ ALL_LEVELS = "all"
 REFERENCE_HINT = "kvparity's own reference is kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
 TEXT, LIST, PATH, PATHS, COUNT = "text", "list", "path", "paths", "count"
-# Generated schedules kvparity run and check run after the catalog, by default: about 8 s of CPU on the
+# Generated schedules kvparity run and check run after the catalog, by default: 8 to 10 s of CPU on the
 # reference (docs/ci-and-bisect.md, "The generated budget").
-GENERATED = 150
+GENERATED = 100
 
 
 class SettingsError(Exception):

@@ -13,10 +13,12 @@ import pytest
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports import settings
 from kvparity.reports.cli import main
+from kvparity.reports.documents import check_schema
 from kvparity.reports.commands.base import UsageError
 from kvparity.reports.commands.generated import DEFAULT_GENERATED, budget_of, seed_of
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK, judge
+from kvparity.reports.writer import SCHEMA_PATH
 from kvparity.suites.campaign import Campaign, fixed_rounds, prepare
 from kvparity.suites.evidence import FAIL
 
@@ -188,6 +190,7 @@ def test_the_budget_fails_a_bug_the_catalog_misses_shrunk_and_replayable(tmp_pat
     assert found["replay"] == (f"kvparity replay {found['file']} --level L1 "
                                f"--impl {HERE}:FilterSharedPaddingFromTwo")
     assert len(json.loads(open(found["file"]).read())["events"]) <= 4
+    check_schema(record, SCHEMA_PATH, "report.json", AssertionError)
     assert record["generated"]["schedules"] >= 1 and record["generated"]["cells"]["reached"] > 0
 
 
