@@ -12,6 +12,11 @@ directory on one machine, or a Redis server for workers on several. A
 database that goes away mid-campaign (the server stopped, the disk gone) is
 reported, and each worker goes on with its examples in memory: the campaign
 finishes on what it has.
+
+A fixed campaign (``Campaign.fixed``: the generated budget of ``kvparity
+run`` and ``check``) is derandomized instead: each worker runs its examples
+in one round seeded by the campaign's seed alone, after a round of the
+database's saved failures where there is a database.
 """
 
 import functools

@@ -16,6 +16,9 @@ only where the first failing call is a write, by making the batch again
 from what each of its rows can observe (every row extracted, then
 reinserted in its order) before the failing event and before the earlier
 member's.
+
+``shrunk_found`` shrinks the failures a fuzz campaign found, for ``kvparity
+fuzz`` and for the generated budget of ``kvparity run`` and ``check``.
 """
 
 import json

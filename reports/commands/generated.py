@@ -13,14 +13,14 @@ their cells reached. A budget that compared nothing is no evidence.
 """
 
 import functools
-from collections import Counter
 import hashlib
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from kvparity import __version__
-from kvparity.oracle.atomic import OUTPUT_ROOT
+from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.reports import settings, verdicts
 from kvparity.reports.commands.base import CannotRun, UsageError, writable_directory
 from kvparity.suites import coverage
@@ -34,7 +34,6 @@ from kvparity.suites.shrink import shrunk_found
 
 LEVEL = L1  # generated schedules are judged where every protocol call is: cache bytes
 DEFAULT_GENERATED = settings.GENERATED
-FOUND = "found"  # the folder, under --out, of the failing schedules written
 
 
 def generated_options(command):
@@ -133,10 +132,11 @@ def replayed(args, result, implementation, policy, declared, record):
         return verdicts.judge(runner.run(schedule, implementation, options), policy, declared)
 
     docs, died_in = shrunk_found(result, run)
-    folder = Path(getattr(args, "out", None) or OUTPUT_ROOT) / FOUND
+    out = getattr(args, "out", None)
+    folder = Path(out) / FOUND_DIR.name if out else FOUND_DIR  # the failing schedules written, with the report
     folder.mkdir(parents=True, exist_ok=True)
     timeout = getattr(args, "member_timeout", MEMBER_TIMEOUT_S)
-    out = []
+    judged_runs = []
     for i, doc in enumerate(docs):
         name = doc["name"].replace("found-", "generated-", 1) + (f"-{i + 1}" if len(docs) > 1 else "")
         path = folder / f"{name}.json"
@@ -147,8 +147,8 @@ def replayed(args, result, implementation, policy, declared, record):
                    + (f" --member-timeout {timeout:g}" if i in died_in and timeout != MEMBER_TIMEOUT_S else ""))
         record["failures"].append({"schedule": name, "file": str(path), "verdict": judged.verdict,
                                    "replay": command})
-        out.append(judged)
-    return [judged for judged in out if judged.verdict in FAILURES]
+        judged_runs.append(judged)
+    return [judged for judged in judged_runs if judged.verdict in FAILURES]
 
 
 def gaps_of(record) -> list:
