@@ -123,7 +123,7 @@ def drained(messages, kinds=("tally",)) -> list:
     return out
 
 
-@pytest.mark.slow  # a failure found, then replayed: about 5 s on 2 idle cores
+@pytest.mark.slow  # a failure found, then replayed: 2 to 9 s on 2 cores at a load of 12 to 24
 def test_a_failure_saved_in_the_database_is_tried_first_next_time(tmp_path):
     """A budget that found a failure saved it in the example database; the
     next budget, of one generated schedule that alone finds nothing, replays
@@ -159,7 +159,7 @@ def check(tmp_path, impl, *options):
     return status, json.loads(report.read_text())
 
 
-@pytest.mark.slow  # the whole L1 catalog, then the default budget: about 30 s on 2 idle cores
+@pytest.mark.slow  # the whole L1 catalog, then the default budget: about 60 s each on 2 cores at a load of 12
 @pytest.mark.parametrize("bug, member", [("PrepareRightPaddingPastOne", "finalize"),
                                          ("FilterSharedPaddingFromTwo", "filter")])
 def test_the_default_budget_fails_a_bug_the_catalog_misses(bug, member, tmp_path):
@@ -175,7 +175,7 @@ def test_the_default_budget_fails_a_bug_the_catalog_misses(bug, member, tmp_path
     assert main(["check", "--level", "L1", "--impl", f"{HERE}:{bug}", "--generated", "0"]) == EXIT_OK
 
 
-@pytest.mark.slow  # a worker process, a generated failure shrunk: about 8 s on 2 idle cores
+@pytest.mark.slow  # a worker process, a generated failure shrunk: 32 to 61 s on 2 cores at a load of 12 to 24
 def test_the_budget_fails_a_bug_the_catalog_misses_shrunk_and_replayable(tmp_path):
     """One catalog file that passes the bug, and the budget: exit 1, one
     group naming filter, of the generated schedule, written shrunk with the
@@ -194,7 +194,7 @@ def test_the_budget_fails_a_bug_the_catalog_misses_shrunk_and_replayable(tmp_pat
     assert record["generated"]["schedules"] >= 1 and record["generated"]["cells"]["reached"] > 0
 
 
-@pytest.mark.slow  # a worker process, a generated failure shrunk: about 7 s on 2 idle cores
+@pytest.mark.slow  # a worker process, a generated failure shrunk: 24 to 28 s on 2 cores at a load of 12 to 24
 def test_a_generated_failure_joins_the_catalogs_group_of_its_member(tmp_path):
     """A bug the catalog catches too: its catalog run and the generated one
     are one group, naming filter."""
