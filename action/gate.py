@@ -24,13 +24,21 @@ def gate_command(environ) -> list:
     command = [sys.executable, "-m", "kvparity", "run", *(["--impl", impl] if impl else []),
                "--level", environ["KVPARITY_LEVELS"], "--device", device, "--policy", policy]
     for option, name in (("--engine", "KVPARITY_ENGINE"), ("--expectations", "KVPARITY_EXPECTATIONS"),
-                         ("--shard", "KVPARITY_SHARD")):
+                         ("--shard", "KVPARITY_SHARD"), ("--generated", "KVPARITY_GENERATED")):
         if environ.get(name, "").strip():
             command += [option, environ[name].strip()]
+    # Hypothesis's example database, kept between runs by the action (input keep-failures).
+    if environ.get("KVPARITY_KEEP_FAILURES", "").strip() == "true" and environ.get("KVPARITY_EXAMPLES"):
+        command += ["--generated-database", environ["KVPARITY_EXAMPLES"]]
     return command + ["--out", environ["KVPARITY_OUT"]]
 
 
 def main() -> int:
+    keep = os.environ.get("KVPARITY_KEEP_FAILURES", "true").strip()
+    if keep not in ("true", "false"):
+        print(error("kvparity gate", f"input keep-failures {keep!r}: expected true or false"))
+        record_exit_status(EXIT_USAGE)
+        return 0
     command = gate_command(os.environ)
     print("+", shlex.join(command), flush=True)
     status = subprocess.run(command).returncode

@@ -54,6 +54,10 @@ def render(record: dict) -> bytes:
         suite = _expectations_suite(root, record["expectations"])
         for key in totals:
             totals[key] += int(suite.get(key))
+    if record.get("generated"):
+        suite = _generated_suite(root, record["generated"])
+        for key in totals:
+            totals[key] += int(suite.get(key))
     _set(root, **totals, errors=0, time=f"{seconds:.3f}")
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
@@ -95,6 +99,30 @@ def _suite(root, result, record):
                 skip.text = _text("\n".join(_details(row, result)))
     return _set(suite, name=classname, tests=len(cases), failures=failures, errors=0, skipped=skipped,
                 time=f"{result.get('seconds') or 0.0:.3f}")
+
+
+def _generated_suite(root, generated):
+    """The generated budget as one testcase, its counts as properties: it
+    passes where its schedules passed (each failing one is a suite of its
+    own, with the catalog's), and fails where it compared nothing."""
+    suite = ET.SubElement(root, "testsuite")
+    properties = ET.SubElement(suite, "properties")
+    cells = generated["cells"]
+    for name, value in (("generated.level", generated["level"]), ("generated.budget", generated["budget"]),
+                        ("generated.seed", generated["seed"]), ("generated.schedules", generated["schedules"]),
+                        ("generated.rows_passed", generated["rows_passed"]), ("generated.sha256", generated["digest"]),
+                        ("generated.cells_reached", f"{cells['reached']} of {cells['requirements']}")):
+        _set(ET.SubElement(properties, "property"), name=name, value=value)
+    case = _set(ET.SubElement(suite, "testcase"), classname=f"kvparity.generated.{generated['level']}",
+                name=f"{generated['schedules']} generated schedules", time=f"{generated['seconds']:.3f}")
+    failed = not generated["rows_passed"] and not generated["failures"]
+    if failed:
+        _set(ET.SubElement(case, "failure"), message="the generated budget compared nothing", type=NO_EVIDENCE)
+    elif generated["failures"]:
+        ET.SubElement(case, "system-out").text = _text("\n".join(
+            f"{f['schedule']}: {f['verdict']}; replay with: {f['replay']}" for f in generated["failures"]))
+    return _set(suite, name="kvparity.generated", tests=1, failures=int(failed), errors=0, skipped=0,
+                time=f"{generated['seconds']:.3f}")
 
 
 def _expectations_suite(root, expectations):

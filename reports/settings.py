@@ -28,6 +28,9 @@ ALL_LEVELS = "all"
 REFERENCE_HINT = "kvparity's own reference is kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 
 TEXT, LIST, PATH, PATHS, COUNT = "text", "list", "path", "paths", "count"
+# Generated schedules kvparity run and check run after the catalog, by default: 8 to 10 s of CPU on the
+# reference (docs/ci-and-bisect.md, "The generated budget").
+GENERATED = 100
 
 
 class SettingsError(Exception):
@@ -66,6 +69,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "none", PATH, "--expectations"),
     Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", "none", PATHS),
     Setting("examples", "N", "generated L1 schedules", "300, or KVPARITY_FUZZ_EXAMPLES", COUNT),
+    Setting("generated", "N", "generated L1 schedules kvparity run and check run after the catalog (0: none)",
+            str(GENERATED), COUNT, "--generated", plugin=False),
+    Setting("generated_database", "DIR", "a Hypothesis example database kept between runs: its saved failures "
+            "are tried first", "none", PATH, "--generated-database", plugin=False),
 )}
 
 

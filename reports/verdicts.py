@@ -153,6 +153,9 @@ class RunVerdict:
     # A run stopped by a signal: {"signal": its name, "finished": runs, "planned": runs or None}; what
     # finished is judged as ever, and the run's status is EXIT_INTERRUPTED whatever they say.
     interrupted: Optional[dict] = None
+    # The generated budget run after the catalog (reports/commands/generated.py's record); None where none ran.
+    # Its failing runs are among the run's; what passed is counted here.
+    generated: Optional[dict] = None
 
     @property
     def unexpectedly_passing(self) -> List[dict]:

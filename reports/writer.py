@@ -212,6 +212,7 @@ def build_record(verdicts: List[ScheduleVerdict], environment: dict, *, policy: 
         "gaps": list(run_verdict.gaps),
         "failures": [g.to_json() for g in _groups(verdicts, failures, run_verdict)],
         "model_coverage": run_verdict.cells,
+        "generated": run_verdict.generated,
         "hygiene": {
             "gates": policy.hygiene == GATE,
             "totals": {c: sum(f["findings"] for f in findings if f["check"] == c) for c in HYGIENE_CHECKS},
@@ -424,11 +425,27 @@ def coverage_rows(run_verdict: RunVerdict):
     return ["event kind", *checks, "total"], rows
 
 
+GENERATED_TITLE = "Generated schedules (after the catalog, derandomized)"
+
+
 def model_coverage_rows(run_verdict: RunVerdict):
     """The coverage model's requirements the L1 runs reached, and any they missed."""
     cells = run_verdict.cells
     return ["requirements", "reached", "not reached"], [
         [cells["requirements"], cells["reached"], ", ".join(cells["missing"]) or "none"]]
+
+
+def generated_rows(record):
+    """The generated budget run after the catalog (``reports/commands/generated.py``'s record)."""
+    cells = record["cells"]
+    out = [["level", record["level"]], ["budget (--generated)", record["budget"]], ["seed", record["seed"]],
+           ["example database", record["database"] or "none"], ["seconds", record["seconds"]],
+           ["generated schedules judged", record["schedules"]], ["rows passed", record["rows_passed"]],
+           ["coverage model requirements reached", f"{cells['reached']} of {cells['requirements']}"],
+           ["sha256 of the schedules", record["digest"]],
+           *(["failure", f"{f['schedule']}: {f['verdict']}; replay with: {f['replay']}"] for f in record["failures"]),
+           *(["worker lost", lost] for lost in record["lost"])]
+    return ["", "value"], out
 
 
 def check_rows(run_verdict: RunVerdict):
@@ -509,6 +526,8 @@ def tables(verdicts, environment, *, policy: Policy, run_verdict: RunVerdict, pr
     out.append(("Coverage: comparisons per event kind and check", *coverage_rows(run_verdict)))
     if run_verdict.cells:
         out.append(("Coverage model (L1): paths x settings", *model_coverage_rows(run_verdict)))
+    if run_verdict.generated:
+        out.append((GENERATED_TITLE, *generated_rows(run_verdict.generated)))
     out.append(("Protocol members called", *member_rows(run_verdict)))
     if run_verdict.gaps:
         out.append(("Coverage gaps", ["gap"], [[gap] for gap in run_verdict.gaps]))

@@ -12,15 +12,22 @@ directory on one machine, or a Redis server for workers on several. A
 database that goes away mid-campaign (the server stopped, the disk gone) is
 reported, and each worker goes on with its examples in memory: the campaign
 finishes on what it has.
+
+A fixed campaign (``Campaign.fixed``: the generated budget of ``kvparity
+run`` and ``check``) is derandomized instead: each worker runs its examples
+in one round seeded by the campaign's seed alone, after a round of the
+database's saved failures where there is a database.
 """
 
 import functools
+import hashlib
 import json
 import multiprocessing
 import queue as queues
 import signal
 import time
 import traceback
+import unittest
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +178,11 @@ class Campaign:
     device: Optional[str] = None  # "cpu", "gpu" or MLX's default
     warm_up: int = 0  # examples each worker runs on the reference before the start, outside the counts
     member_timeout: Optional[float] = MEMBER_TIMEOUT_S  # a member call running longer hangs: the worker is stopped
+    # Derandomized: each worker runs its share of the examples in one round seeded by the campaign's seed
+    # alone, so the same campaign generates the same schedules every time (the gate's generated budget);
+    # a database's saved failures are replayed before it, in a round of their own.
+    fixed: bool = False
+    reach: bool = False  # note the coverage model's cells of every finished schedule (Tally.cells)
 
     @property
     def starting_workers(self) -> int:
@@ -193,6 +205,8 @@ class Tally:
     rows: Counter = field(default_factory=Counter)  # row verdicts
     seconds: float = 0.0  # generating, since the campaign started
     first_failure_s: Optional[float] = None  # when a schedule first failed, since the start
+    cells: frozenset = frozenset()  # the coverage model's cells reached, where the campaign notes them
+    digest: str = ""  # there, a sha256 of the schedules judged, in their order (fuzz.make_machine's reach)
 
     @property
     def rows_passed(self) -> int:
@@ -239,6 +253,16 @@ class CampaignResult:
     def first_failure_s(self) -> Optional[float]:
         times = [t.first_failure_s for t in self.tallies.values() if t.first_failure_s is not None]
         return min(times, default=None)
+
+    @property
+    def cells(self) -> frozenset:
+        return frozenset().union(*(t.cells for t in self.tallies.values()))
+
+    @property
+    def digest(self) -> str:
+        """The workers' digests of their schedules, in the workers' order, as one."""
+        digests = [self.tallies[w].digest for w in sorted(self.tallies)]
+        return digests[0] if len(digests) == 1 else hashlib.sha256(" ".join(digests).encode()).hexdigest()
 
 
 def run_campaign(campaign: Campaign, on_progress: Optional[Callable] = None,
@@ -434,6 +458,7 @@ def prepare(campaign: Campaign, worker: int, database_lost: Callable[[str], None
     machine = make_machine(
         implementation, WorkerJudge(campaign.judge), Path(campaign.found_dir) / f"worker-{worker}",
         level=campaign.level, run_l2=run_l2, database_key=database_key(campaign.level, implementation.spec),
+        reach=campaign.reach,
     )
     machine.judge.machine = machine
     database = open_database(campaign.database)
@@ -442,9 +467,11 @@ def prepare(campaign: Campaign, worker: int, database_lost: Callable[[str], None
     # The machine writes its own replayable file: Hypothesis's line tracing of a failure is not needed.
     phases = [p for p in Phase if p != Phase.explain and (campaign.shrink or p != Phase.shrink)]
 
-    def round_settings(examples, shared=True):
+    def round_settings(examples, shared=True, only=None):
+        """``only``: the phases of this round (of those the campaign runs)."""
         return settings(max_examples=examples, stateful_step_count=STEP_COUNT[campaign.level], deadline=None,
-                        database=database if shared else None, phases=phases, print_blob=False,
+                        database=database if shared else None, print_blob=False,
+                        phases=[p for p in phases if only is None or p in only],
                         suppress_health_check=list(HealthCheck))
     return machine, round_settings
 
@@ -493,6 +520,8 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
     machine.judge.start = start
     machine.judge.send = lambda counts: messages.put(("tally", worker, counts))
     left, seconds = share if share is not None else (campaign.share(worker), campaign.seconds)
+    if campaign.fixed:
+        return fixed_rounds(campaign, worker, machine, round_settings, messages, left, start)
     size, number = FIRST_ROUND, 0
     while not stop.is_set() and (left is None or left > 0):
         elapsed = time.perf_counter() - start
@@ -524,6 +553,34 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
             size = max(1, min(size, int(rate * (seconds - (time.perf_counter() - start))) + 1))
 
 
+def fixed_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, examples: int, start):
+    """A derandomized campaign's worker: the database's saved failures
+    replayed first (where there is a database), then its ``examples`` in one
+    round seeded by the campaign's seed and the worker's number alone. The
+    generated round is the same whatever the database holds; it saves what
+    fails into the database for the next campaign."""
+    from hypothesis import Phase, seed
+
+    from kvparity.suites.fuzz import ScheduleFailed, found_in, generate, leaves
+
+    seed(f"{campaign.seed}/{worker}/0")(machine)
+    rounds = [(Phase.reuse, Phase.shrink)] if campaign.database is not None else []
+    for only in rounds + [(Phase.generate, Phase.shrink)]:
+        try:
+            generate(machine, round_settings(examples, only=only))
+        except unittest.SkipTest:  # Hypothesis's word for a round that ran nothing: the database held none
+            continue
+        except Exception as error:  # a ScheduleFailed, or a group of them
+            failures = found_in(error, ScheduleFailed)
+            if not failures or len(failures) < leaves(error):  # anything else is the harness's own error
+                raise
+            for failure in failures:
+                messages.put(("found", worker, Found(worker, failure.doc, str(failure))))
+            return
+        finally:
+            messages.put(("tally", worker, tally(machine, start)))
+
+
 def tally(machine, start) -> Tally:
     """The worker's counts: up to its first failure once it has one."""
     if machine.judge.counts is not None:
@@ -531,5 +588,6 @@ def tally(machine, start) -> Tally:
     return Tally(
         schedules=sum(machine.outcomes.values()), outcomes=Counter(machine.outcomes),
         rows=Counter(machine.row_outcomes), seconds=time.perf_counter() - start,
-        first_failure_s=machine.judge.first,
+        first_failure_s=machine.judge.first, cells=frozenset(machine.reached or ()),
+        digest=machine.digest.hexdigest() if machine.digest is not None else "",
     )

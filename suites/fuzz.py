@@ -16,6 +16,8 @@ reports) in the catalog's format, with the command that replays it.
 """
 
 import gc
+import hashlib
+import json
 import os
 import shlex
 import sys
@@ -33,7 +35,7 @@ from kvparity.suites.flight import FLIGHT
 from kvparity.suites.l1 import L1Run, run_l1
 from kvparity.suites.levels import L1, L2
 from kvparity.suites.replay import Replay, dry_backend
-from kvparity.suites.coverage import HEAD_DIMS
+from kvparity.suites.coverage import HEAD_DIMS, cells_of
 from kvparity.suites.events import (
     BatchedJoin, Extract, Join, JoinStored, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Store, Trim,
     make_event,
@@ -94,6 +96,15 @@ def shape_features(shapes) -> list:
 
 # Mostly short prompts, some long enough to cross the 256-token buffer step.
 prompt_lengths = st.one_of(st.integers(1, 24), st.integers(240, 300))
+LONGEST_PROMPT = 300
+
+
+def near(lengths) -> list:
+    """The lengths one below, at and one above each of ``lengths``: a row
+    joining next to one of them pads by 0 or 1 column, where off-by-one bugs
+    in padding live (a prepare recording right padding only past one token, a
+    filter dropping shared padding only from two columns)."""
+    return sorted({n + d for n in lengths for d in (-1, 0, 1) if 1 <= n + d <= LONGEST_PROMPT})
 prefill_steps = st.sampled_from((2048, 64, 7))
 
 
@@ -110,6 +121,8 @@ class ScheduleMachine(RuleBasedStateMachine):
     outcomes: dict = None
     row_outcomes: dict = None
     shapes_drawn: dict = None  # schedules per feature of their shapes (``shape_features``)
+    reached: set = None  # the coverage model's cells its finished schedules reached; None: not noted
+    digest = None  # with reached: a sha256 of its finished schedules, in the order they ran
 
     @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
     def start(self, data, bits, kv_heads):
@@ -166,10 +179,14 @@ class ScheduleMachine(RuleBasedStateMachine):
         """``join_unquantized``: quantized_kv_start may lie past the prompt, so
         the row waits alone until mlx-lm converts it (not for batched_join,
         which prefills straight into the quantized batch)."""
-        ids = []
+        ids, lengths = [], [len(self.replay.held[r]) for r in self.running()]
         for _ in range(count):
             rid = f"r{len(self.schedule.requests)}"
-            length = data.draw(prompt_lengths, label=f"{rid} prompt_len")
+            # A free length, or in about one draw of three one next to a row's (running or joining with it).
+            beside = near(lengths)
+            length = data.draw(st.one_of(prompt_lengths, prompt_lengths, st.sampled_from(beside)) if beside
+                               else prompt_lengths, label=f"{rid} prompt_len")
+            lengths.append(length)
             latest = length + (12 if join_unquantized else 0)
             spec = {
                 "prompt_len": length,
@@ -210,8 +227,13 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     def count(self, result):
         """Outcomes of schedules and of rows: a generated row that never ran
-        through the batch has no evidence, and is counted so."""
+        through the batch has no evidence, and is counted so. Where the
+        machine notes what it reached (``reached``), the schedule's cells of
+        the coverage model too."""
         self.outcomes[result.verdict] = self.outcomes.get(result.verdict, 0) + 1
+        if self.reached is not None and self.schedule.events:
+            self.reached.update(cells_of(self.schedule))
+            self.digest.update(json.dumps(self.schedule.to_json(), sort_keys=True).encode())
         for row in result.rows:
             self.row_outcomes[row.verdict] = self.row_outcomes.get(row.verdict, 0) + 1
 
@@ -356,16 +378,20 @@ class ConversationMachine(ScheduleMachine):
 
 
 def make_machine(implementation, judge, found_dir=None, level=L1, run_l2=None, database_key=None,
-                 base=ScheduleMachine):
+                 base=ScheduleMachine, reach=False):
     """A state machine class bound to one implementation, verdict and output
     folder; ``base``: ScheduleMachine, or ConversationMachine for stores and
     chat turns. ``database_key`` (bytes) keeps its failures apart from other
     machines' in a shared example database: Hypothesis keys a state machine
-    by its class's source, the same for every level and implementation."""
+    by its class's source, the same for every level and implementation.
+    ``reach``: note the coverage model's cells of every finished schedule
+    (``reached``; a dry run of each) and a digest of the schedules
+    (``digest``: the same schedules, the same digest)."""
     found_dir = Path(found_dir or os.environ.get("KVPARITY_FOUND_DIR", FOUND_DIR))
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
-                 "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0}
+                 "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0,
+                 "reached": set() if reach else None, "digest": hashlib.sha256() if reach else None}
     if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
         namespace["_hypothesis_internal_add_digest"] = database_key
     if level == L2:

@@ -16,9 +16,13 @@ only where the first failing call is a write, by making the batch again
 from what each of its rows can observe (every row extracted, then
 reinserted in its order) before the failing event and before the earlier
 member's.
+
+``shrunk_found`` shrinks the failures a fuzz campaign found, for ``kvparity
+fuzz`` and for the generated budget of ``kvparity run`` and ``check``.
 """
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -254,3 +258,24 @@ def exposure(run: Callable, schedule) -> Optional[Exposure]:
             return None  # the earlier member on a fresh batch leaves nothing wrong: not shown
     labels = [e.label for e in schedule.events]
     return Exposure(earlier[1], labels[earlier[0]], WRITE, labels[first.event_index])
+
+
+def shrunk_found(result, run):
+    """The distinct failures a campaign found, each shrunk to an event-level
+    fixed point (as ``kvparity bisect``; ``run(schedule)`` judges one): (their
+    documents, {the index of one a worker died or hung in: its flight
+    record}), that one kept as it was found (running it here would crash or
+    hang this process)."""
+    docs, died_in = [], {}
+    for found in result.found:
+        print(found.message.splitlines()[0], file=sys.stderr)
+        if found.record is not None:
+            died_in[len(docs)] = found.record
+            docs.append(found.doc)
+            continue
+        schedule = parse(found.doc, source=f"<worker {found.worker}>")
+        shrunk = Shrinker(run, schedule).shrink(schedule)  # None: no divergence to shrink towards
+        doc = shrunk or found.doc
+        if doc not in docs:
+            docs.append(doc)
+    return docs, died_in

@@ -31,7 +31,8 @@ ACTION = ROOT / "action.yml"
 SCRIPTS = ROOT / "action"
 SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
 SHARDS = COPYABLE / "shards.yml"
-INPUTS = {"impl", "device", "install", "engine", "levels", "policy", "expectations", "shard", "python-version"}
+INPUTS = {"impl", "device", "install", "engine", "levels", "policy", "expectations", "shard", "generated",
+          "keep-failures", "python-version"}
 
 
 def readme_commands(text: str) -> dict:
@@ -258,6 +259,14 @@ def test_action_installs_checks_the_device_gates_and_uploads_in_order():
     for name, step in steps.items():
         for script in re.findall(r"\$GITHUB_ACTION_PATH/(action/\w+\.py)", step.get("run", "")):
             assert (ROOT / script).is_file(), f"{name}: {script} is missing"
+    # The example database: restored before the gate, saved after it also when it failed, under one key.
+    (restore,) = [s for s in steps.values() if str(s.get("uses", "")).startswith("actions/cache/restore@")]
+    (save,) = [s for s in steps.values() if str(s.get("uses", "")).startswith("actions/cache/save@")]
+    assert restore["with"]["path"] == save["with"]["path"] == steps["gate"]["env"]["KVPARITY_EXAMPLES"]
+    assert restore["with"]["key"] == save["with"]["key"] and save["with"]["key"].startswith(
+        restore["with"]["restore-keys"])
+    assert order.index(restore["name"]) < order.index("gate") < order.index(save["name"])
+    assert "steps.gate.outcome == 'success'" in save["if"] and "inputs.keep-failures == 'true'" in save["if"]
     (upload,) = [s for s in steps.values() if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
     assert upload["with"]["path"].startswith(steps["gate"]["env"]["KVPARITY_OUT"]), upload["with"]["path"]
     last = action_steps()[0]["runs"]["steps"][-1]
@@ -418,6 +427,12 @@ def test_gate_command_from_inputs(monkeypatch):
     command = gate.gate_command({**GATE_ENV, "KVPARITY_ENGINE": "eng:E", "KVPARITY_EXPECTATIONS": "exp.json",
                                  "KVPARITY_SHARD": "2/4"})
     assert command[-8:] == ["--engine", "eng:E", "--expectations", "exp.json", "--shard", "2/4", "--out", "out"]
+    # The generated budget: kvparity's default unless given; the example database where the action keeps one.
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_GENERATED": "50", "KVPARITY_KEEP_FAILURES": "true",
+                                 "KVPARITY_EXAMPLES": "/tmp/examples"})
+    assert command[-6:] == ["--generated", "50", "--generated-database", "/tmp/examples", "--out", "out"]
+    command = gate.gate_command({**GATE_ENV, "KVPARITY_KEEP_FAILURES": "false", "KVPARITY_EXAMPLES": "/tmp/e"})
+    assert "--generated" not in command and "--generated-database" not in command
 
 
 @pytest.mark.slow  # three kvparity processes

@@ -43,6 +43,7 @@ class UsageError(Exception):
 
 # The settings of a run of schedules (reports/settings.py), each with its option below.
 RUN_SETTINGS = ("impl", "levels", "engine", "model", "device", "policy", "expectations")
+GATE_SETTINGS = RUN_SETTINGS + ("generated", "generated_database")  # run and check: the catalog, then a generated budget
 
 # -- options ---------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run);
 with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
-from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option, writable_directory
+from kvparity.reports.commands.base import GATE_SETTINGS, common_options, expectations_option, writable_directory
+from kvparity.reports.commands.generated import generated_options
 from kvparity.reports.commands.runs import (
     member_timeout_option, print_summary, report_written, require_levels_option, select_and_run, shard_of,
     shard_option, write_run_report,
@@ -17,7 +18,7 @@ DESCRIPTION = ("Run the catalog quietly and answer with the exit status: 0 parit
                "cost) and writes a report that kvparity merge combines with the other shards' into one verdict.")
 
 # The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
-SETTINGS = RUN_SETTINGS
+SETTINGS = GATE_SETTINGS
 REQUIRED = ("impl",)
 
 
@@ -27,6 +28,7 @@ def arguments(command):
     expectations_option(command)
     require_levels_option(command)
     member_timeout_option(command)
+    generated_options(command)
     shard_option(command)
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 

@@ -27,7 +27,7 @@ from kvparity.suites.flight import MEMBER_TIMEOUT_S
 from kvparity.suites.levels import L1
 from kvparity.suites.runners import RUNNERS, RunOptions
 from kvparity.suites.schedule import atomic_write_json, parse
-from kvparity.suites.shrink import Shrinker
+from kvparity.suites.shrink import shrunk_found
 
 NAME = "fuzz"
 HELP = "run generated schedules for minutes on several processes; shrink and report what fails"
@@ -175,26 +175,15 @@ def report_interrupted(args, result, chosen, chosen_policy) -> int:
 
 
 def report_failures(args, result, chosen, chosen_policy) -> int:
-    """Shrink each distinct failure to an event-level fixed point (as
-    ``kvparity bisect``), replay it, and write the schedules into a report."""
+    """Shrink each distinct failure (``shrunk_found``), replay it, and write
+    the schedules into a report."""
     level, runner = args.level, RUNNERS[args.level]
     options = RunOptions(use_cache=False)
 
     def run(schedule):
         return verdicts.judge(runner.run(schedule, chosen, options), chosen_policy)
 
-    docs, died_in = [], {}  # the index of a schedule a worker died or hung in -> its flight record
-    for found in result.found:
-        print(found.message.splitlines()[0], file=sys.stderr)
-        if found.record is not None:  # running it here would crash or hang this process: kept as it was found
-            died_in[len(docs)] = found.record
-            docs.append(found.doc)
-            continue
-        schedule = parse(found.doc, source=f"<worker {found.worker}>")
-        shrunk = Shrinker(run, schedule).shrink(schedule)  # None: no divergence to shrink towards
-        doc = shrunk or found.doc
-        if doc not in docs:
-            docs.append(doc)
+    docs, died_in = shrunk_found(result, run)
     schedules = [parse(doc, source=doc["name"]) for doc in docs]
     results = [verdicts.judge(crashed(died_in[i]), chosen_policy) if i in died_in else run(s)
                for i, s in enumerate(schedules)]

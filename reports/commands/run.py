@@ -13,9 +13,10 @@ from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports.bench import BenchmarkFailed
 from kvparity.reports.commands import merge
 from kvparity.reports.commands.base import (
-    RUN_SETTINGS, CannotRun, DeviceUntrusted, UsageError, common_options, expectations_option, writable_directory,
+    GATE_SETTINGS, CannotRun, DeviceUntrusted, UsageError, common_options, expectations_option, writable_directory,
 )
 from kvparity.reports.commands.bench import benchmarks
+from kvparity.reports.commands.generated import generated_options
 from kvparity.reports.commands.runs import (
     member_timeout_option, print_summary, report_written, require_levels_option, select_and_run, shard_of,
     shard_option, write_run_report, write_untrusted_report,
@@ -30,7 +31,7 @@ DESCRIPTION = ("Run the schedule catalog (L1 cache bytes and L2 per-row model pa
                "print a summary and write a report directory.")
 
 # The settings it reads (reports/settings.py): the command line, else [tool.kvparity], else the default.
-SETTINGS = RUN_SETTINGS
+SETTINGS = GATE_SETTINGS
 REQUIRED = ("impl",)
 
 
@@ -44,6 +45,7 @@ def arguments(command):
     expectations_option(command)
     require_levels_option(command)
     member_timeout_option(command)
+    generated_options(command)
     command.add_argument("--bench", action="store_true",
                          help="also run the benchmarks into the report directory (minutes)")
     command.add_argument("--quick", action="store_true", help="with --bench: the short benchmark grid")

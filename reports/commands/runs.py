@@ -12,6 +12,7 @@ from kvparity.oracle.sealed import LEDGER, SOLO_CACHE_COUNTS
 import mlx.core as mx
 
 from kvparity.reports import failures, settings, shards, verdicts
+from kvparity.reports.commands import generated
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
     judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, seconds, server_of,
@@ -238,6 +239,7 @@ def select_and_run(args, files, shard=None):
     expectations, the shard block or None)."""
     declared = expectations(args)  # a bad file is refused before anything else
     required = required_levels(args)
+    budget, database = generated.budget_of(args, files), generated.database_of(args)
     chosen_policy, runs, chosen = prepare(args, files)
     plan = None
     if shard is not None:
@@ -255,11 +257,23 @@ def select_and_run(args, files, shard=None):
         results, interrupted = stop.results, stop.record
     finally:
         progress.close()
+    budget_run = None
+    if budget and not interrupted:  # after the catalog: its runs are judged whatever the budget finds
+        try:
+            budget_run, found = generated.run_generated(args, chosen, chosen_policy, declared, budget, database)
+            results = results + found
+        except KeyboardInterrupt:
+            budget_run, found = None, []
+        if budget_run is None or budget_run["interrupted"]:
+            interrupted = RunInterrupted(results, stop_signal() or "SIGINT", len(runs)).record
     # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge;
     # an interrupted run, for what finished.
     verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None and not interrupted,
                                       expectations=declared, policy=chosen_policy,
                                       required_levels=required if plan is None else ())
+    verdict.generated = budget_run
+    if budget_run is not None and not interrupted:
+        verdict.gaps += generated.gaps_of(budget_run)
     if not interrupted:  # grouping shrinks at L1, which runs schedules: not once a signal said stop
         try:
             verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
@@ -334,6 +348,8 @@ def print_summary(results, verdict, policy, out=None, quiet=False):
     if verdict.cells:
         print(f"\ncoverage model (L1): {verdict.cells['reached']} of {verdict.cells['requirements']} "
               "requirements reached", file=out)
+    if verdict.generated:
+        print(generated.line(verdict.generated), file=out)
     groups = verdict.failures if verdict.failures is not None else failures.group(results)
     if groups:
         print("", *failures.lines(groups), sep="\n", file=out)
