@@ -51,7 +51,9 @@ def budget_of(args, files=None) -> int:
     catalog at L1 (schedule files of its own, unless --generated is given on
     the command line; a shard; levels without L1). A value that is not a
     whole number of 0 or more is a usage error, before any work."""
-    value = getattr(args, "generated", None)
+    if not hasattr(args, "generated"):  # a command without the budget (replay: one file)
+        return 0
+    value = args.generated
     configuration = getattr(args, "configuration", None)
     source = configuration.source("generated") if configuration is not None else settings.COMMAND_LINE
     if value is None:
