@@ -205,10 +205,13 @@ class LoadedModel:
     sha256: str  # model_sha256(args, model)
     tokenizer: object | None  # encode/decode for smollm2; None for random models
     plan: CachePlan  # what each layer of its prompt cache holds, as mlx-lm lays it out
-    head_dim: int  # the attention layer's (``plan.attention``) key dim, kv heads and query heads
-    n_kv_heads: int
-    n_heads: int
-    hidden_size: int
+    # The attention layer's (the first quantized, else the first keeping keys) key dim, kv heads and query heads, as the
+    # model writes them and mlx-lm's quantized attention receives them (``oracle/plan.py``);
+    # None where that layer keeps none (every layer recurrent state: ``plan.nothing_to_judge``).
+    head_dim: Optional[int]
+    n_kv_heads: Optional[int]
+    n_heads: Optional[int]
+    hidden_size: Optional[int]  # its token embedding's width
     num_layers: int  # entries of its prompt cache
     vocab_size: int
     # Where a model given by path came from (a model directory or a config.json), with
@@ -270,8 +273,10 @@ def model_sha256(args: dict, model: nn.Module) -> str:
 
 def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> LoadedModel:
     plan = plan_for(model)
-    attention = plan.layers[plan.attention]
-    text = args.get("text_config", args)  # a family with a nested text config
+    # Its attention's geometry: the first quantized layer's, else the first that keeps keys (one mlx-lm
+    # cannot quantize), else none.
+    attention = next((layer for layer in plan.layers if layer.quantized), None) or next(
+        (layer for layer in plan.layers if layer.key_dim is not None), plan.layers[plan.attention])
     return LoadedModel(
         name=name,
         model=model,
@@ -282,12 +287,23 @@ def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> Loade
         plan=plan,
         head_dim=attention.key_dim,
         n_kv_heads=attention.kv_heads,
-        n_heads=text.get("num_attention_heads") or attention.kv_heads,
-        hidden_size=text["hidden_size"],
+        n_heads=plan.query_heads(attention.kv_heads),
+        hidden_size=embedding_width(model, plan.vocab_size),
         num_layers=len(plan.layers),
-        vocab_size=text.get("vocab_size") or args["vocab_size"],
+        vocab_size=plan.vocab_size,
         **source,
     )
+
+
+def embedding_width(model: nn.Module, vocab_size: int) -> Optional[int]:
+    """The width of the model's token embedding (its hidden size), read off
+    its first embedding of ``vocab_size`` rows; None where it has none."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding) and module.num_embeddings == vocab_size:
+            return module.dims
+        if isinstance(module, nn.Embedding) and module.weight.shape[0] == vocab_size:
+            return module.weight.shape[1]
+    return None
 
 
 def path_exists(name: str) -> bool:

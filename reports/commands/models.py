@@ -17,7 +17,8 @@ HELP = "list the models (random, mlx-lm's architectures, the real one) and each 
 DESCRIPTION = ("For each model: what each layer of mlx-lm's prompt cache holds (Q(heads x dims): a layer "
                "mlx-lm quantizes, batched by the cache under test; a class name: mlx-lm's own, batched by "
                "mlx-lm), and whether mlx-lm's solo kv_bits run, the oracle, exists on it (else the mlx-lm "
-               "limit or defect that keeps it from being judged, found by running mlx-lm). A NAME may be a model "
+               "limit or defect that keeps it from being judged, found by running mlx-lm, or the model's own "
+               "fact: every layer recurrent state, a head dim no MLX group size divides). A NAME may be a model "
                "directory or a config.json. With --all, every architecture module of the installed mlx-lm: its "
                "plan where kvparity has a config for it (the zoo's, or a published config.json), else \"pass your "
                "config.json\" (kvparity check --model CONFIG.json judges a tiny random twin of it).")
@@ -31,17 +32,21 @@ def arguments(command):
                          help="every architecture module of the installed mlx-lm, with its plan where a config is known")
 
 
+NOTHING_TO_JUDGE = "nothing-to-judge"  # what "solo_kv_bits" says where the model itself leaves nothing to judge
+
+
 def model_record(name: str) -> dict:
     loaded = load_model(name)
-    limit = defect_for_model(loaded)
+    why = loaded.plan.nothing_to_judge()  # the model's own fact, before any limit of mlx-lm's
+    limit = None if why else defect_for_model(loaded)
     return {
         "model": name,
         "layers": [{"index": layer.index, "cache": layer.cache, "quantized": layer.quantized,
                     "key_dim": layer.key_dim, "value_dim": layer.value_dim, "kv_heads": layer.kv_heads,
                     "trimmable": layer.trimmable, "batched": layer.batched or None} for layer in loaded.plan.layers],
         "plan": loaded.plan.summary(),
-        "solo_kv_bits": "runs" if limit is None else limit.name,
-        "limit": None if limit is None else limit.attribution(),
+        "solo_kv_bits": NOTHING_TO_JUDGE if why else "runs" if limit is None else limit.name,
+        "limit": why or (None if limit is None else limit.attribution()),
     }
 
 

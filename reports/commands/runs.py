@@ -17,7 +17,7 @@ from kvparity.reports.commands.base import (
     judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, seconds, server_of,
     use_device,
 )
-from kvparity.reports.commands.probe import probes
+from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.adapter import Implementation
@@ -132,12 +132,24 @@ def prepare(args, files=None):
         raise UsageError("L4 judges a server: give --server 'COMMAND {model} {port}' or --url http://127.0.0.1:PORT")
     use_device(args.device)
     options = run_options(args)
+    if files or args.model:
+        refuse_nothing_to_judge(selected, options)
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
     runs = plan(args, selected, options, own_files=bool(files))
     if judges_a_server_only(args):  # the server is under test, not a class
         return chosen_policy, runs, Implementation(options.server.name, object)
     return chosen_policy, runs, implementation(args.impl)
+
+
+def refuse_nothing_to_judge(selected, options):
+    """A model the user chose (``--model``, or named by a file of theirs)
+    that itself leaves nothing to judge (``CachePlan.nothing_to_judge``):
+    one line, cannot run here, before any schedule runs."""
+    for name in dict.fromkeys(RUNNERS[level].model_name(s, options) for level, s in selected):
+        why = name and load_model(name).plan.nothing_to_judge()
+        if why:
+            raise CannotRun(f"{name}: {why}")
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -281,10 +293,12 @@ def grouped_failures(args, results, implementation, policy, declared):
 def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
     """The report directory of a run (or a shard of one) under ``args.out``."""
     model = model_or_default(args.model)
-    # Once a signal said stop, nothing more is computed: the backend probes are left out.
+    # Once a signal said stop, nothing more is computed: the backend probes are left out (as where the
+    # model has no attention shapes to probe).
     return write_report(
         results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-        probes=[] if verdict.interrupted else probes(model, args.device), capabilities=implementation.capabilities,
+        probes=[] if verdict.interrupted or unprobed(model) else probes(model, args.device),
+        capabilities=implementation.capabilities,
         expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
     )
 

@@ -1,0 +1,106 @@
+"""A model's geometry is read off the built model, never off config fields
+only some architectures have (``oracle/plan.py``): published configs whose
+head fields are absent, or whose first cache keeps no keys, are judged or
+named; a model that itself leaves nothing to judge (no layer keeps keys and
+values; a head dim no MLX group size divides) is one line and "cannot judge
+here" at every level that takes a model."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvparity.oracle import mlx_lm_versions
+from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK, defect_for_model
+from kvparity.oracle.models import load_model
+from kvparity.reports.cli import main
+from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
+from kvparity.suites.runners import L4_CATALOG
+from kvparity.suites.schedule import CATALOG
+
+# The published configs' fields, at fewer layers and narrower widths (what decides the cache kept).
+RECURRENT_GEMMA = {  # Griffin: two recurrent blocks, then local attention in a RotatingKVCache
+    "model_type": "recurrent_gemma", "attention_bias": False, "attention_window_size": 16, "conv1d_width": 4,
+    "block_types": ["recurrent", "recurrent", "attention"], "head_dim": 64, "hidden_size": 128,
+    "intermediate_size": 256, "logits_soft_cap": 30.0, "lru_width": 128, "num_attention_heads": 2,
+    "num_hidden_layers": 3, "num_key_value_heads": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "vocab_size": 256}
+MAMBA = {  # no attention layer at all
+    "model_type": "mamba", "conv_kernel": 4, "expand": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "state_size": 16, "time_step_rank": 4, "use_bias": False, "use_conv_bias": True,
+    "vocab_size": 256}
+EXAONE = {  # EXAONE 3.5: head_dim 80 (hidden 2560 / 32 heads)
+    "model_type": "exaone", "head_dim": 80, "hidden_size": 160, "intermediate_size": 256, "layer_norm_epsilon": 1e-5,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "num_layers": 2, "rope_theta": 1000000.0,
+    "vocab_size": 256}
+PYTHIA = {  # gpt_neox: no num_key_value_heads nor head_dim in its config
+    "model_type": "gpt_neox", "hidden_size": 128, "intermediate_size": 256, "layer_norm_eps": 1e-5,
+    "max_position_embeddings": 2048, "num_attention_heads": 2, "num_hidden_layers": 2, "rotary_emb_base": 10000,
+    "rotary_pct": 0.25, "tie_word_embeddings": False, "use_parallel_residual": True, "vocab_size": 512}
+HELIUM = {
+    "model_type": "helium", "attention_bias": False, "head_dim": 64, "hidden_size": 128, "intermediate_size": 256,
+    "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-8, "rope_theta": 20000.0, "tie_word_embeddings": False,
+    "vocab_size": 256}
+DIES = f"{sys.executable} -c \"import sys; sys.exit(3)\" {{model}} {{port}}"
+
+
+def written(tmp_path: Path, name: str, config: dict) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def models_record(path: str, capsys) -> dict:
+    assert main(["models", path, "--json"]) == EXIT_OK
+    (record,) = json.loads(capsys.readouterr().out)["models"]
+    return record
+
+
+def test_a_first_cache_without_keys_gives_the_heads_of_the_attention_layers(tmp_path, capsys):
+    """RecurrentGemma's first caches are recurrent state: its heads are its
+    attention layer's, and mlx-lm's own limit there is named (was a crash
+    comparing None heads)."""
+    path = written(tmp_path, "recurrentgemma", RECURRENT_GEMMA)
+    record = models_record(path, capsys)
+    assert record["plan"] == "ArraysCache*2, RotatingKVCache"
+    assert record["solo_kv_bits"] == "solo-kv-bits-raises" and "RotatingKVCache Quantization NYI" in record["limit"]
+    loaded = load_model(path)
+    assert (loaded.head_dim, loaded.n_kv_heads) == (64, 1)  # its attention layer's, though mlx-lm cannot quantize it
+    # a run's report, its L0 probes on those shapes included, is written
+    args = ["run", "--level", "L2", "--model", path, "--schedule", str(CATALOG / "join-empty.json"),
+            "--out", str(tmp_path / "out")]
+    assert main(args) == EXIT_CANNOT_JUDGE
+    assert "1 mlx-lm defect" in capsys.readouterr().out and list((tmp_path / "out").glob("*/report.json"))
+
+
+def test_heads_are_what_mlx_lm_s_quantized_attention_receives(tmp_path, monkeypatch):
+    pythia = load_model(written(tmp_path, "pythia", PYTHIA))  # its config names no kv heads
+    assert (pythia.head_dim, pythia.n_kv_heads, pythia.n_heads) == (64, 2, 2)
+    assert (pythia.hidden_size, pythia.vocab_size) == (128, 512)
+    helium = load_model(written(tmp_path, "helium", HELIUM))
+    assert helium.plan.attention_heads == ((4, 2),) and (helium.n_heads, helium.n_kv_heads) == (4, 2)
+    # The grouped-query mask defect reaches the grouped model only, as measured.
+    monkeypatch.setattr(mlx_lm_versions, "_installed_has_gqa_defect", lambda: True)
+    assert defect_for_model(helium) == GQA_LEFT_PADDING_MASK
+    assert defect_for_model(pythia) != GQA_LEFT_PADDING_MASK
+
+
+@pytest.mark.parametrize("name, config, said", ids=["mamba", "exaone"], argvalues=[
+    ("mamba", MAMBA, "nothing to quantize: every layer keeps recurrent state, no attention keys and values "
+                     "(its caches: ArraysCache*2)"),
+    ("exaone", EXAONE, "head dim 80 is divisible by none of MLX's quantization group sizes (32, 64, 128)"),
+])
+def test_a_model_that_leaves_nothing_to_judge_is_one_line_at_every_level(name, config, said, tmp_path, capsys):
+    path = written(tmp_path, name, config)
+    record = models_record(path, capsys)
+    assert record["solo_kv_bits"] == "nothing-to-judge" and record["limit"].startswith(said)
+    for args in (["check", "--level", "L2"], ["check", "--level", "L3"],
+                 ["run", "--level", "L2", "--out", str(tmp_path / "out")],
+                 ["run", "--level", "L4", "--server", DIES, "--out", str(tmp_path / "out")]):
+        assert main([*args, "--model", path]) == EXIT_CANNOT_JUDGE, args
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines() == [f"kvparity: cannot judge here: {path}: {record['limit']}"], (args, err)
+        # before any work: no schedule ran, no report, no server started (run says its wall time)
+        assert all(line.startswith("wall time") for line in out.splitlines()) and not (tmp_path / "out").exists()
