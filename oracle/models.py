@@ -40,8 +40,9 @@ from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .model_path import ModelPathError, read_model_dir
-from .twin import read_twin
+from .twin import backend_missing, read_twin
 from .plan import CachePlan, plan_for
+from .mlx_lm_versions import mlx_lm_frame
 from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
 __all__ = [
@@ -331,11 +332,17 @@ def load_model(name: str) -> LoadedModel:
 
 @lru_cache(maxsize=None)
 def _load_path(path: str) -> LoadedModel:
-    if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
-        model, args, source = read_twin(Path(path))
-        return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
-    model, args, tokenizer, source = read_model_dir(Path(path))
-    return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+    try:
+        if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
+            model, args, source = read_twin(Path(path))
+            return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
+        model, args, tokenizer, source = read_model_dir(Path(path))
+        return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+    except RuntimeError as error:
+        if not backend_missing(error):
+            raise
+        raise ModelUnavailable(f"{path}: mlx-lm cannot run this model on this MLX's {mx.default_device().type.name} "
+                               f"backend: {type(error).__name__}: {error} ({mlx_lm_frame(error) or 'mlx-lm'})")
 
 
 def parameter_dtype(model: nn.Module) -> mx.Dtype:

@@ -3,12 +3,14 @@ only some architectures have (``oracle/plan.py``): published configs whose
 head fields are absent, or whose first cache keeps no keys, are judged or
 named; a model that itself leaves nothing to judge (no layer keeps keys and
 values; a head dim no MLX group size divides) is one line and "cannot judge
-here" at every level that takes a model."""
+here" at every level that takes a model; one mlx-lm cannot run on this
+backend cannot be judged here."""
 
 import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from kvparity.oracle import mlx_lm_versions
@@ -43,6 +45,10 @@ HELIUM = {
     "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 4, "num_hidden_layers": 2,
     "num_key_value_heads": 2, "rms_norm_eps": 1e-8, "rope_theta": 20000.0, "tie_word_embeddings": False,
     "vocab_size": 256}
+BITNET = {  # its linear layers run a Metal kernel of mlx-lm's own
+    "model_type": "bitnet", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+    "num_hidden_layers": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "vocab_size": 256}
 DIES = f"{sys.executable} -c \"import sys; sys.exit(3)\" {{model}} {{port}}"
 
 
@@ -104,3 +110,23 @@ def test_a_model_that_leaves_nothing_to_judge_is_one_line_at_every_level(name, c
         assert err.strip().splitlines() == [f"kvparity: cannot judge here: {path}: {record['limit']}"], (args, err)
         # before any work: no schedule ran, no report, no server started (run says its wall time)
         assert all(line.startswith("wall time") for line in out.splitlines()) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="mlx-lm runs its Metal kernel here")
+def test_a_model_mlx_lm_cannot_run_on_this_backend_cannot_be_judged_here(tmp_path, capsys, monkeypatch):
+    """Not bad input (its config is mlx-lm's to build): one line, 125; in
+    ``models --all`` its row says why and the list goes on."""
+    from kvparity.reports.commands import models
+
+    path = written(tmp_path, "bitnet", BITNET)
+    said = f"kvparity: cannot judge here: {path}: mlx-lm cannot run this model on this MLX's cpu backend: "
+    for args in (["models", path], ["check", "--level", "L2", "--model", path]):
+        assert main(args) == EXIT_CANNOT_JUDGE
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(said) and "No Metal back-end" in line and "bitlinear_layers.py" in line
+    monkeypatch.setattr(models, "architecture_modules", lambda: ["bitnet", "llama"])
+    monkeypatch.setattr(models, "known_configs", lambda: {"bitnet": path, "llama": "llama"})
+    assert main(["models", "--all", "--json"]) == EXIT_OK
+    records = {r["module"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert records["bitnet"]["solo_kv_bits"] == "cannot-run-here" and "No Metal back-end" in records["bitnet"]["limit"]
+    assert records["llama"]["limit"] is None

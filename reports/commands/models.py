@@ -9,7 +9,7 @@ from tabulate import tabulate
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import available_models
 from kvparity.oracle.zoo import architecture_modules, known_configs
-from kvparity.reports.commands.base import check_model_name, load_model
+from kvparity.reports.commands.base import CannotRun, check_model_name, load_model
 from kvparity.reports.verdicts import EXIT_OK
 
 NAME = "models"
@@ -50,10 +50,23 @@ def model_record(name: str) -> dict:
     }
 
 
+CANNOT_RUN_HERE = "cannot-run-here"  # what "solo_kv_bits" says where mlx-lm cannot run the model on this machine
+
+
+def known_record(module: str, name: str) -> dict:
+    """A module's record from its known config; one mlx-lm cannot run here (a
+    Metal kernel on CPU) says why in its row rather than ending the list."""
+    try:
+        return {"module": module, **model_record(name)}
+    except CannotRun as error:
+        return {"module": module, "model": name, "layers": [], "plan": "-", "solo_kv_bits": CANNOT_RUN_HERE,
+                "limit": str(error)}
+
+
 def module_records() -> list:
     """One record per architecture module of the installed mlx-lm (``--all``)."""
     known = known_configs()
-    return [{"module": module, **model_record(known[module])} if module in known else
+    return [known_record(module, known[module]) if module in known else
             {"module": module, "model": None, "plan": PASS_CONFIG, "solo_kv_bits": None, "limit": None}
             for module in architecture_modules()]
 
