@@ -1,10 +1,11 @@
 """A model's geometry is read off the built model, never off config fields
 only some architectures have (``oracle/plan.py``): published configs whose
 head fields are absent, or whose first cache keeps no keys, are judged or
-named; a model that itself leaves nothing to judge (no layer keeps keys and
-values; a head dim no MLX group size divides) is one line and "cannot judge
+named; a model that itself leaves nothing to judge (every layer keeps
+recurrent state; a head dim no MLX group size divides) is one line and "cannot judge
 here" at every level that takes a model; one mlx-lm cannot run on this
-backend cannot be judged here."""
+backend cannot be judged here; a config.json given by any path is served at
+L4 from kvparity's own output, never beside the user's file."""
 
 import json
 import sys
@@ -14,10 +15,12 @@ import mlx.core as mx
 import pytest
 
 from kvparity.oracle import mlx_lm_versions
+from kvparity.oracle.atomic import STAGING
 from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK, defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
+from kvparity.suites import l4
 from kvparity.suites.runners import L4_CATALOG
 from kvparity.suites.schedule import CATALOG
 
@@ -40,6 +43,9 @@ PYTHIA = {  # gpt_neox: no num_key_value_heads nor head_dim in its config
     "model_type": "gpt_neox", "hidden_size": 128, "intermediate_size": 256, "layer_norm_eps": 1e-5,
     "max_position_embeddings": 2048, "num_attention_heads": 2, "num_hidden_layers": 2, "rotary_emb_base": 10000,
     "rotary_pct": 0.25, "tie_word_embeddings": False, "use_parallel_residual": True, "vocab_size": 512}
+GPT2 = {  # its widths are n_embd and n_head: no hidden_size, no num_attention_heads
+    "model_type": "gpt2", "layer_norm_epsilon": 1e-5, "n_ctx": 1024, "n_embd": 128, "n_head": 2, "n_layer": 2,
+    "n_positions": 1024, "vocab_size": 512}
 HELIUM = {
     "model_type": "helium", "attention_bias": False, "head_dim": 64, "hidden_size": 128, "intermediate_size": 256,
     "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -50,6 +56,7 @@ BITNET = {  # its linear layers run a Metal kernel of mlx-lm's own
     "num_hidden_layers": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "tie_word_embeddings": True, "vocab_size": 256}
 DIES = f"{sys.executable} -c \"import sys; sys.exit(3)\" {{model}} {{port}}"
+MLX_LM = f"{sys.executable} -m mlx_lm server --model {{model}} --port {{port}}"
 
 
 def written(tmp_path: Path, name: str, config: dict) -> str:
@@ -85,6 +92,8 @@ def test_heads_are_what_mlx_lm_s_quantized_attention_receives(tmp_path, monkeypa
     pythia = load_model(written(tmp_path, "pythia", PYTHIA))  # its config names no kv heads
     assert (pythia.head_dim, pythia.n_kv_heads, pythia.n_heads) == (64, 2, 2)
     assert (pythia.hidden_size, pythia.vocab_size) == (128, 512)
+    gpt2 = load_model(written(tmp_path, "gpt2", GPT2))
+    assert (gpt2.head_dim, gpt2.n_kv_heads, gpt2.n_heads, gpt2.hidden_size, gpt2.vocab_size) == (64, 2, 2, 128, 512)
     helium = load_model(written(tmp_path, "helium", HELIUM))
     assert helium.plan.attention_heads == ((4, 2),) and (helium.n_heads, helium.n_kv_heads) == (4, 2)
     # The grouped-query mask defect reaches the grouped model only, as measured.
@@ -130,3 +139,28 @@ def test_a_model_mlx_lm_cannot_run_on_this_backend_cannot_be_judged_here(tmp_pat
     records = {r["module"]: r for r in json.loads(capsys.readouterr().out)["models"]}
     assert records["bitnet"]["solo_kv_bits"] == "cannot-run-here" and "No Metal back-end" in records["bitnet"]["limit"]
     assert records["llama"]["limit"] is None
+
+
+@pytest.mark.slow  # mlx-lm's server started twice per run (alone, together), two runs: about 50 s
+def test_a_config_json_is_served_at_l4_from_any_path(tmp_path, monkeypatch, capsys):
+    """The twin's model directory is written under the run's --out (and
+    removed), never at the config's own path; relative and absolute alike."""
+    user = tmp_path / "user"
+    user.mkdir()
+    written(user, "helium", HELIUM)
+    monkeypatch.chdir(user)
+    for given, out in (("helium.json", "out-relative"), (str(user / "helium.json"), str(tmp_path / "out-absolute"))):
+        monkeypatch.setattr(l4, "_MODEL_ROOT", None)  # each run in a process of its own, as the command is
+        monkeypatch.setattr(l4, "_MODEL_DIRS", {})
+        args = ["run", "--level", "L4", "--model", given, "--schedule", str(L4_CATALOG / "burst.json"),
+                "--server", MLX_LM, "--out", out]
+        assert main(args) == EXIT_OK, capsys.readouterr()
+        (models,) = Path(out).glob(f"{STAGING}*-l4-models-*")  # the process's own, removed as it ends
+        (twin,) = models.iterdir()
+        assert twin.name.startswith("helium.json-") and (twin / "config.json").is_file()
+        (report,) = set(Path(out).iterdir()) - {models}
+        (result,) = json.loads((report / "report.json").read_text())["results"]
+        assert result["verdict"] == "pass" and result["model"] == str(user / "helium.json")
+        for log in result["server"]["log_files"]:  # each server's log begins with its command line
+            assert f"--model {twin.absolute()} " in (report / log).read_text().splitlines()[0]
+    assert sorted(p.name for p in user.iterdir()) == ["helium.json", "out-relative"]
