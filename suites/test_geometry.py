@@ -113,7 +113,8 @@ def test_a_model_that_leaves_nothing_to_judge_is_one_line_at_every_level(name, c
     assert record["solo_kv_bits"] == "nothing-to-judge" and record["limit"].startswith(said)
     for args in (["check", "--level", "L2"], ["check", "--level", "L3"],
                  ["run", "--level", "L2", "--out", str(tmp_path / "out")],
-                 ["run", "--level", "L4", "--server", DIES, "--out", str(tmp_path / "out")]):
+                 ["run", "--level", "L4", "--server", DIES, "--out", str(tmp_path / "out")],
+                 ["bisect", str(CATALOG / "join-empty.json"), "--level", "L2"]):
         assert main([*args, "--model", path]) == EXIT_CANNOT_JUDGE, args
         out, err = capsys.readouterr()
         assert err.strip().splitlines() == [f"kvparity: cannot judge here: {path}: {record['limit']}"], (args, err)

@@ -106,8 +106,11 @@ def plan(args, selected, options=None, own_files=True):
     (``own_files``) that does not fit its model (a text prompt on a model
     without a tokenizer, a group size that does not divide its dims) is a
     usage error; a catalog file that does not fit is "not supported" there,
-    and the rest runs."""
+    and the rest runs. A model the user chose that leaves nothing to judge
+    cannot run here at all (``refuse_nothing_to_judge``)."""
     options = options or run_options(args)
+    if own_files or args.model:  # a model the user chose
+        refuse_nothing_to_judge(selected, options)
     runs = []
     for level, schedule in selected:
         runner = RUNNERS[level]
@@ -132,8 +135,6 @@ def prepare(args, files=None):
         raise UsageError("L4 judges a server: give --server 'COMMAND {model} {port}' or --url http://127.0.0.1:PORT")
     use_device(args.device)
     options = run_options(args)
-    if files or args.model:
-        refuse_nothing_to_judge(selected, options)
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
     runs = plan(args, selected, options, own_files=bool(files))
