@@ -44,6 +44,7 @@ import struct
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -55,7 +56,7 @@ from kvparity.oracle.atomic import OUTPUT_ROOT, STAGING, make_folder
 from kvparity.oracle.generation import (
     StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, matched, semantics,
 )
-from kvparity.oracle.model_dir import write_model_dir
+from kvparity.oracle.model_dir import mlx_lm_load_defect, write_model_dir
 from kvparity.oracle.models import load_model
 from kvparity.oracle.plan import solo_kv_bits_limit
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
@@ -245,6 +246,12 @@ def model_dir(loaded, under: Path) -> Path:
     return _MODEL_DIRS[loaded.sha256]
 
 
+@lru_cache(maxsize=None)
+def load_defect(directory: Path):
+    """mlx-lm's own loader on a model directory kvparity wrote, once a process (``mlx_lm_load_defect``)."""
+    return mlx_lm_load_defect(directory)
+
+
 def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optional[str] = None,
            use_cache: bool = True) -> ScheduleResult:
     loaded = load_model(model_name or schedule.model)
@@ -263,6 +270,10 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
         result.stop(MLX_LM_DEFECT, limit.attribution())
         return result
     directory = model_dir(loaded, server.models_under)
+    unloadable = loaded.directory is None and load_defect(directory)  # a user's own directory loaded already
+    if unloadable:
+        result.stop(MLX_LM_DEFECT, unloadable.attribution())
+        return result
     tokenizer = load_tokenizer(directory)  # the tokenizer the server loads, from the same files
     sent = to_send(schedule, loaded, tokenizer)
     unread = unread_prompt(sent, tokenizer, loaded.vocab_size)

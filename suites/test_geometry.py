@@ -51,6 +51,10 @@ HELIUM = {
     "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 4, "num_hidden_layers": 2,
     "num_key_value_heads": 2, "rms_norm_eps": 1e-8, "rope_theta": 20000.0, "tie_word_embeddings": False,
     "vocab_size": 256}
+MINICPM = {  # tied, as MiniCPM-2B is: mlx-lm's sanitize adds an lm_head its model has not
+    "model_type": "minicpm", "dim_model_base": 256, "hidden_size": 128, "intermediate_size": 256,
+    "max_position_embeddings": 2048, "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "scale_depth": 1.4, "scale_emb": 12, "tie_word_embeddings": True, "vocab_size": 512}
 BITNET = {  # its linear layers run a Metal kernel of mlx-lm's own
     "model_type": "bitnet", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
     "num_hidden_layers": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -140,6 +144,19 @@ def test_a_model_mlx_lm_cannot_run_on_this_backend_cannot_be_judged_here(tmp_pat
     records = {r["module"]: r for r in json.loads(capsys.readouterr().out)["models"]}
     assert records["bitnet"]["solo_kv_bits"] == "cannot-run-here" and "No Metal back-end" in records["bitnet"]["limit"]
     assert records["llama"]["limit"] is None
+
+
+def test_a_model_directory_mlx_lm_cannot_load_is_its_defect_before_a_server_starts(tmp_path, capsys):
+    """A server that loads with mlx-lm dies on it (it was this server's FAIL):
+    mlx-lm's own loader is run on the directory first, and names the defect."""
+    args = ["run", "--level", "L4", "--model", written(tmp_path, "minicpm", MINICPM), "--schedule",
+            str(L4_CATALOG / "burst.json"), "--server", DIES, "--out", str(tmp_path / "out")]
+    assert main(args) == EXIT_CANNOT_JUDGE
+    (report,) = (tmp_path / "out").glob("*/report.json")
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["verdict"] == "mlx-lm defect" and not result["server"]  # the server (which dies) never started
+    assert "(load-raises): mlx_lm.utils.load_model raises ValueError" in result["reason"]
+    assert "parameters not in model: lm_head.weight" in result["reason"]
 
 
 @pytest.mark.slow  # mlx-lm's server started twice per run (alone, together), two runs: about 50 s
