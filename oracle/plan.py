@@ -67,6 +67,8 @@ class LayerPlan:
         quantized layer, mlx-lm's class name for any other."""
         if not self.quantized:
             return self.cache
+        if self.key_dim is None:  # a KVCache its block never writes (no attention there)
+            return "Q(no keys)"
         dims = str(self.key_dim) if self.key_dim == self.value_dim else f"{self.key_dim}/{self.value_dim}"
         return f"Q({self.kv_heads}x{dims})"
 
@@ -125,14 +127,16 @@ class CachePlan:
 
     @property
     def dims(self) -> List[int]:
-        """Every dim the quantized layers pack along (keys and values), sorted."""
-        return sorted({d for layer in self.quantized for d in (layer.key_dim, layer.value_dim)})
+        """Every dim the quantized layers pack along (keys and values), sorted
+        (a layer that keeps none, one mlx-lm's make_cache gives a block with no
+        attention, packs none)."""
+        return sorted({d for layer in self.quantized for d in (layer.key_dim, layer.value_dim) if d is not None})
 
     def group_sizes_fit(self, group_size: int) -> Optional[str]:
         """None when ``group_size`` divides every quantized layer's key and value dims, else why not."""
         for layer in self.quantized:
             for name, dim in (("key", layer.key_dim), ("value", layer.value_dim)):
-                if dim % group_size:
+                if dim is not None and dim % group_size:
                     return (f"kv.group_size={group_size} does not divide head_dim={dim} "
                             f"(layer {layer.index}'s {name}s)")
         return None

@@ -18,6 +18,7 @@ from kvparity.oracle import mlx_lm_versions
 from kvparity.oracle.atomic import STAGING
 from kvparity.oracle.mlx_lm_versions import GQA_LEFT_PADDING_MASK, defect_for_model
 from kvparity.oracle.models import load_model
+from kvparity.oracle.plan import CachePlan, LayerPlan
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
 from kvparity.suites import l4
@@ -104,6 +105,14 @@ def test_heads_are_what_mlx_lm_s_quantized_attention_receives(tmp_path, monkeypa
     monkeypatch.setattr(mlx_lm_versions, "_installed_has_gqa_defect", lambda: True)
     assert defect_for_model(helium) == GQA_LEFT_PADDING_MASK
     assert defect_for_model(pythia) != GQA_LEFT_PADDING_MASK
+
+
+def test_a_kv_cache_its_block_never_writes_packs_no_dim():
+    """Nemotron-NAS's make_cache gives every block a KVCache; a block without
+    attention never writes its own (was a crash sorting None with the dims)."""
+    plan = CachePlan((LayerPlan(0, "KVCache", True, 128, 128, 2), LayerPlan(1, "KVCache", True)))
+    assert plan.dims == [128] and plan.group_sizes_fit(64) is None and plan.nothing_to_judge() is None
+    assert plan.summary() == "Q(2x128), Q(no keys)"
 
 
 @pytest.mark.parametrize("name, config, said", ids=["mamba", "exaone"], argvalues=[
