@@ -40,9 +40,9 @@ from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .model_path import ModelPathError, read_model_dir
+from .mlx_lm_versions import mlx_lm_frame
 from .twin import backend_missing, read_twin
 from .plan import CachePlan, plan_for
-from .mlx_lm_versions import mlx_lm_frame
 from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
 __all__ = [

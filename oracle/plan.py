@@ -26,8 +26,8 @@ and values; or no MLX group size divides a dim kv_bits would pack),
 ``nothing_to_judge`` says so.
 """
 
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -35,11 +35,11 @@ import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from kvparity.oracle.quantization import GROUP_SIZES
 from kvparity.oracle.mlx_lm_versions import (
     MlxLmDefect, dense_batch_differs, kv_bits_leaves_dense, mlx_lm_frame, no_batched_class, solo_kv_bits_raises,
     with_script,
 )
+from kvparity.oracle.quantization import GROUP_SIZES
 
 # The kv settings a plan is probed with: 4 bits, the first of MLX's group sizes
 # (mlx-lm's default 64 first) that divides every quantized dim (a probe, not a
