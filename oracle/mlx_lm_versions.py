@@ -208,8 +208,9 @@ def defects_for(n_heads: int, n_kv_heads: int) -> List[MlxLmDefect]:
 
 def defect_for_model(loaded) -> Optional[MlxLmDefect]:
     """The first installed mlx-lm defect or limit that reaches ``loaded`` (a
-    LoadedModel): the grouped-query mask, then what its plan's probe found."""
-    found = defects_for(loaded.n_heads, loaded.n_kv_heads)
+    LoadedModel): the grouped-query mask where mlx-lm's quantized attention
+    receives grouped heads on it, then what its plan's probe found."""
+    found = [d for q, kv in loaded.plan.attention_heads for d in defects_for(q, kv)]
     return found[0] if found else loaded.limit
 
 

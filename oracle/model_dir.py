@@ -15,7 +15,10 @@ every such class is byte-level BPE, and the merges that spell each word are
 in the file, so each reads the same ids. Its chat template joins the
 messages' contents, each after a space, so a chat request's prompt is
 known token for token too. The model's own tokenizer (SmolLM2's) is
-written as it is, with its chat template.
+written as it is, with its chat template. ``mlx_lm_load_defect`` holds
+mlx-lm's own loader to a written directory: where it cannot load one (an
+architecture whose sanitize adds a head its tied config has not), no server
+that loads with mlx-lm can serve the model judged.
 """
 
 import json
@@ -27,6 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kvparity.oracle.atomic import AtomicDirectory
+from kvparity.oracle.mlx_lm_versions import NOT_FIXED, MlxLmDefect, mlx_lm_frame
 from kvparity.oracle.models import LoadedModel
 
 WEIGHTS = "model.safetensors"
@@ -134,3 +138,20 @@ def write_model_dir(loaded: LoadedModel, directory) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _tokenizer_files(loaded, staging)
     return target.path
+
+
+def mlx_lm_load_defect(directory: Path) -> Optional[MlxLmDefect]:
+    """What mlx-lm's own ``load_model`` raises on a model directory written
+    here, as a defect of mlx-lm's, or None where it loads."""
+    from mlx_lm.utils import load_model
+
+    try:
+        load_model(Path(directory))
+    except Exception as error:  # mlx-lm's own loader, on the config and weights the model has
+        said = " ".join(str(error).split())[:300]  # its message's lines as one (it names the parameter on the next)
+        return MlxLmDefect(
+            name="load-raises", what=f"mlx_lm.utils.load_model raises {type(error).__name__}: {said} on the "
+                                     "model's directory (its own config.json and parameters)",
+            source=mlx_lm_frame(error) or "mlx_lm/utils.py load_model", fixed_in=NOT_FIXED,
+            consequence="a server that loads the model with mlx-lm cannot serve it, so no server can be held to it")
+    return None

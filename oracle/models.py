@@ -40,7 +40,8 @@ from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .model_path import ModelPathError, read_model_dir
-from .twin import read_twin
+from .mlx_lm_versions import mlx_lm_frame
+from .twin import backend_missing, read_twin
 from .plan import CachePlan, plan_for
 from .weights import DTYPES, SEED, VOCAB_SIZE, _init_parameters
 
@@ -205,10 +206,13 @@ class LoadedModel:
     sha256: str  # model_sha256(args, model)
     tokenizer: object | None  # encode/decode for smollm2; None for random models
     plan: CachePlan  # what each layer of its prompt cache holds, as mlx-lm lays it out
-    head_dim: int  # the attention layer's (``plan.attention``) key dim, kv heads and query heads
-    n_kv_heads: int
-    n_heads: int
-    hidden_size: int
+    # The attention layer's (the first quantized, else the first keeping keys) key dim, kv heads and query heads, as the
+    # model writes them and mlx-lm's quantized attention receives them (``oracle/plan.py``);
+    # None where that layer keeps none (every layer recurrent state: ``plan.nothing_to_judge``).
+    head_dim: Optional[int]
+    n_kv_heads: Optional[int]
+    n_heads: Optional[int]
+    hidden_size: Optional[int]  # its token embedding's width
     num_layers: int  # entries of its prompt cache
     vocab_size: int
     # Where a model given by path came from (a model directory or a config.json), with
@@ -270,8 +274,10 @@ def model_sha256(args: dict, model: nn.Module) -> str:
 
 def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> LoadedModel:
     plan = plan_for(model)
-    attention = plan.layers[plan.attention]
-    text = args.get("text_config", args)  # a family with a nested text config
+    # Its attention's geometry: the first quantized layer's, else the first that keeps keys (one mlx-lm
+    # cannot quantize), else none.
+    attention = next((layer for layer in plan.layers if layer.quantized), None) or next(
+        (layer for layer in plan.layers if layer.key_dim is not None), plan.layers[plan.attention])
     return LoadedModel(
         name=name,
         model=model,
@@ -282,12 +288,23 @@ def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> Loade
         plan=plan,
         head_dim=attention.key_dim,
         n_kv_heads=attention.kv_heads,
-        n_heads=text.get("num_attention_heads") or attention.kv_heads,
-        hidden_size=text["hidden_size"],
+        n_heads=plan.query_heads(attention.kv_heads),
+        hidden_size=embedding_width(model, plan.vocab_size),
         num_layers=len(plan.layers),
-        vocab_size=text.get("vocab_size") or args["vocab_size"],
+        vocab_size=plan.vocab_size,
         **source,
     )
+
+
+def embedding_width(model: nn.Module, vocab_size: int) -> Optional[int]:
+    """The width of the model's token embedding (its hidden size), read off
+    its first embedding of ``vocab_size`` rows; None where it has none."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding) and module.num_embeddings == vocab_size:
+            return module.dims
+        if isinstance(module, nn.Embedding) and module.weight.shape[0] == vocab_size:
+            return module.weight.shape[1]
+    return None
 
 
 def path_exists(name: str) -> bool:
@@ -315,11 +332,17 @@ def load_model(name: str) -> LoadedModel:
 
 @lru_cache(maxsize=None)
 def _load_path(path: str) -> LoadedModel:
-    if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
-        model, args, source = read_twin(Path(path))
-        return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
-    model, args, tokenizer, source = read_model_dir(Path(path))
-    return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+    try:
+        if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
+            model, args, source = read_twin(Path(path))
+            return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
+        model, args, tokenizer, source = read_model_dir(Path(path))
+        return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+    except RuntimeError as error:
+        if not backend_missing(error):
+            raise
+        raise ModelUnavailable(f"{path}: mlx-lm cannot run this model on this MLX's {mx.default_device().type.name} "
+                               f"backend: {type(error).__name__}: {error} ({mlx_lm_frame(error) or 'mlx-lm'})")
 
 
 def parameter_dtype(model: nn.Module) -> mx.Dtype:

@@ -16,23 +16,35 @@ Where mlx-lm's solo ``kv_bits`` run cannot exist, or mlx-lm cannot batch a
 layer, the plan carries the limit (``oracle/mlx_lm_versions.py``), found by
 running mlx-lm's code on the model: kvparity never substitutes a layout mlx-lm
 does not build.
+
+A model's geometry is read here, off the built model, never off its config
+(whose head fields only some architectures have): each cache's key and value
+dims and kv heads as the model writes them, the query and kv heads mlx-lm's
+quantized attention receives, and the width of the logits. Where the model
+itself leaves nothing to judge (every layer keeps recurrent state, no keys
+and values; or no MLX group size divides a dim kv_bits would pack),
+``nothing_to_judge`` says so.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
+import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from kvparity.oracle.mlx_lm_versions import (
     MlxLmDefect, dense_batch_differs, kv_bits_leaves_dense, mlx_lm_frame, no_batched_class, solo_kv_bits_raises,
     with_script,
 )
+from kvparity.oracle.quantization import GROUP_SIZES
 
-# The kv settings a plan is probed with: 4 bits, the largest of these group
-# sizes that divides every quantized dim (a probe, not a schedule's settings).
-PROBE_BITS, PROBE_GROUP_SIZES = 4, (64, 32, 16)
+# The kv settings a plan is probed with: 4 bits, the first of MLX's group sizes
+# (mlx-lm's default 64 first) that divides every quantized dim (a probe, not a
+# schedule's settings).
+PROBE_BITS, PROBE_GROUP_SIZES = 4, tuple(sorted(GROUP_SIZES, key=lambda g: (g != 64, g)))
 PROBE_PROMPT = [1, 2, 3, 4, 5]
 
 
@@ -48,12 +60,15 @@ class LayerPlan:
     kv_heads: Optional[int] = None
     trimmable: bool = True
     batched: str = ""  # a layer mlx-lm batches itself: the class its merge makes ("": the class under test)
+    recurrent: bool = False  # mlx-lm's ArraysCache: recurrent state (SSM, linear attention), no keys and values
 
     def short(self) -> str:
         """``Q(2x64)``, ``Q(2x192/128)`` (kv heads x key/value dims) for a
         quantized layer, mlx-lm's class name for any other."""
         if not self.quantized:
             return self.cache
+        if self.key_dim is None:  # a KVCache its block never writes (no attention there)
+            return "Q(no keys)"
         dims = str(self.key_dim) if self.key_dim == self.value_dim else f"{self.key_dim}/{self.value_dim}"
         return f"Q({self.kv_heads}x{dims})"
 
@@ -71,6 +86,28 @@ class CachePlan:
     layers: Tuple[LayerPlan, ...]
     # Converting a layer raised in mlx-lm (its solo kv_bits run raises there too), or None.
     conversion: Optional[MlxLmDefect] = None
+    # (query heads, kv heads) of each call of mlx-lm's quantized attention on one
+    # decode step of the converted caches; empty where that step could not run.
+    attention_heads: Tuple[Tuple[int, int], ...] = ()
+    vocab_size: int = 0  # the width of the logits the model returns
+
+    def query_heads(self, kv_heads: Optional[int]) -> Optional[int]:
+        """The query heads mlx-lm's quantized attention pairs with ``kv_heads``
+        (``kv_heads`` itself where it never ran: no grouping seen)."""
+        return next((q for q, kv in self.attention_heads if kv == kv_heads), kv_heads)
+
+    def nothing_to_judge(self) -> Optional[str]:
+        """Why the model itself leaves no quantized cache to judge, in one
+        sentence, or None: every layer keeps recurrent state (an SSM), or no MLX
+        group size divides a dim that kv_bits packs."""
+        if all(layer.recurrent for layer in self.layers):
+            return (f"nothing to quantize: every layer keeps recurrent state, no attention keys and values "
+                    f"(its caches: {self.summary()}), so mlx-lm's kv_bits has no KV cache to quantize on it")
+        if self.quantized and probe_group_size(self.dims) is None:
+            unfit = [d for d in self.dims if not any(d % g == 0 for g in GROUP_SIZES)]
+            return (f"head dim {', '.join(map(str, unfit))} is divisible by none of MLX's quantization group "
+                    f"sizes ({', '.join(map(str, GROUP_SIZES))}), so mlx-lm's kv_bits cannot run on it at all")
+        return None
 
     @property
     def quantized(self) -> List[LayerPlan]:
@@ -90,14 +127,16 @@ class CachePlan:
 
     @property
     def dims(self) -> List[int]:
-        """Every dim the quantized layers pack along (keys and values), sorted."""
-        return sorted({d for layer in self.quantized for d in (layer.key_dim, layer.value_dim)})
+        """Every dim the quantized layers pack along (keys and values), sorted
+        (a layer that keeps none, one mlx-lm's make_cache gives a block with no
+        attention, packs none)."""
+        return sorted({d for layer in self.quantized for d in (layer.key_dim, layer.value_dim) if d is not None})
 
     def group_sizes_fit(self, group_size: int) -> Optional[str]:
         """None when ``group_size`` divides every quantized layer's key and value dims, else why not."""
         for layer in self.quantized:
             for name, dim in (("key", layer.key_dim), ("value", layer.value_dim)):
-                if dim % group_size:
+                if dim is not None and dim % group_size:
                     return (f"kv.group_size={group_size} does not divide head_dim={dim} "
                             f"(layer {layer.index}'s {name}s)")
         return None
@@ -147,33 +186,66 @@ def kv_dims(cache) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     return None, None, None
 
 
-def probe_group_size(dims) -> int:
-    return next((g for g in PROBE_GROUP_SIZES if all(d % g == 0 for d in dims)), PROBE_GROUP_SIZES[-1])
+def probe_group_size(dims) -> Optional[int]:
+    """The first of PROBE_GROUP_SIZES that divides every dim, or None: kv_bits cannot pack them."""
+    return next((g for g in PROBE_GROUP_SIZES if all(d % g == 0 for d in dims)), None)
+
+
+@contextmanager
+def _attention_heads_seen(seen: set):
+    """Record (query heads, kv heads) of each call of mlx-lm's quantized attention."""
+    attention = mlx_lm_base.quantized_scaled_dot_product_attention
+
+    def recorded(queries, q_keys, *args, **kwargs):
+        seen.add((queries.shape[1], q_keys[0].shape[-3]))
+        return attention(queries, q_keys, *args, **kwargs)
+
+    mlx_lm_base.quantized_scaled_dot_product_attention = recorded
+    try:
+        yield
+    finally:
+        mlx_lm_base.quantized_scaled_dot_product_attention = attention
+
+
+def _quantized_heads(model, caches) -> Tuple[Tuple[int, int], ...]:
+    """One decode step on ``caches`` (converted as kv_bits converts them): the
+    heads mlx-lm's quantized attention receives; none where the step raises
+    (mlx-lm's limit, found again by ``limit_for``)."""
+    seen: set = set()
+    try:
+        with _attention_heads_seen(seen):
+            mx.eval(model(mx.array([PROBE_PROMPT[:1]]), cache=caches))
+    except Exception:
+        return ()
+    return tuple(sorted(seen))
 
 
 def plan_for(model) -> CachePlan:
     """The model's per-layer plan, from a short forward through mlx-lm's own
-    prompt cache and each cache's own ``to_quantized``."""
+    prompt cache, each cache's own ``to_quantized``, and one decode step on
+    the converted caches."""
     caches = make_prompt_cache(model)
-    model(mx.array([PROBE_PROMPT]), cache=caches)
-    mx.eval([c.state for c in caches])
+    logits = model(mx.array([PROBE_PROMPT]), cache=caches)
+    mx.eval(logits, [c.state for c in caches])
     dims = [kv_dims(c) for c in caches]
     group_size = probe_group_size([d for k, v, _ in dims if k is not None for d in (k, v)])
-    layers, conversion = [], None
+    layers, conversion, converted_caches = [], None, []
     for index, (cache, (key_dim, value_dim, kv_heads)) in enumerate(zip(caches, dims)):
-        quantizable = hasattr(cache, "to_quantized")
-        if quantizable:
+        quantizable, kept = hasattr(cache, "to_quantized"), cache
+        if quantizable and group_size is not None:  # none divides: nothing_to_judge says so
             try:
-                cache.to_quantized(group_size=group_size, bits=PROBE_BITS)
+                kept = cache.to_quantized(group_size=group_size, bits=PROBE_BITS)
             except Exception as error:  # mlx-lm's solo kv_bits run raises here too
                 quantizable = False
                 conversion = conversion or solo_kv_bits_raises(
                     error, f"converting layer {index}'s {type(cache).__name__}")
+        converted_caches.append(kept)
         batched = "" if quantizable or not hasattr(cache, "merge") else type(
             cache.merge([make_prompt_cache(model)[index], make_prompt_cache(model)[index]])).__name__
         layers.append(LayerPlan(index, type(cache).__name__, quantizable, key_dim, value_dim, kv_heads,
-                                bool(cache.is_trimmable()), batched))
-    return CachePlan(tuple(layers), conversion)
+                                bool(cache.is_trimmable()), batched, isinstance(cache, ArraysCache)))
+    heads = _quantized_heads(model, converted_caches) if group_size is not None and conversion is None else ()
+    return CachePlan(tuple(layers), conversion, heads, logits.shape[-1])
 
 
 def limit_for(model, plan: CachePlan) -> Optional[MlxLmDefect]:
@@ -184,6 +256,8 @@ def limit_for(model, plan: CachePlan) -> Optional[MlxLmDefect]:
 
 
 def _first_limit(model, plan: CachePlan) -> Optional[MlxLmDefect]:
+    if plan.nothing_to_judge() is not None:  # the model's own, not mlx-lm's: no limit of mlx-lm's to find
+        return None
     if plan.conversion is not None:
         return plan.conversion
     caches = make_prompt_cache(model)

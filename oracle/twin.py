@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -277,6 +278,12 @@ def expected_head_dim(config: dict) -> Optional[int]:
                                     if _is_int(text.get("hidden_size")) else None)
 
 
+def backend_missing(error: BaseException) -> bool:
+    """MLX raised for want of a backend this build lacks (a model whose
+    kernels are Metal's, on CPU): "[metal_kernel] No Metal back-end."."""
+    return isinstance(error, RuntimeError) and re.search(r"\bNo \w+ back-end\b", str(error)) is not None
+
+
 def shrink(config: dict) -> dict:
     """The tiny twin's config of a published ``config`` (see the module's words)."""
     if not isinstance(config.get("model_type"), str):
@@ -293,6 +300,8 @@ def shrink(config: dict) -> dict:
             twin = _shrunk(config, explicit)
             kinds, _ = layer_kinds(_build(twin))
         except Exception as error:
+            if backend_missing(error):  # not the config's fault: no build runs here
+                raise
             tried.append(f"{type(error).__name__}: {error}")
             continue
         key_dims = {kind[1] for kind in kinds if kind[1] is not None}
@@ -351,5 +360,5 @@ def read_twin(path: Path):
     return model, args, {"path": path, "config_sha256": sha256_file(path)}
 
 
-__all__ = ["TwinError", "build_twin", "cut_to_depth", "fewest_layers", "layer_kinds", "read_twin", "required_missing",
-           "shrink", "shrink_widths", "text_args_class"]
+__all__ = ["TwinError", "backend_missing", "build_twin", "cut_to_depth", "fewest_layers", "layer_kinds", "read_twin",
+           "required_missing", "shrink", "shrink_widths", "text_args_class"]

@@ -44,6 +44,7 @@ import struct
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -51,10 +52,11 @@ import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
+from kvparity.oracle.atomic import OUTPUT_ROOT, STAGING, make_folder
 from kvparity.oracle.generation import (
     StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, matched, semantics,
 )
-from kvparity.oracle.model_dir import write_model_dir
+from kvparity.oracle.model_dir import mlx_lm_load_defect, write_model_dir
 from kvparity.oracle.models import load_model
 from kvparity.oracle.plan import solo_kv_bits_limit
 from kvparity.suites.arrivals import ENDPOINTS, ArrivalSchedule, check_fits
@@ -101,6 +103,7 @@ class ServerUnderTest:
     # (mlx_lm.server: --prompt-cache-size 0): every request's alone answer then
     # comes from one server; "": from a fresh server per conversation.
     prompt_cache_off: str = ""
+    models_under: Path = OUTPUT_ROOT  # where kvparity writes a model directory it serves: the run's --out
 
     @property
     def name(self) -> str:
@@ -225,16 +228,28 @@ _MODEL_DIRS: Dict[str, Path] = {}
 _MODEL_ROOT: Optional[tempfile.TemporaryDirectory] = None
 
 
-def model_dir(loaded) -> Path:
+def model_dir(loaded, under: Path) -> Path:
     """The model as a directory a server loads: the one it was loaded from,
-    else written once per process."""
+    else written once per process into a folder of kvparity's own output
+    (``under``, the run's --out), removed when the process ends; named by the
+    model's file name and hash, never at a path the user gave (the
+    config.json a twin is made from)."""
     global _MODEL_ROOT
     if loaded.directory is not None:
         return loaded.directory
     if loaded.sha256 not in _MODEL_DIRS:
-        _MODEL_ROOT = _MODEL_ROOT or tempfile.TemporaryDirectory(prefix="kvparity-l4-models-")
-        _MODEL_DIRS[loaded.sha256] = write_model_dir(loaded, Path(_MODEL_ROOT.name) / loaded.name)
+        # A staging name (oracle/atomic.py): what a killed run leaves, a later writer there removes.
+        _MODEL_ROOT = _MODEL_ROOT or tempfile.TemporaryDirectory(prefix=f"{STAGING}{os.getpid()}-l4-models-",
+                                                                 dir=make_folder(under).absolute())
+        name = f"{Path(loaded.name).name}-{loaded.sha256[:12]}"
+        _MODEL_DIRS[loaded.sha256] = write_model_dir(loaded, Path(_MODEL_ROOT.name) / name)
     return _MODEL_DIRS[loaded.sha256]
+
+
+@lru_cache(maxsize=None)
+def load_defect(directory: Path):
+    """mlx-lm's own loader on a model directory kvparity wrote, once a process (``mlx_lm_load_defect``)."""
+    return mlx_lm_load_defect(directory)
 
 
 def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optional[str] = None,
@@ -254,7 +269,11 @@ def run_l4(schedule: ArrivalSchedule, server: ServerUnderTest, model_name: Optio
     if limit is not None:
         result.stop(MLX_LM_DEFECT, limit.attribution())
         return result
-    directory = model_dir(loaded)
+    directory = model_dir(loaded, server.models_under)
+    unloadable = loaded.directory is None and load_defect(directory)  # a user's own directory loaded already
+    if unloadable:
+        result.stop(MLX_LM_DEFECT, unloadable.attribution())
+        return result
     tokenizer = load_tokenizer(directory)  # the tokenizer the server loads, from the same files
     sent = to_send(schedule, loaded, tokenizer)
     unread = unread_prompt(sent, tokenizer, loaded.vocab_size)

@@ -155,7 +155,11 @@ class Runner:
         never left out and never a refusal of the rest (a file of the user's
         own is refused before, ``commands.runs.plan``)."""
         name = self.model_name(schedule, variant)
-        return None if name is None else self.unfit(schedule, load_model(name))
+        if name is None:
+            return None
+        loaded = load_model(name)
+        why = loaded.plan.nothing_to_judge()
+        return f"cannot run on {loaded.name}: {why}" if why else self.unfit(schedule, loaded)
 
     def not_supported(self, schedule, name: str, model: str, why: str, implementation):
         result = ScheduleResult(name, self.level, implementation.name, [], path=schedule.path, model=model)

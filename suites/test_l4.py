@@ -7,12 +7,12 @@ is refused before anything runs. No process is left behind."""
 import json
 import os
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvparity.oracle.atomic import STAGING
 from kvparity.oracle.models import zoo_models
 from kvparity.reports.cli import main
 from kvparity.reports.documents import load_checked
@@ -54,21 +54,22 @@ def serving(root: Path) -> list:
 
 
 @pytest.fixture
-def servers_running(tmp_path_factory, monkeypatch):
+def servers_running(tmp_path_factory, tmp_path, monkeypatch):
     """This test's servers: its runs, in process and in children, write their
-    model directories under a folder of its own, so a server another xdist
-    worker runs at the same moment is not taken for one left behind."""
+    model directories under their --out (its tmp_path) or the default output
+    under a working directory of its own, so a server another xdist worker
+    runs at the same moment is not taken for one left behind."""
     root = tmp_path_factory.mktemp("models")
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.chdir(root)
     monkeypatch.setattr(l4, "_MODEL_ROOT", None)
     monkeypatch.setattr(l4, "_MODEL_DIRS", {})
-    return lambda: serving(root)
+    return lambda: serving(root) + serving(tmp_path)
 
 
 def report(out: Path) -> dict:
-    """The run's report.json, checked against the report schema."""
-    (directory,) = out.iterdir()
+    """The run's report.json, checked against the report schema (beside it, while
+    the process lasts, the folder of the model directories its servers loaded)."""
+    (directory,) = (entry for entry in out.iterdir() if not entry.name.startswith(STAGING))
     return load_checked(directory / "report.json", SCHEMA_PATH, AssertionError)
 
 

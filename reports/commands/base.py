@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvparity.oracle import known_answer
+from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.oracle.models import (
     DEEP, DEFAULT_MODEL, MHA, ModelPathError, ModelUnavailable, available_models, is_model_path, path_exists,
     random_model,
@@ -173,7 +174,8 @@ def server_of(args):
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
     return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start, args.prefill_step_size,
                            args.concurrency, args.ready_timeout, args.request_timeout, args.run_timeout,
-                           prompt_cache_off=off.strip())
+                           prompt_cache_off=off.strip(),
+                           models_under=Path(getattr(args, "out", None) or OUTPUT_ROOT))
 
 
 def judges_a_server_only(args) -> bool:
@@ -312,6 +314,8 @@ def check_model_name(name, what="--model"):
             load_registry_model(name)
         except ModelPathError as error:
             raise UsageError(str(error))
+        except ModelUnavailable as error:  # mlx-lm cannot run it on this backend
+            raise CannotRun(str(error))
         return
     if name not in available_models() and random_model(name) is None:
         raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "

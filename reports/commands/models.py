@@ -9,7 +9,7 @@ from tabulate import tabulate
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import available_models
 from kvparity.oracle.zoo import architecture_modules, known_configs
-from kvparity.reports.commands.base import check_model_name, load_model
+from kvparity.reports.commands.base import CannotRun, check_model_name, load_model
 from kvparity.reports.verdicts import EXIT_OK
 
 NAME = "models"
@@ -17,7 +17,8 @@ HELP = "list the models (random, mlx-lm's architectures, the real one) and each 
 DESCRIPTION = ("For each model: what each layer of mlx-lm's prompt cache holds (Q(heads x dims): a layer "
                "mlx-lm quantizes, batched by the cache under test; a class name: mlx-lm's own, batched by "
                "mlx-lm), and whether mlx-lm's solo kv_bits run, the oracle, exists on it (else the mlx-lm "
-               "limit or defect that keeps it from being judged, found by running mlx-lm). A NAME may be a model "
+               "limit or defect that keeps it from being judged, found by running mlx-lm, or the model's own "
+               "fact: every layer recurrent state, a head dim no MLX group size divides). A NAME may be a model "
                "directory or a config.json. With --all, every architecture module of the installed mlx-lm: its "
                "plan where kvparity has a config for it (the zoo's, or a published config.json), else \"pass your "
                "config.json\" (kvparity check --model CONFIG.json judges a tiny random twin of it).")
@@ -31,24 +32,41 @@ def arguments(command):
                          help="every architecture module of the installed mlx-lm, with its plan where a config is known")
 
 
+NOTHING_TO_JUDGE = "nothing-to-judge"  # what "solo_kv_bits" says where the model itself leaves nothing to judge
+
+
 def model_record(name: str) -> dict:
     loaded = load_model(name)
-    limit = defect_for_model(loaded)
+    why = loaded.plan.nothing_to_judge()  # the model's own fact, before any limit of mlx-lm's
+    limit = None if why else defect_for_model(loaded)
     return {
         "model": name,
         "layers": [{"index": layer.index, "cache": layer.cache, "quantized": layer.quantized,
                     "key_dim": layer.key_dim, "value_dim": layer.value_dim, "kv_heads": layer.kv_heads,
                     "trimmable": layer.trimmable, "batched": layer.batched or None} for layer in loaded.plan.layers],
         "plan": loaded.plan.summary(),
-        "solo_kv_bits": "runs" if limit is None else limit.name,
-        "limit": None if limit is None else limit.attribution(),
+        "solo_kv_bits": NOTHING_TO_JUDGE if why else "runs" if limit is None else limit.name,
+        "limit": why or (None if limit is None else limit.attribution()),
     }
+
+
+CANNOT_RUN_HERE = "cannot-run-here"  # what "solo_kv_bits" says where mlx-lm cannot run the model on this machine
+
+
+def known_record(module: str, name: str) -> dict:
+    """A module's record from its known config; one mlx-lm cannot run here (a
+    Metal kernel on CPU) says why in its row rather than ending the list."""
+    try:
+        return {"module": module, **model_record(name)}
+    except CannotRun as error:
+        return {"module": module, "model": name, "layers": [], "plan": "-", "solo_kv_bits": CANNOT_RUN_HERE,
+                "limit": str(error)}
 
 
 def module_records() -> list:
     """One record per architecture module of the installed mlx-lm (``--all``)."""
     known = known_configs()
-    return [{"module": module, **model_record(known[module])} if module in known else
+    return [known_record(module, known[module]) if module in known else
             {"module": module, "model": None, "plan": PASS_CONFIG, "solo_kv_bits": None, "limit": None}
             for module in architecture_modules()]
 

@@ -1,6 +1,7 @@
 """``kvparity probe``: L0, which backend ops are batch-invariant for a model's shapes."""
 
 import argparse
+from typing import Optional
 
 from tabulate import tabulate
 
@@ -42,9 +43,22 @@ def arguments(command):
     command.add_argument("--kv-group-size", type=int, default=64, help="KV group size (default: 64)")
 
 
+def unprobed(model) -> Optional[str]:
+    """Why the model has no attention shapes to probe, or None."""
+    if model.plan.nothing_to_judge():
+        return model.plan.nothing_to_judge()
+    if model.head_dim is None:
+        return f"no layer of it keeps keys and values as mlx-lm's KVCache does ({model.plan.summary()})"
+    return None
+
+
 def probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size=None):
     """L0 for the model's shapes: explains L2 outcomes in the report. The
-    group size by default the largest of 64, 32, 16 that divides the head dim."""
+    group size by default the first of MLX's (64 first) that divides the head
+    dim; a model that leaves nothing to judge has no such shapes to probe."""
+    why = unprobed(model)
+    if why:
+        raise CannotRun(f"{model.name}: {why}")
     try:
         shapes = ProbeShapes.from_args(
             hidden_size=model.hidden_size, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,

@@ -18,7 +18,7 @@ from kvparity.reports.commands.base import (
     judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, seconds, server_of,
     use_device,
 )
-from kvparity.reports.commands.probe import probes
+from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.adapter import Implementation
@@ -107,8 +107,11 @@ def plan(args, selected, options=None, own_files=True):
     (``own_files``) that does not fit its model (a text prompt on a model
     without a tokenizer, a group size that does not divide its dims) is a
     usage error; a catalog file that does not fit is "not supported" there,
-    and the rest runs."""
+    and the rest runs. A model the user chose that leaves nothing to judge
+    cannot run here at all (``refuse_nothing_to_judge``)."""
     options = options or run_options(args)
+    if own_files or args.model:  # a model the user chose
+        refuse_nothing_to_judge(selected, options)
     runs = []
     for level, schedule in selected:
         runner = RUNNERS[level]
@@ -139,6 +142,16 @@ def prepare(args, files=None):
     if judges_a_server_only(args):  # the server is under test, not a class
         return chosen_policy, runs, Implementation(options.server.name, object)
     return chosen_policy, runs, implementation(args.impl)
+
+
+def refuse_nothing_to_judge(selected, options):
+    """A model the user chose (``--model``, or named by a file of theirs)
+    that itself leaves nothing to judge (``CachePlan.nothing_to_judge``):
+    one line, cannot run here, before any schedule runs."""
+    for name in dict.fromkeys(RUNNERS[level].model_name(s, options) for level, s in selected):
+        why = name and load_model(name).plan.nothing_to_judge()
+        if why:
+            raise CannotRun(f"{name}: {why}")
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -299,10 +312,12 @@ def grouped_failures(args, results, implementation, policy, declared):
 def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
     """The report directory of a run (or a shard of one) under ``args.out``."""
     model = model_or_default(args.model)
-    # Once a signal said stop, nothing more is computed: the backend probes are left out.
+    # Once a signal said stop, nothing more is computed: the backend probes are left out (as where the
+    # model has no attention shapes to probe).
     return write_report(
         results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-        probes=[] if verdict.interrupted else probes(model, args.device), capabilities=implementation.capabilities,
+        probes=[] if verdict.interrupted or unprobed(model) else probes(model, args.device),
+        capabilities=implementation.capabilities,
         expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
     )
 
