@@ -19,7 +19,9 @@ A mutant ends as one of ``OUTCOMES``:
   constrain: an equivalent mutant (no caller through mlx-lm or the protocol
   can observe it), dead code, or a gap in the gate;
 * not judged: a stage exits 125, 128 or 129 (say, the mutant's module no
-  longer imports); never counted as killed.
+  longer imports); never counted as killed;
+* not a program: cosmic-ray's mutation does not compile (it mutated the
+  ``*`` of a signature); no gate runs, and it counts for nothing.
 
 The equivalents file (TOML) lists the survivors that are equivalent, each
 with its reason; an entry names its file (from the equivalents file's
@@ -48,7 +50,10 @@ from kvparity.suites.levels import L1
 from kvparity.suites.processes import STOP_GRACE_S, descendants, die_with_parent, kill_all
 
 KILLED, TIMEOUT, SURVIVED, NOT_JUDGED = "killed", "killed by timeout", "survived", "not judged"
-OUTCOMES = (KILLED, TIMEOUT, SURVIVED, NOT_JUDGED)
+# cosmic-ray also mutates what is no operator: the ``*`` that ends a signature's positional
+# parameters becomes ``//`` or ``<<``. Such a mutant does not compile: it is no program, never judged.
+NOT_A_PROGRAM = "not a program"
+OUTCOMES = (KILLED, TIMEOUT, SURVIVED, NOT_JUDGED, NOT_A_PROGRAM)
 ENTRY_KEYS = ("file", "line", "operator", "mutant", "reason")
 
 
@@ -59,8 +64,9 @@ class MutantsError(Exception):
 @dataclass(frozen=True)
 class Mutant:
     """One mutation of one file, as cosmic-ray makes it. Its mutated source
-    is made when first asked for (cosmic-ray parses the whole file for each
-    mutant: about 40 ms a mutant, 35 s for the 848 of impl/batch_quantized.py)."""
+    is made when first asked for: cosmic-ray parses and walks the whole file
+    for each mutant (0.4 to 0.6 s each for impl/'s caches on a busy 2-core
+    machine), which for every mutant of a file up front would cost minutes."""
 
     path: Path  # the original file
     module: str  # the module the gate imports it as
@@ -122,6 +128,14 @@ def mutants_of(path: Path, module: str) -> List[Mutant]:
     return [Mutant(path, module, s.start_pos[0], s.start_pos[1], s.operator_name, s.occurrence,
                    tuple(sorted(s.operator_args.items())))
             for s in sorted(specs, key=lambda s: (s.start_pos, s.operator_name, s.occurrence))]
+
+
+def compiles(mutant: Mutant) -> bool:
+    try:
+        compile(mutant.source, str(mutant.path), "exec")
+    except (SyntaxError, ValueError):
+        return False
+    return True
 
 
 def sample(mutants: Sequence[Mutant], size: Optional[int]) -> List[Mutant]:
@@ -265,15 +279,18 @@ class Gate:
                                          preexec_fn=die_with_parent)
                 self.running[child.pid] = child
             try:
-                return child.wait(timeout=max(deadline - time.monotonic(), 0.01))
+                status = child.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 kill_all(descendants(child.pid))
                 child.kill()
                 child.wait()
-                return None
+                status = None
             finally:
                 with self.lock:
                     self.running.pop(child.pid, None)
+        if self.stopping:  # a gate the stop ended judged nothing
+            raise KeyboardInterrupt
+        return status
 
     def judge(self, mutant: Optional[Mutant], folder: Path) -> Judged:
         """``mutant`` (None: the unmutated cache) through the stages, in a
@@ -281,6 +298,8 @@ class Gate:
         environment = {k: v for k, v in os.environ.items() if k != MUTANT_ENV}
         if mutant is not None and not mutant.source:
             return Judged(mutant, NOT_JUDGED, tail="cosmic-ray made no mutation here")
+        if mutant is not None and not compiles(mutant):
+            return Judged(mutant, NOT_A_PROGRAM)
         if mutant is not None:
             copy = folder / mutant.path.name
             copy.write_text(mutant.source)
@@ -310,7 +329,7 @@ class Gate:
         for child in children:
             if child.poll() is None:
                 child.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S + 1.0
+        deadline = time.monotonic() + STOP_GRACE_S + 2.0  # the gate's own grace for its child, then its own
         for child in children:
             try:
                 child.wait(timeout=max(deadline - time.monotonic(), 0.0))
@@ -322,7 +341,8 @@ class Gate:
 def campaign(gate: Gate, mutants: Sequence[Mutant], workers: int,
              on_judged: Callable[[Judged], None] = lambda judged: None) -> List[Judged]:
     """Every mutant judged, ``workers`` at a time, in a temporary folder each
-    (removed after). A stop signal stops the gates running and raises."""
+    (removed after). A stop signal stops the gates running and raises;
+    ``on_judged`` has had every mutant judged before it."""
     root = Path(tempfile.mkdtemp(prefix="kvparity-mutate-"))
     lock = threading.Lock()
 

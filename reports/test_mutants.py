@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,10 +145,40 @@ def test_each_stage_exit_status_is_an_outcome(statuses, outcome, stage, status, 
     assert source.read_text() == SOURCE  # the mutant was written to its copy only
 
 
+def test_a_mutant_that_does_not_compile_is_no_program_and_runs_no_gate(tmp_path):
+    path = tmp_path / "star.py"
+    path.write_text("def f(a, *, b):\n    return a\n")
+    star = [m for m in mutants_of(path, "star") if m.line == 1 and "Mul" in m.operator]
+    assert star, "cosmic-ray no longer mutates a signature's *: drop NOT_A_PROGRAM"
+    (tmp_path / "gate").mkdir()
+    judged = ScriptedGate({"L1": 1}).judge(star[0], tmp_path / "gate")
+    assert judged.outcome == mutants.NOT_A_PROGRAM and not list((tmp_path / "gate").iterdir())
+
+
 def test_a_gate_that_outruns_the_timeout_is_killed_by_timeout(plus, tmp_path):
     judged = ScriptedGate({"L1": 0}, timeout=1.0, sleep=60).judge(plus, tmp_path)
     assert (judged.outcome, judged.stage, judged.status) == (TIMEOUT, "L1", None)
     assert judged.seconds < 10
+
+
+def test_a_stop_ends_the_running_gates_and_judges_nothing(plus, tmp_path):
+    gate = ScriptedGate({"L1": 0}, sleep=60)
+    outcome = []
+
+    def judge():
+        try:
+            outcome.append(gate.judge(plus, tmp_path))
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+
+    worker = threading.Thread(target=judge)
+    worker.start()
+    while not gate.running:
+        time.sleep(0.05)
+    child = next(iter(gate.running.values()))
+    gate.stop()
+    worker.join(timeout=30)
+    assert outcome == ["interrupted"] and child.poll() is not None
 
 
 def campaign_status(judged, listed=()):
@@ -167,6 +199,7 @@ def test_the_campaigns_exit_status(found, plus, capsys):
         campaign_status([Judged(plus, KILLED, "L1", 1), Judged(minus, NOT_JUDGED, "L1", 125)])
     with pytest.raises(CannotRun, match="no evidence"):
         campaign_status([])
+    assert campaign_status([Judged(plus, KILLED, "L1", 1), Judged(minus, mutants.NOT_A_PROGRAM)]) == 0
 
 
 def test_the_gate_imports_the_mutant_from_its_copy(tmp_path):

@@ -2,6 +2,7 @@
 found by mutation testing (reports/mutants.py): each mutant of the cache's
 file judged by the gate, and the survivors listed by file and line."""
 
+import argparse
 import inspect
 import os
 import sys
@@ -16,7 +17,7 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.runs import member_timeout_option
 from kvparity.reports.mutants import (
-    KILLED, NOT_JUDGED, SURVIVED, TIMEOUT, Gate, MutantsError, campaign, entry_of, listed_in, load_equivalents,
+    KILLED, NOT_A_PROGRAM, NOT_JUDGED, SURVIVED, TIMEOUT, Gate, MutantsError, campaign, entry_of, listed_in, load_equivalents,
     match_equivalents, mutants_of, outcome_counts, report, sample,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
@@ -52,12 +53,25 @@ def arguments(command):
                          help="mutants judged at once, a gate process each (default: the cores, %(default)s)")
     command.add_argument("--sample", type=int, metavar="N",
                          help="judge a fixed share of N mutants: the same N for the same code (default: all)")
+    command.add_argument("--lines", type=line_numbers, metavar="N[,N...]",
+                         help="judge only the mutants of these lines (e.g. the lines a change touched)")
     command.add_argument("--timeout", type=seconds, metavar="SECONDS",
                          help="a mutant whose gate takes longer is killed by timeout (default: "
                          f"{TIMEOUT_FACTOR:g} times the unmutated cache's gate, plus {TIMEOUT_SLACK_S:g} s)")
     member_timeout_option(command)
     command.set_defaults(member_timeout=MUTATE_MEMBER_TIMEOUT_S)
     command.add_argument("--out", metavar="FILE", help="also write every mutant and its outcome as JSON")
+
+
+def line_numbers(text: str) -> frozenset:
+    """--lines: line numbers, 1 or more, comma-separated."""
+    try:
+        numbers = frozenset(int(n) for n in text.split(","))
+    except ValueError:
+        numbers = frozenset()
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected line numbers (1 or more), comma-separated")
+    return numbers
 
 
 def stages(levels) -> list:
@@ -128,6 +142,10 @@ def handle(args):
         equivalents = match_equivalents(listed, mutants)
     except MutantsError as error:
         raise UsageError(str(error))
+    if args.lines:
+        mutants = [m for m in mutants if m.line in args.lines]
+        if not mutants:
+            raise CannotRun(f"--lines {','.join(map(str, sorted(args.lines)))}: no mutant there, so nothing is judged")
     chosen_mutants = sample(mutants, args.sample)
     print_configuration(args, policy=chosen_policy.name)
 
@@ -149,7 +167,7 @@ def handle(args):
         at = f" at {one.stage}" if one.stage and one.outcome != NOT_JUDGED else ""
         status = f" (exit {one.status})" if one.outcome == NOT_JUDGED else ""
         print(f"[{len(judged)}/{len(chosen_mutants)}] {one.mutant.where} {one.mutant.operator}: "
-              f"{one.outcome}{at}{status} ({one.seconds:.1f} s)", file=sys.stderr, flush=True)
+              f"{one.outcome}{at}{status} ({one.seconds:.1f} s): {one.mutant.now}", file=sys.stderr, flush=True)
 
     try:
         campaign(gate, chosen_mutants, args.workers, progress)
@@ -190,7 +208,8 @@ def summary(judged, equivalents, elapsed, args, folder) -> int:
     at_l1 = sum(j.outcome == KILLED and j.stage == L1 for j in judged)
     each = elapsed * args.workers / max(len(judged), 1)
     print(f"{len(judged)} mutants: {counts[KILLED]} killed ({at_l1} at {L1}), {counts[TIMEOUT]} killed by timeout, "
-          f"{counts[SURVIVED]} survived ({len(listed)} listed as equivalent), {counts[NOT_JUDGED]} not judged")
+          f"{counts[SURVIVED]} survived ({len(listed)} listed as equivalent), {counts[NOT_JUDGED]} not judged, "
+          f"{counts[NOT_A_PROGRAM]} not a program (cosmic-ray's mutation does not compile: no gate ran)")
     print(f"cost: {elapsed:.0f} s on {args.workers} worker(s), {each:.1f} s of a worker per mutant")
     for title, group in (("survived, not listed as equivalent: a line the gate does not constrain", gaps),
                          ("listed as equivalent, but the gate kills it: the entry is wrong", wrong),
@@ -211,6 +230,6 @@ def summary(judged, equivalents, elapsed, args, folder) -> int:
     if unjudged:
         raise CannotRun(f"{len(unjudged)} mutant(s) not judged: the gate exited "
                         f"{', '.join(sorted({str(j.status) for j in unjudged}))} on them")
-    if not judged:
+    if not any(j.outcome in (KILLED, TIMEOUT, SURVIVED) for j in judged):
         raise CannotRun("no mutant was judged: no evidence")
     return EXIT_OK
