@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from kvparity.oracle.inputs import read_toml
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
 from kvparity.suites.adapter import MUTANT_ENV
+from kvparity.suites.flight import STATE_ENV
 from kvparity.suites.levels import L1
 from kvparity.suites.processes import STOP_GRACE_S, descendants, die_with_parent, kill_all
 
@@ -295,7 +296,8 @@ class Gate:
     def judge(self, mutant: Optional[Mutant], folder: Path) -> Judged:
         """``mutant`` (None: the unmutated cache) through the stages, in a
         folder of its own; the first stage that does not pass ends it."""
-        environment = {k: v for k, v in os.environ.items() if k != MUTANT_ENV}
+        # Each gate isolates its own runs (a state folder of its own), and imports this mutant only.
+        environment = {k: v for k, v in os.environ.items() if k not in (MUTANT_ENV, STATE_ENV)}
         if mutant is not None and not mutant.source:
             return Judged(mutant, NOT_JUDGED, tail="cosmic-ray made no mutation here")
         if mutant is not None and not compiles(mutant):

@@ -230,7 +230,8 @@ def test_usage_errors_exit_129_before_any_gate_runs(tmp_path, monkeypatch, capsy
     for argv, message in ((["--equivalents", str(bad)], "entry 1: missing line"),
                           (["--workers", "0"], "--workers 0: at least 1"),
                           (["--sample", "0"], "--sample 0: at least 1"),
-                          (["--level", "L4"], "mutate runs the cache levels")):
+                          (["--level", "L4"], "mutate runs the cache levels"),
+                          (["--out", str(bad / "x.json")], "is not a directory")):
         assert main(["mutate", "--impl", impl, *argv]) == EXIT_USAGE
         assert message in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvparity.reports import settings
 from kvparity.reports.commands.base import (
     RUN_SETTINGS, CannotRun, UsageError, common_options, expectations, expectations_option, implementation, policy,
-    print_configuration, seconds, use_device,
+    print_configuration, seconds, use_device, writable_directory,
 )
 from kvparity.reports.commands.runs import member_timeout_option
 from kvparity.reports.mutants import (
@@ -129,6 +129,8 @@ def handle(args):
     gate_stages = stages(levels)
     chosen_policy = policy(args)
     expectations(args)
+    if args.out:
+        writable_directory(Path(args.out).absolute().parent, "--out", shown=args.out)
     try:
         listed = load_equivalents(args.equivalents) if args.equivalents else []
     except MutantsError as error:
@@ -149,7 +151,8 @@ def handle(args):
     if args.lines:
         mutants = [m for m in mutants if m.line in args.lines]
         if not mutants:
-            raise CannotRun(f"--lines {','.join(map(str, sorted(args.lines)))}: no mutant there, so nothing is judged")
+            raise UsageError(f"--lines {','.join(map(str, sorted(args.lines)))}: no mutant on these lines, so "
+                             "nothing would be judged")
     chosen_mutants = sample(mutants, args.sample)
     print_configuration(args, policy=chosen_policy.name)
 
