@@ -67,6 +67,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             PATH, "--policy"),
     Setting("expectations", "FILE", "declared divergences (JSON) of the implementation: they do not gate",
             "none", PATH, "--expectations"),
+    Setting("equivalents", "FILE", "kvparity mutate: the mutants of the cache no caller can observe, each with "
+            "its reason (TOML)", "none", PATH, "--equivalents", plugin=False),
     Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", "none", PATHS),
     Setting("examples", "N", "generated L1 schedules", "300, or KVPARITY_FUZZ_EXAMPLES", COUNT),
     Setting("generated", "N", "generated L1 schedules kvparity run and check run after the catalog (0: none)",

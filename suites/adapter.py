@@ -25,7 +25,12 @@ refusal, a failure.
 
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
+import json
+import os
+import sys
 import weakref
 from collections import Counter
 from contextlib import contextmanager
@@ -480,6 +485,34 @@ def split_spec(option: str, spec: str):
     return module_name, attribute
 
 
+# kvparity mutate: {module name: file} of the modules whose source a mutant
+# replaces, read by each gate it runs. The mutant lives in a copy of the file
+# outside the user's tree; the module keeps its name and package, so the rest
+# of the user's code imports it (and its relative imports resolve) as before.
+MUTANT_ENV = "KVPARITY_MUTANT_SOURCES"
+
+
+class _MutantSources(importlib.abc.MetaPathFinder):
+    """Finds the modules ``MUTANT_ENV`` names in their mutated copies, ahead of every other finder."""
+
+    def __init__(self, sources: Dict[str, str]):
+        self.sources = sources
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.sources:
+            return None
+        source = Path(self.sources[name])
+        package = [str(source.parent)] if source.name == "__init__.py" else None
+        return importlib.util.spec_from_file_location(name, source, submodule_search_locations=package)
+
+
+def use_mutant_sources():
+    """Put ``MUTANT_ENV``'s finder first, once per process (no-op without it)."""
+    given = os.environ.get(MUTANT_ENV)
+    if given and not any(isinstance(f, _MutantSources) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MutantSources(json.loads(given)))
+
+
 def resolve(option: str, spec: str):
     """The object a ``package.module:attribute`` spec names. A module that
     cannot be imported, or whose own code fails, is unavailable here; a
@@ -487,6 +520,7 @@ def resolve(option: str, spec: str):
     module_name, attribute = split_spec(option, spec)
     if module_name is None:
         raise ImplementationError(f"{option} {spec!r}: expected 'package.module:attribute', not a command")
+    use_mutant_sources()
     try:
         target = importlib.import_module(module_name)
     except ImportError as error:

