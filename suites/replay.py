@@ -282,7 +282,10 @@ class Replay:
     def drop(self, amounts: Dict[str, int]):
         """Roll back each named running row by its count."""
         for rid, n in amounts.items():
-            if n > self.generated[rid]:
+            if L2 not in self.schedule.levels and n > len(self.held[rid]):
+                self.fail(f"rollback of {n} for {rid!r} is past what it holds ({len(self.held[rid])})")
+            if L2 in self.schedule.levels and n > self.generated[rid]:
+                # A model's row rolls back only what it generated: its prompt is the model's input.
                 self.fail(f"rollback of {n} for {rid!r} is past what it generated ({self.generated[rid]})")
         untrimmable = self.backend.untrimmable() if any(amounts.values()) else None
         if untrimmable:
@@ -300,10 +303,11 @@ class Replay:
         if any(batched):
             for layer, batch in enumerate(self.layers):
                 if even:
-                    batch.trim(batched[0])
+                    trimmed = batch.trim(batched[0])
+                    self.called("trim", layer, batch, self.rows, amount=batched[0], trimmed=trimmed)
                 else:
                     batch.rollback(batched)
-                self.called("trim" if even else "rollback", layer, batch, self.rows)
+                    self.called("rollback", layer, batch, self.rows)
             self.version += 1
         for rid, solo in self.waiting.items():
             if amounts.get(rid):

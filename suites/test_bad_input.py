@@ -132,7 +132,11 @@ def with_changes(**changes):
     [
         (with_changes(events=[{"leave": ["zz"]}]), 'event #0 leave ["zz"]', "unknown request 'zz'"),
         (with_changes(events=[{"join": ["a"]}, {"leave": ["b"]}]), "event #1 leave", "'b' is not in the batch (it has not joined)"),
-        (with_changes(events=[{"join": ["a"]}, {"step": 1}, {"rollback": {"a": 2}}]), "event #2 rollback", "past what it generated (1)"),
+        # A model's row rolls back only what it generated; at L1 alone, up to the whole row (its prompt too).
+        (with_changes(levels=["L1", "L2"], events=[{"join": ["a", "b"]}, {"step": 1}, {"rollback": {"a": 2}}]),
+         "event #2 rollback", "past what it generated (1)"),
+        (with_changes(events=[{"join": ["a", "b"]}, {"step": 1}, {"rollback": {"a": 6}}]), "event #2 rollback",
+         "past what it holds (5)"),
         (with_changes(kv={"bits": 4, "group_size": 128}), "kv", "group_size=128 does not divide head_dim=64"),
         (with_changes(kv={"bits": 7}), "kv", "bits=7 is not supported"),
         (with_changes(events=[{"jump": 1}]), "event #0", "unknown event 'jump'"),

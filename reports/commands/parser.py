@@ -8,12 +8,13 @@ import sys
 
 from kvparity.oracle.models import available_models
 from kvparity.reports.commands import (
-    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, model_dir, models, probe, record, replay, run,
+    bench, bisect, calibrate, check, compare, coverage, fuzz, matrix, merge, model_dir, models, probe, record, replay,
+    run,
 )
 from kvparity.reports.verdicts import EXIT_USAGE
 
 COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, models, model_dir, probe, record, calibrate,
-            compare)
+            compare, coverage)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
@@ -21,6 +22,7 @@ EXAMPLES = """examples:
   kvparity run --model smollm2                   L2 on the real SmolLM2-135M
   kvparity replay found.json --level L1          one schedule, row by row
   kvparity fuzz --workers 2 --minutes 10         generated schedules, shrunk failures
+  kvparity coverage                              the cells of the coverage model the catalog reaches
   git bisect run kvparity check                  find the commit that broke parity (impl from
                                                  [tool.kvparity] of pyproject.toml, or --impl)
   kvparity check --shard 1/2 --out s1; kvparity check --shard 2/2 --out s2; kvparity merge s1 s2
