@@ -272,7 +272,7 @@ class Paths:
         lengths = [self.schedule.requests[rid].prompt_len for rid in rids]
         gaps = [max(lengths) - n for n in lengths]
         padded = [g for g in gaps if g]
-        self.values.add("merge.zero-token-rows")
+        self.note("merge", {"zero-token-rows": True})
         self.note("prepare", {"no-gap": not padded, "longest-gap-1": max(gaps) == 1,
                               "longest-gap-more": max(gaps) > 1, "gap-1-beside-more": 1 in gaps and max(gaps) > 1,
                               "equal-gaps": len(set(padded)) < len(padded)})
@@ -339,7 +339,7 @@ class Paths:
         # counted this call already).
         after = max(len(self.replay.held[rid]) for rid in rows)
         before = after - n
-        self.values.update(f"update_and_fetch.width-{w}" for w in (STEP - 1, STEP, STEP + 1) if w == after)
+        self.note("update_and_fetch", {f"width-{w}": w == after for w in (STEP - 1, STEP, STEP + 1)})
         for path, boundary in GROWTH_BOUNDARIES.items():
             if before <= boundary < after:
                 self.found.add(path)
@@ -360,7 +360,7 @@ class Paths:
     def append_alone(self, rid, solo, n, j):
         start = self.schedule.requests[rid].quantized_kv_start
         if rid not in self.replay.extracted and start and solo.offset == start - 1:  # waiting, not preempted
-            self.values.add("merge.kv-start-one-below")
+            self.note("merge", {"kv-start-one-below": True})
         self.dry.append_alone(rid, solo, n, j)
 
     def untrimmable(self):
