@@ -132,6 +132,14 @@ VALUES: Dict[str, Value] = {
     "merge.unequal-pads": Value("merge", "two padded rows, padded unequally", ENGINE, _JOIN),
     "merge.zero-token-rows": Value("merge", "rows holding no tokens (a padded prefill's)", ENGINE,
                                    "BatchGenerator merges new requests' empty caches before their prefill"),
+    "merge.zero-token-row-beside-tokens": Value(
+        "merge", "a row of no tokens (a fresh cache, keys None) beside rows holding a stored prefix", ENGINE,
+        "BatchGenerator._make_batch merges the caches insert(caches=...) got for some requests (a stored "
+        "prefix) beside make_prompt_cache's empty ones for the others, before their prefill"),
+    "merge.emptied-row": Value("merge", "a row that held tokens and was trimmed to none (keys kept, offset 0)",
+                               PROTOCOL_ONLY, "only a batch trim empties a row (mlx-lm's engine trims no batch), "
+                               "and a stored prefix fetch_nearest_cache gives holds a token at least; the "
+                               "format merges such a row alone (extract, reinsert)"),
     "merge.kv-start-one-below": Value("merge", "a row one token short of quantized_kv_start waits outside",
                                       ENGINE, _KV_START),
     "merge.kv-start-at": Value("merge", "a row merged holding exactly quantized_kv_start tokens", ENGINE, _KV_START),
@@ -148,6 +156,10 @@ VALUES: Dict[str, Value] = {
     "extend.existing-pad-more": Value("extend", "the running rows' padding grows by more than 1", ENGINE, _EXTEND),
     "extend.joiners-pad-1": Value("extend", "the joining rows are padded by 1", ENGINE, _EXTEND),
     "extend.joiners-pad-more": Value("extend", "the joining rows are padded by more than 1", ENGINE, _EXTEND),
+    "extend.joiners-hold-no-tokens": Value(
+        "extend", "the joining rows hold no tokens (keys None), the running rows do", ENGINE,
+        "BatchGenerator extends its prompt batch with _make_batch's newly merged empty caches, and its "
+        "generation batch with rows whose prompt was one token (nothing written before)"),
     "extend.into-zero-token-rows": Value("extend", "the running rows hold no tokens (a trim emptied them)",
                                          PROTOCOL_ONLY, _NO_BATCH_TRIM),
     "filter.shift-0": Value("filter", "the survivors share no padding", ENGINE, _FILTER),
@@ -266,13 +278,15 @@ class Paths:
         elif member == "extend":
             self.found.add("extend")
 
-    def batched_prefill(self, rids):
+    def batched_prefill(self, rids, starts):
         if self.replay.layers is None:
             self.created("batched-prefill-into-empty")
-        lengths = [self.schedule.requests[rid].prompt_len for rid in rids]
+        lengths = [len(starts[rid][1]) if rid in starts else self.schedule.requests[rid].prompt_len for rid in rids]
+        prefixes = [len(self.replay.held[rid]) - n for rid, n in zip(rids, lengths)]  # what each row held before
         gaps = [max(lengths) - n for n in lengths]
         padded = [g for g in gaps if g]
-        self.note("merge", {"zero-token-rows": True})
+        self.note("merge", {"zero-token-rows": 0 in prefixes, "zero-token-row-beside-tokens": 0 < max(prefixes)
+                            and 0 in prefixes})
         self.note("prepare", {"no-gap": not padded, "longest-gap-1": max(gaps) == 1,
                               "longest-gap-more": max(gaps) > 1, "gap-1-beside-more": 1 in gaps and max(gaps) > 1,
                               "equal-gaps": len(set(padded)) < len(padded)})
@@ -301,13 +315,15 @@ class Paths:
             self.note("merge", {"equal-lengths": len(rows) > 1 and not padded, "pad-1": 1 in padded,
                                 "pad-more": max(pads) > 1, "unequal-pads": len(padded) > 1,
                                 "kv-start-at": any(s and n == s for s, n in zip(starts, lengths)),
+                                "emptied-row": 0 in lengths,  # only a trim leaves a row held outside no tokens
                                 "kv-start-one-above": any(s and n == s + 1 for s, n in zip(starts, lengths))})
         elif member == "extend":
             held = len(self.replay.rows)  # the running rows, before the joiners
             mine, theirs = max(lengths[:held]), max(lengths[held:])
             self.note("extend", {"equal-widths": mine == theirs, "existing-pad-1": theirs - mine == 1,
                                  "existing-pad-more": theirs - mine > 1, "joiners-pad-1": mine - theirs == 1,
-                                 "joiners-pad-more": mine - theirs > 1, "into-zero-token-rows": mine == 0})
+                                 "joiners-pad-more": mine - theirs > 1, "into-zero-token-rows": mine == 0,
+                                 "joiners-hold-no-tokens": theirs == 0 < mine})
         elif member == "filter":
             shift = max(self.lengths(self.replay.rows)) - max(lengths)  # the rows before, the survivors after
             self.note("filter", {"shift-0": shift == 0, "shift-1": shift == 1, "shift-more": shift > 1})

@@ -97,7 +97,8 @@ class CallChecks:
         # held to the oracle before it is merged, as that member's); every other call, the rows alone.
         sources = what.get("sources")
         alone = dict(zip(rows, sources)) if sources else {rid: run.solo.caches(rid)[layer] for rid in rows}
-        lengths = [0 if prefill and member == "merge" else alone[rid].offset for rid in rows]
+        # A padded prefill's merge of new rows holds none; one handed rows (a stored prefix) holds theirs.
+        lengths = [0 if prefill and member == "merge" and not sources else alone[rid].offset for rid in rows]
         record = CallRecord(self.position, member, layer, batch, rows, lengths, alone=alone, prefill=prefill,
                             tokens=what.get("tokens", 0))
         try:
@@ -251,7 +252,8 @@ class CallChecks:
                 spans = {"batch": (pads[i], size, n)} if n else {}
             elif record.member == WRITE:
                 last = n if record.prefill or pads is not None else record.tokens
-                spans = {name: (0, n, n) if record.prefill else (end - last, end, last) for name, end in (
+                pad = pads[i] if pads is not None else 0  # a prefill's rows start after their padding
+                spans = {name: (pad, pad + n, n) if record.prefill else (end - last, end, last) for name, end in (
                     ("fetched", _width(record.triples.get("fetched"))), ("batch", size)) if isinstance(end, int)}
             else:
                 continue

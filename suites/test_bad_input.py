@@ -188,6 +188,16 @@ def with_changes(**changes):
         (with_changes(stores={"s": {}}, requests={"a": {"prompt_len": 4}, "b": {"continues": "a"}},
                       events=[{"join": ["a"]}, {"store": {"into": "s", "requests": ["a"]}}, {"join": ["b"]}]),
          "event #2 join", "'b' continues 'a': it joins through join_stored"),
+        # a batched join from a store
+        (with_changes(events=[{"batched_join_stored": {"from": "zz", "requests": ["a"]}}]),
+         "event #0 batched_join_stored", "unknown store 'zz' (declared in stores: none)"),
+        (with_changes(stores={"s": {}}, events=[{"batched_join_stored": ["a"]}]), "event #0 batched_join_stored",
+         '{"from": store, "requests"'),
+        (with_changes(stores={"s": {}}, levels=["L1", "L2"], events=[{"batched_join_stored": {
+            "from": "s", "requests": ["a"]}}]), "event #0 batched_join_stored", "is an L1 event"),
+        (with_changes(stores={"s": {}}, requests={"a": {"prompt_len": 3, "quantized_kv_start": 5}},
+                      events=[{"batched_join_stored": {"from": "s", "requests": ["a"]}}]),
+         "event #0 batched_join_stored", "quantized_kv_start must be <= prompt_len"),
     ],
 )
 def test_bad_schedule_is_refused_naming_file_event_and_reason(tmp_path, doc, where, reason):

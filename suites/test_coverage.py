@@ -177,7 +177,10 @@ def test_cells_of_every_layer_at_its_key_dim_and_its_value_dim(tmp_path):
 # The cells the two bugs of issue 42 live in, and the one schedule that reaches each.
 BOUNDARY_CELLS = {"prepare.longest-gap-1": "boundary-pads-by-one", "filter.shift-1": "boundary-pads-by-one",
                   "trim.empties-every-row": "boundary-rows-emptied",
-                  "rollback.empties-a-row": "boundary-rollback-empties-a-row"}
+                  "rollback.empties-a-row": "boundary-rollback-empties-a-row",
+                  "merge.zero-token-row-beside-tokens": "boundary-join-stored-beside-fresh",
+                  "merge.emptied-row": "boundary-extend-empty-side",
+                  "extend.joiners-hold-no-tokens": "boundary-extend-empty-side"}
 
 
 def values_reached(schedules):
@@ -226,7 +229,8 @@ def test_the_run_counts_value_cells_among_the_models_requirements():
     judged = coverage.judged(capability_free())
     assert judged["requirements"] == len(requirements()) + len(coverage.values_asked(()))
     assert judged["missing"] == [] and judged["reached"] == judged["requirements"]
-    without = coverage.judged(s for s in capability_free() if s.name != "boundary-rows-emptied")
+    emptied = ("boundary-rows-emptied", "boundary-extend-empty-side")  # the schedules whose batch holds no tokens
+    without = coverage.judged(s for s in capability_free() if s.name not in emptied)
     assert "trim.empties-every-row" in without["missing"] and "nbytes.no-tokens" in without["missing"]
 
 
@@ -259,6 +263,25 @@ def test_rows_emptied_by_a_trim_and_what_is_read_of_them(tmp_path):
     assert not {"trim.empties-every-row", "trim.one-row"} & values
     values = set(coverage.values_of(probe(tmp_path, [{"join": ["b"]}, {"trim": 2}], {"b": requests["b"]})))
     assert {"trim.empties-every-row", "trim.one-row", "nbytes.no-tokens", "size.no-tokens"} <= values
+
+
+def test_rows_of_no_tokens_beside_rows_holding_tokens(tmp_path):
+    """A batched join from a store merges a fresh row (no tokens) beside a
+    stored prefix only where the store gives one some row's prompt; a row
+    emptied by a trim and reinserted is merged alone, then extends the batch
+    as a side of no tokens."""
+    requests = {"a": {"prompt_len": 4}, "t": {"continues": "a", "new_tokens": 2}, "f": {"prompt_len": 1}}
+    stored = [{"join": ["a"]}, {"store": {"into": "s", "requests": ["a"]}}, {"leave": ["a"]}]
+    for rows, beside in ((["t", "f"], True), (["t"], False), (["f"], False)):  # both; every row from a prefix, from nothing
+        values = set(coverage.values_of(probe(tmp_path, stored + [{"batched_join_stored": {"from": "s", "requests": rows}}],
+                                              {rid: requests[rid] for rid in ["a"] + rows}, stores={"s": {}})))
+        assert ("merge.zero-token-row-beside-tokens" in values) == beside, rows
+    requests = {"a": {"prompt_len": 4}, "b": {"prompt_len": 2}}
+    emptied = [{"join": ["a", "b"]}, {"trim": 2}, {"extract": "b"}, {"reinsert": "b"}]
+    values = set(coverage.values_of(probe(tmp_path, emptied, requests)))
+    assert {"merge.emptied-row", "extend.joiners-hold-no-tokens"} <= values
+    values = set(coverage.values_of(probe(tmp_path, emptied[:1] + [{"trim": 1}] + emptied[2:], requests)))
+    assert not {"merge.emptied-row", "extend.joiners-hold-no-tokens"} & values
 
 
 def test_lengths_around_quantized_kv_start(tmp_path):
