@@ -477,6 +477,37 @@ class NbytesZeroWithoutTokens(BatchQuantizedKVCache):
         return super().nbytes
 
 
+class MergePadsNoFreshRow(BatchQuantizedKVCache):
+    """merge gives a row that holds no keys (a fresh cache beside rows from
+    a stored prefix) no left padding ("nothing to align"): in a batch as wide
+    as its longest row, size() - left_padding is no longer its length 0."""
+
+    caught_by = "left_padding"
+    at_fault = "merge"
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        fresh = mx.array([c.keys is None for c in caches])  # the bug: a fresh row is padded to the width too
+        batch.left_padding = mx.where(fresh, 0, batch.left_padding).astype(mx.int32)
+        return batch
+
+
+class ExtendPadsNoEmptyJoiners(BatchQuantizedKVCache):
+    """extend takes joining rows whose batch holds no keys (merged from rows
+    of no tokens) as having no padding to shift: they keep left padding 0
+    in a batch that is as wide as the running rows."""
+
+    caught_by = "left_padding"
+    at_fault = "extend"
+
+    def extend(self, other):
+        joiners = other.left_padding
+        super().extend(other)
+        if other.keys is None:  # the bug: rows of no keys still pad to the new width
+            self.left_padding = mx.concatenate([self.left_padding[:self.batch_size - other.batch_size], joiners])
+
+
 VARIANTS = [
     LeftPaddingOffByOne,
     FilterKeepsSharedPadding,
@@ -503,7 +534,8 @@ VARIANTS = [
 ]
 # The boundary controls: each one group at the default gate, naming its ``at_fault``.
 BOUNDARY = [PrepareRightPaddingPastOne, FilterDropsSharedPaddingFromTwo, RollbackRefusesToEmptyARow,
-            ExtendPadsNoEmptySide, TrimCountsWhatRemains, NbytesZeroWithoutTokens]
+            ExtendPadsNoEmptySide, TrimCountsWhatRemains, NbytesZeroWithoutTokens, MergePadsNoFreshRow,
+            ExtendPadsNoEmptyJoiners]
 VARIANTS += BOUNDARY
 
 

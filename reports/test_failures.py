@@ -424,7 +424,8 @@ def test_a_bug_seen_at_l2_alone_is_named_by_each_schedules_replay_at_l1():
 # -- boundary controls: a bug at one edge of a member's integers ---------------------------
 
 # The catalog's schedules that reach the value cells the controls break (suites/coverage.py VALUES).
-BOUNDARY_SCHEDULES = ("boundary-pads-by-one", "boundary-rows-emptied", "boundary-rollback-empties-a-row")
+BOUNDARY_SCHEDULES = ("boundary-pads-by-one", "boundary-rows-emptied", "boundary-rollback-empties-a-row",
+                      "boundary-join-stored-beside-fresh", "boundary-extend-empty-side")
 
 
 @pytest.mark.parametrize("control", negative_controls.BOUNDARY, ids=lambda c: c.__name__)
