@@ -166,6 +166,7 @@ class SyntheticBackend:
             layers.append(batch)
         return layers
 
+
 class L1Run:
     """One schedule in progress: the replay, the solo caches and the evidence.
 

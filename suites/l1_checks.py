@@ -14,9 +14,9 @@ from kvparity.suites.checks import (ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_
                                     QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples, triple_job)
+from kvparity.suites.events import FROM_A_STORE
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
-from kvparity.suites.events import FROM_A_STORE
 from kvparity.suites.replay import Replay
 from kvparity.suites.stored import check_entries, check_fetch, entry_name
 
