@@ -22,7 +22,7 @@ from kvparity.reports.writer import summary_rows, write_report
 from kvparity.suites.adapter import load_implementation
 from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.schedule import CATALOG, catalog_paths, load
 
 CPU = load_policy("cpu")
 CONTROLS = "kvparity.impl.negative_controls"
@@ -505,3 +505,48 @@ def test_an_extracted_row_whose_offset_is_an_array_is_extracts_failure_at_l2():
     result = run_l2(load(CATALOG / "extract-decode-reinsert.json"), impl)
     assert verdicts.judge(result, CPU).verdict == FAIL and result.raised_by == "extract", result.reason
     assert "extract returned QuantizedKVCache(offset array(" in result.reason, result.reason
+
+
+# -- boundary controls: a bug at one edge of a member's integers ---------------------------
+
+# The catalog's schedules that reach the value cells the controls break (suites/coverage.py VALUES).
+BOUNDARY_SCHEDULES = ("boundary-pads-by-one", "boundary-rows-emptied", "boundary-rollback-empties-a-row",
+                      "boundary-join-stored-beside-fresh", "boundary-extend-empty-side")
+
+
+@pytest.mark.parametrize("control", negative_controls.BOUNDARY, ids=lambda c: c.__name__)
+def test_a_boundary_control_is_one_group_naming_its_member(control):
+    """Each is right at every value but one edge (a padding or a shift of
+    exactly one column, a row emptied, a side of rows holding no tokens, the
+    count of a trim that empties the batch, nbytes of a batch of no tokens):
+    the schedules made to reach those cells fail it in one group naming the
+    member, caught by its check."""
+    _, results, groups = judged_runs(control.__name__, BOUNDARY_SCHEDULES)
+    assert any(r.verdict == FAIL for r in results)
+    assert len(groups) == 1, failures.lines(groups)
+    (group,) = groups
+    assert group.at_fault == control.at_fault, failures.lines(groups)
+    assert control.caught_by in {f.first.check for f in group.failures}
+
+
+@pytest.mark.slow  # the default gate once per control: about 25 s each on 2 quiet cores, 60-100 s under load
+@pytest.mark.parametrize("control", negative_controls.BOUNDARY, ids=lambda c: c.__name__)
+def test_the_default_gate_kills_each_boundary_control_in_one_group(control, tmp_path, capsys):
+    """``kvparity check`` with its defaults (the whole catalog, every level):
+    exit 1, one failure group, naming the member."""
+    assert main(["check", "--impl", f"{CONTROLS}:{control.__name__}", "--out", str(tmp_path)]) == 1
+    capsys.readouterr()
+    (report,) = tmp_path.glob("*/report.json")
+    groups = json.loads(report.read_text())["failures"]
+    assert [g["at_fault"] for g in groups] == [control.at_fault], groups
+
+
+@pytest.mark.slow  # L1 over the catalog twice: about 20 s on 2 quiet cores
+@pytest.mark.parametrize("control", [negative_controls.PrepareRightPaddingPastOne,
+                                     negative_controls.FilterDropsSharedPaddingFromTwo], ids=lambda c: c.__name__)
+def test_issue_42s_two_bugs_pass_the_catalog_without_its_boundary_schedules(control, judged):
+    """Why the value cells: both pass every other L1 schedule of the
+    catalog (the whole gate passed them, 179 of 180, before the cells)."""
+    impl = load_implementation(f"{CONTROLS}:{control.__name__}")
+    others = [p for p in catalog_paths("L1") if not p.stem.startswith("boundary-")]
+    assert others and all(judged(run_l1(load(p), impl)).verdict != FAIL for p in others)

@@ -259,7 +259,7 @@ def check_table(verdicts: List[ScheduleVerdict]) -> Dict[str, Dict[str, Counter]
 
 
 def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
-    """The coverage model's requirements (paths x settings) that the L1
+    """The coverage model's requirements (paths x settings, values) that the L1
     schedule runs reached: only a run that went to its end reached the cells
     of its schedule, read again from its file (a schedule built in memory,
     such as a generated one, has none and reaches no cell). None when no L1
@@ -267,9 +267,7 @@ def model_coverage(results: List[ScheduleResult]) -> Optional[dict]:
     runs = [r for r in results if r.level == L1 and r.path and Path(r.path).is_file()]
     if not runs:
         return None
-    cells = [cell for r in runs if not r.stopped for cell in coverage_model.cells_of(load(r.path))]
-    asked, unmet = coverage_model.requirements(), coverage_model.missing(cells)
-    return {"requirements": len(asked), "reached": len(asked) - len(unmet), "missing": unmet}
+    return coverage_model.judged(load(r.path) for r in runs if not r.stopped)
 
 
 def verdict_of_run(verdicts: List[ScheduleVerdict], whole_catalog: bool = False, expectations=None,

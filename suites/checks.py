@@ -42,6 +42,7 @@ MASK = "mask"
 SHARED_PADDING = "shared_padding"
 SOURCE = "source"
 NBYTES = "nbytes"
+TRIMMED = "trimmed"
 RAISED = "raised"
 LOGITS = "logits"
 TOKENS = "tokens"
@@ -69,6 +70,10 @@ CHECKS: Dict[str, Check] = {
     SHARED_PADDING: Check(PARITY, "no column is padding in every row"),
     SOURCE: Check(PARITY, "merge and extend leave their sources' bytes unchanged"),
     NBYTES: Check(PARITY, "nbytes counts at least the bytes the rows' columns occupy", reads="nbytes"),
+    # Parity: mlx-lm's trim_prompt_cache adds up what trim returns, and a caller
+    # that trims by what is left (a prompt cache trimmed to a prefix) reads it.
+    TRIMMED: Check(PARITY, "trim returns the count mlx-lm's QuantizedKVCache.trim returns for each row's same trim",
+                   reads="trim"),
     RAISED: Check(PARITY, "a member or the engine raised: nothing after it was compared"),
     LOGITS: Check(PARITY, "each row's logits equal (or reach the policy's tier of) the request run alone", BY_TIER),
     TOKENS: Check(PARITY, "greedy (L2) or generated (L3, L4) tokens equal the request run alone", BY_TIER),

@@ -334,9 +334,22 @@ class JoinStored(NamesStoreAndRequests):
     field_name: ClassVar[str] = "from"
 
 
+@dataclass(frozen=True)
+class BatchedJoinStored(NamesStoreAndRequests):
+    """As mlx-lm's BatchGenerator admits several requests at once: each starts
+    from the store's nearest prefix of its prompt, or from nothing where the
+    store holds none, the rows are merged as they are (a row of no tokens
+    beside rows holding a prefix), and the rests of the prompts prefill in one
+    right-padded call (prepare/finalize)."""
+
+    kind: ClassVar[str] = "batched_join_stored"
+    field_name: ClassVar[str] = "from"
+
+
 KINDS = {cls.kind: cls for cls in (Join, BatchedJoin, Step, Leave, SpecRound, Rollback, Trim,
-                                   Extract, SoloStep, Reinsert, Store, JoinStored)}
+                                   Extract, SoloStep, Reinsert, Store, JoinStored, BatchedJoinStored)}
 EVENT_KINDS = tuple(KINDS)
+FROM_A_STORE = (JoinStored.kind, BatchedJoinStored.kind)  # kinds whose requests start from a store
 
 
 def make_event(cls, source, index, args) -> Event:

@@ -126,22 +126,36 @@ class SyntheticBackend:
     def untrimmable(self) -> str:
         return ""  # synthetic layers are quantized caches: every one trims
 
-    def batched_prefill(self, rids):
-        """Several prompts in one right-padded call: prepare/finalize, in every layer."""
-        requests = [self.schedule.requests[rid] for rid in rids]
-        width = max(r.prompt_len for r in requests)
+    def batched_prefill(self, rids, starts):
+        """Several prompts in one right-padded call: prepare/finalize, in every
+        layer. ``starts``: a request's stored prefix (a copy, one cache per
+        layer, or None) and the rest of its prompt; a request not in it starts
+        from nothing with its whole prompt."""
+        seeds = {rid: r.seed for rid, r in self.schedule.requests.items()}
+        own = []  # per request, per layer: the keys and values it prefills
+        for rid in rids:
+            if rid in starts:
+                self.written[rid] = self.replay.drawn[rid]
+                own.append(self.kv.named(starts[rid][1], seeds))
+            else:
+                own.append(self.draw(rid, self.schedule.requests[rid].prompt_len))
+        lengths = [len(starts[rid][1]) if rid in starts else self.schedule.requests[rid].prompt_len for rid in rids]
+        width = max(lengths)
         # Per request, per layer: its prompt's keys and values, then junk to the width.
-        padded = [[tuple(mx.concatenate([x, pad], axis=2) for x, pad in zip(own, junk))
-                   for own, junk in zip(self.draw(r.id, r.prompt_len), self.kv.padding(width - r.prompt_len))]
-                  for r in requests]
+        padded = [[tuple(mx.concatenate([x, pad], axis=2) for x, pad in zip(layer, junk))
+                   for layer, junk in zip(mine, self.kv.padding(width - n))] for mine, n in zip(own, lengths)]
+        rows = [starts.get(rid, (None,))[0] or [QuantizedKVCache(self.schedule.group_size, self.schedule.bits)
+                                                for _ in self.schedule.shapes] for rid in rids]
+        self.watch("merge", [c for row in rows for c in row])
         layers, called = [], self.replay.called
         for i, layer in enumerate(zip(*padded)):
             with self.in_layer(i):
-                empty = [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in rids]
-                batch = self.implementation.batch_class.merge(empty)
+                batch = self.implementation.batch_class.merge([row[i] for row in rows])
                 self.replay.returned_a_batch("merge", batch)
-                called("merge", i, batch, rids, prefill=True)
-                batch.prepare(right_padding=[width - r.prompt_len for r in requests])
+                # Rows handed a stored prefix are held to what merge was handed, as a join's.
+                called("merge", i, batch, rids, prefill=True, **({"sources": [row[i] for row in rows]}
+                                                                 if starts else {}))
+                batch.prepare(right_padding=[width - n for n in lengths])
                 called("prepare", i, batch, rids, prefill=True)
                 keys, values = (mx.concatenate(xs) for xs in zip(*layer))
                 fetched = batch.update_and_fetch(keys, values)

@@ -31,10 +31,12 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.oracle.arrays import Part
 from kvparity.suites.adapter import WRITE
-from kvparity.suites.checks import BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, PAD, QUANTIZED, RAISED
+from kvparity.suites.checks import (BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, PAD, QUANTIZED, RAISED,
+                                    TRIMMED)
 from kvparity.suites.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples)
 from kvparity.suites.l1_checks import layout_of_ints, pad_findings, per_row_ints, quantization_divergences
@@ -95,7 +97,8 @@ class CallChecks:
         # held to the oracle before it is merged, as that member's); every other call, the rows alone.
         sources = what.get("sources")
         alone = dict(zip(rows, sources)) if sources else {rid: run.solo.caches(rid)[layer] for rid in rows}
-        lengths = [0 if prefill and member == "merge" else alone[rid].offset for rid in rows]
+        # A padded prefill's merge of new rows holds none; one handed rows (a stored prefix) holds theirs.
+        lengths = [0 if prefill and member == "merge" and not sources else alone[rid].offset for rid in rows]
         record = CallRecord(self.position, member, layer, batch, rows, lengths, alone=alone, prefill=prefill,
                             tokens=what.get("tokens", 0))
         try:
@@ -103,6 +106,8 @@ class CallChecks:
                 self._extracted(record, what["row"], what["extracted"])
             else:
                 self._batch(record, what.get("fetched"))
+            if member == "trim":
+                self._trimmed(record, what["amount"], what["trimmed"])
         finally:
             del trail[mark:]  # what the evidence called is not what the event called
         self.records.append(record)
@@ -124,6 +129,19 @@ class CallChecks:
             EXTRACT, tensor="extracted", expected=f"offset {want[0]}, bits {want[1]}, group_size {want[2]}",
             actual=f"offset {got[0]!r}, bits {got[1]!r}, group_size {got[2]!r}",
             detail=f"what extract({record.rows.index(rid)}) returned", **self.where(record, rid, "extract"))]))
+
+    def _trimmed(self, record: CallRecord, n: int, returned):
+        """What trim returned, against what mlx-lm's QuantizedKVCache.trim
+        returns for the same trim of the shortest row (every row is trimmed
+        by ``n``; trim_prompt_cache passes the count on). Noted at once: the
+        event's own checks do not read it."""
+        expected = _trim_count(min(record.lengths) + n, n)  # the rows held n more before
+        ok = isinstance(returned, int) and not isinstance(returned, bool) and returned == expected
+        self.checks.note(self.checks.at, TRIMMED, record.rows, 1, [] if ok else [Divergence(
+            TRIMMED, self.event.label, tensor="trim", expected=expected,
+            actual=returned if isinstance(returned, int) else in_words(returned),
+            detail=f"the count trim({n}) returned; its rows hold {record.lengths} tokens after it",
+            **{k: v for k, v in self.where(record).items() if k != "event"})])
 
     def _batch(self, record: CallRecord, fetched):
         batch, schedule, reading = record.batch, self.run.schedule, self.checks.reading
@@ -234,7 +252,8 @@ class CallChecks:
                 spans = {"batch": (pads[i], size, n)} if n else {}
             elif record.member == WRITE:
                 last = n if record.prefill or pads is not None else record.tokens
-                spans = {name: (0, n, n) if record.prefill else (end - last, end, last) for name, end in (
+                pad = pads[i] if pads is not None else 0  # a prefill's rows start after their padding
+                spans = {name: (pad, pad + n, n) if record.prefill else (end - last, end, last) for name, end in (
                     ("fetched", _width(record.triples.get("fetched"))), ("batch", size)) if isinstance(end, int)}
             else:
                 continue
@@ -276,6 +295,13 @@ class CallChecks:
                     call, member = last, d.member or CHECKS[d.check].reads or self.own_offset(d)
                 row.divergences[k] = replace(d, call=call if call >= 0 else None, member=member or self.last)
         self.marks = {row.request: len(row.divergences) for row in self.run.result.rows}
+
+
+def _trim_count(length: int, n: int) -> int:
+    """What mlx-lm's QuantizedKVCache.trim(n) returns on a row of ``length`` tokens."""
+    row = QuantizedKVCache()
+    row.offset = length
+    return row.trim(n)
 
 
 def _width(triples) -> Optional[int]:

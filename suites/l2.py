@@ -157,8 +157,8 @@ class ModelBackend:
             mx.eval(logits)
         self.outputs.append(Output(rid, j, logits, True))
 
-    def batched_prefill(self, rids):
-        raise AssertionError("the dry run refuses batched_join at L2")
+    def batched_prefill(self, rids, starts):
+        raise AssertionError("the dry run refuses a batched prefill at L2")
 
     def untrimmable(self) -> str:
         """The model's layers mlx-lm cannot trim (SSM state), in words; empty when none."""

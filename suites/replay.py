@@ -288,7 +288,10 @@ class Replay:
     def drop(self, amounts: Dict[str, int]):
         """Roll back each named running row by its count."""
         for rid, n in amounts.items():
-            if n > self.generated[rid]:
+            if L2 not in self.schedule.levels and n > len(self.held[rid]):
+                self.fail(f"rollback of {n} for {rid!r} is past what it holds ({len(self.held[rid])})")
+            if L2 in self.schedule.levels and n > self.generated[rid]:
+                # A model's row rolls back only what it generated: its prompt is the model's input.
                 self.fail(f"rollback of {n} for {rid!r} is past what it generated ({self.generated[rid]})")
         untrimmable = self.backend.untrimmable() if any(amounts.values()) else None
         if untrimmable:
@@ -306,10 +309,11 @@ class Replay:
         if any(batched):
             for layer, batch in enumerate(self.layers):
                 if even:
-                    batch.trim(batched[0])
+                    trimmed = batch.trim(batched[0])
+                    self.called("trim", layer, batch, self.rows, amount=batched[0], trimmed=trimmed)
                 else:
                     batch.rollback(batched)
-                self.called("trim" if even else "rollback", layer, batch, self.rows)
+                    self.called("rollback", layer, batch, self.rows)
             self.version += 1
         for rid, solo in self.waiting.items():
             if amounts.get(rid):
@@ -329,18 +333,32 @@ class Replay:
         self.enter(solos)
 
     def _batched_join(self, event):
-        if L2 in self.schedule.levels:
-            self.fail("batched_join (padded batched prefill) is an L1 event")
         self.admit(event.requests)
         for rid in event.requests:
             request = self.schedule.requests[rid]
             if request.continues is not None:
                 self.fail(f"request {rid!r} continues {request.continues!r}: it joins through join_stored")
-            if request.quantized_kv_start > request.prompt_len:
-                self.fail(f"{rid!r} would join unquantized: batched_join prefills straight into "
-                          "the quantized batch, so quantized_kv_start must be <= prompt_len")
             self.call(rid, "prefill", request.prompt_len)
-        self.add_rows(self.backend.batched_prefill(list(event.requests)), event.requests)
+        self.batched(event.requests, {})
+
+    def _batched_join_stored(self, event):
+        """As mlx-lm's BatchGenerator admits requests from a store: each
+        from its nearest stored prefix or from nothing, merged as they are,
+        then the rests of their prompts in one right-padded call."""
+        self.admit(event.requests)
+        self.batched(event.requests, self.fetch(event))
+
+    def batched(self, rids, starts: Dict[str, tuple]):
+        """Rows prefilled together (prepare/finalize) join the batch;
+        ``starts``: a request's (stored prefix or None, rest of its prompt)."""
+        if L2 in self.schedule.levels:
+            self.fail(f"{self.event.kind} (padded batched prefill) is an L1 event")
+        for rid in rids:
+            request = self.schedule.requests[rid]
+            if request.quantized_kv_start > len(self.held[rid]):
+                self.fail(f"{rid!r} would join unquantized: {self.event.kind} prefills straight into "
+                          "the quantized batch, so quantized_kv_start must be <= prompt_len")
+        self.add_rows(self.backend.batched_prefill(list(rids), starts), rids)
 
     def _step(self, event):
         self.require_some_running()
@@ -412,9 +430,15 @@ class Replay:
         """As mlx-lm's server admits a request: the store's nearest prefix of
         its prompt (a deep copy, trimmed when the stored prompt is longer),
         the rest of the prompt alone, then merge + extend."""
-        store = self.store_named(event.store)
         self.admit(event.requests)
-        solos, self.resumed = {}, {}
+        self.enter({rid: self.backend.prefill_from(rid, cache, rest, len(self.calls[rid]) - 1)
+                    for rid, (cache, rest) in self.fetch(event).items()})
+
+    def fetch(self, event) -> Dict[str, tuple]:
+        """Each request's nearest stored prefix in the event's store (None
+        where it holds none) and the rest of its prompt, recorded as a resume."""
+        store = self.store_named(event.store)
+        starts, self.resumed = {}, {}
         for rid in event.requests:
             prompt = self.prompt_of(rid)
             if not prompt:
@@ -424,9 +448,9 @@ class Replay:
                            lambda: rows_in_words(entry.caches) if entry else "a stored row"):
                 cache, rest = fetch_nearest(store, prompt)
             self.resumed[rid] = (entry if cache is not None else None, len(prompt) - len(rest))
-            j = self.call(rid, "resume", len(rest), event.store, prompt)
-            solos[rid] = self.backend.prefill_from(rid, cache, rest, j)
-        self.enter(solos)
+            self.call(rid, "resume", len(rest), event.store, prompt)
+            starts[rid] = (cache, rest)
+        return starts
 
     def extract_row(self, rid) -> list:
         """Row ``rid`` of the batch, through ``extract``, one cache per layer."""
@@ -530,7 +554,7 @@ class _DryRun:
         request = self.schedule.requests[rid]
         return _Counted(request.quantized_kv_start, request.prompt_len)
 
-    def batched_prefill(self, rids):
+    def batched_prefill(self, rids, starts):
         return [_NoBatch()]
 
     def resume(self, rid, caches):

@@ -132,7 +132,11 @@ def with_changes(**changes):
     [
         (with_changes(events=[{"leave": ["zz"]}]), 'event #0 leave ["zz"]', "unknown request 'zz'"),
         (with_changes(events=[{"join": ["a"]}, {"leave": ["b"]}]), "event #1 leave", "'b' is not in the batch (it has not joined)"),
-        (with_changes(events=[{"join": ["a"]}, {"step": 1}, {"rollback": {"a": 2}}]), "event #2 rollback", "past what it generated (1)"),
+        # A model's row rolls back only what it generated; at L1 alone, up to the whole row (its prompt too).
+        (with_changes(levels=["L1", "L2"], events=[{"join": ["a", "b"]}, {"step": 1}, {"rollback": {"a": 2}}]),
+         "event #2 rollback", "past what it generated (1)"),
+        (with_changes(events=[{"join": ["a", "b"]}, {"step": 1}, {"rollback": {"a": 6}}]), "event #2 rollback",
+         "past what it holds (5)"),
         (with_changes(kv={"bits": 4, "group_size": 128}), "kv", "group_size=128 does not divide head_dim=64"),
         (with_changes(kv={"bits": 7}), "kv", "bits=7 is not supported"),
         (with_changes(events=[{"jump": 1}]), "event #0", "unknown event 'jump'"),
@@ -184,6 +188,16 @@ def with_changes(**changes):
         (with_changes(stores={"s": {}}, requests={"a": {"prompt_len": 4}, "b": {"continues": "a"}},
                       events=[{"join": ["a"]}, {"store": {"into": "s", "requests": ["a"]}}, {"join": ["b"]}]),
          "event #2 join", "'b' continues 'a': it joins through join_stored"),
+        # a batched join from a store
+        (with_changes(events=[{"batched_join_stored": {"from": "zz", "requests": ["a"]}}]),
+         "event #0 batched_join_stored", "unknown store 'zz' (declared in stores: none)"),
+        (with_changes(stores={"s": {}}, events=[{"batched_join_stored": ["a"]}]), "event #0 batched_join_stored",
+         '{"from": store, "requests"'),
+        (with_changes(stores={"s": {}}, levels=["L1", "L2"], events=[{"batched_join_stored": {
+            "from": "s", "requests": ["a"]}}]), "event #0 batched_join_stored", "is an L1 event"),
+        (with_changes(stores={"s": {}}, requests={"a": {"prompt_len": 3, "quantized_kv_start": 5}},
+                      events=[{"batched_join_stored": {"from": "s", "requests": ["a"]}}]),
+         "event #0 batched_join_stored", "quantized_kv_start must be <= prompt_len"),
     ],
 )
 def test_bad_schedule_is_refused_naming_file_event_and_reason(tmp_path, doc, where, reason):

@@ -170,3 +170,141 @@ def test_cells_of_every_layer_at_its_key_dim_and_its_value_dim(tmp_path):
                      kv={"bits": 3, "group_size": 64}, synthetic={"layers": layers, "dtype": "float32"})
     cell = lambda dim, heads, kv_dims: coverage.Cell("join-into-empty", 3, dim, 64, "float32", heads, kv_dims)
     assert cells_of(schedule) == [cell(128, 1, "differ"), cell(192, 1, "differ"), cell(512, 2, "equal")]
+
+
+# -- values: the integers members take at their edges ----------------------------------
+
+# The cells the two bugs of issue 42 live in, and the one schedule that reaches each.
+BOUNDARY_CELLS = {"prepare.longest-gap-1": "boundary-pads-by-one", "filter.shift-1": "boundary-pads-by-one",
+                  "trim.empties-every-row": "boundary-rows-emptied",
+                  "rollback.empties-a-row": "boundary-rollback-empties-a-row",
+                  "merge.zero-token-row-beside-tokens": "boundary-join-stored-beside-fresh",
+                  "merge.emptied-row": "boundary-extend-empty-side",
+                  "extend.joiners-hold-no-tokens": "boundary-extend-empty-side"}
+
+
+def values_reached(schedules):
+    return {value for s in schedules for value in coverage.values_of(s)}
+
+
+@lru_cache(maxsize=None)
+def catalog_values():
+    """Each L1 catalog schedule's name -> the value cells it reaches."""
+    return {s.name: set(coverage.values_of(s)) for s in (load(p) for p in catalog_paths("L1"))}
+
+
+def test_every_value_cell_is_reached_by_the_catalog():
+    """CI fails on a value cell no L1 schedule reaches; those no optional
+    capability needs are reached without one."""
+    gaps = coverage.missing_values(set().union(*catalog_values().values()))
+    assert not gaps, f"{len(gaps)} value cells are reached by no L1 schedule: {', '.join(gaps)}"
+    free = coverage.missing_values(values_reached(capability_free()), capabilities=())
+    assert not free, f"value cells reached only with an optional capability: {', '.join(free)}"
+
+
+def test_each_value_cell_says_whether_mlx_lms_engine_makes_it():
+    for name, value in coverage.VALUES.items():
+        assert name.startswith(f"{value.member}."), name
+        assert value.by in (coverage.ENGINE, coverage.PROTOCOL_ONLY) and value.why, name
+    # Where mlx-lm's engine never calls: it never trims or rolls back a batch.
+    assert {v.by for v in coverage.VALUES.values() if v.member in ("trim", "rollback")} == {coverage.PROTOCOL_ONLY}
+    assert coverage.VALUES["prepare.no-gap"].by == coverage.PROTOCOL_ONLY
+    assert coverage.VALUES["prepare.longest-gap-1"].by == coverage.ENGINE
+
+
+def test_a_value_cell_is_asked_only_where_its_capability_ran():
+    rollback = [n for n, v in coverage.VALUES.items() if v.needs == "per_row_rollback"]
+    assert rollback and set(rollback) <= set(coverage.values_asked())
+    assert not set(rollback) & set(coverage.values_asked(capabilities=()))
+
+
+@pytest.mark.parametrize("cell, schedule", BOUNDARY_CELLS.items())
+def test_removing_a_value_cells_schedule_leaves_it_unreached(cell, schedule):
+    reached = catalog_values()
+    assert cell in reached[schedule]
+    assert not any(cell in values for name, values in reached.items() if name != schedule)
+
+
+def test_the_run_counts_value_cells_among_the_models_requirements():
+    judged = coverage.judged(capability_free())
+    assert judged["requirements"] == len(requirements()) + len(coverage.values_asked(()))
+    assert judged["missing"] == [] and judged["reached"] == judged["requirements"]
+    emptied = ("boundary-rows-emptied", "boundary-extend-empty-side")  # the schedules whose batch holds no tokens
+    without = coverage.judged(s for s in capability_free() if s.name not in emptied)
+    assert "trim.empties-every-row" in without["missing"] and "nbytes.no-tokens" in without["missing"]
+
+
+def test_paddings_of_one_come_from_the_rows_lengths(tmp_path):
+    lengths = {"a": 6, "b": 5, "c": 4, "d": 2}
+    requests = lambda *rids: {rid: {"prompt_len": lengths[rid]} for rid in rids}  # noqa: E731
+    values = coverage.values_of(probe(tmp_path, [{"join": ["a", "b"]}, {"step": 1}, {"leave": ["a"]}],
+                                      requests("a", "b")))
+    assert {"merge.pad-1", "filter.shift-1"} <= set(values) and "merge.pad-more" not in values
+    values = coverage.values_of(probe(tmp_path, [{"batched_join": ["a", "b"]}], requests("a", "b")))
+    assert {"prepare.longest-gap-1", "merge.zero-token-rows"} <= set(values)
+    assert "prepare.longest-gap-more" not in values
+    values = coverage.values_of(probe(tmp_path, [{"batched_join": ["a", "b", "c", "d"]}], requests(*"abcd")))
+    assert {"prepare.longest-gap-more", "prepare.gap-1-beside-more"} <= set(values)
+    assert "prepare.longest-gap-1" not in values and "prepare.equal-gaps" not in values
+    # A joiner one longer than the batch: the running rows' padding grows by one.
+    values = coverage.values_of(probe(tmp_path, [{"join": ["b"]}, {"step": 1}, {"join": ["a"]}], requests("a", "b")))
+    assert "extend.equal-widths" in values
+    values = coverage.values_of(probe(tmp_path, [{"join": ["b"]}, {"step": 2}, {"join": ["a"]}], requests("a", "b")))
+    assert "extend.joiners-pad-1" in values
+    values = coverage.values_of(probe(tmp_path, [{"join": ["c"]}, {"step": 1}, {"join": ["a"]}], requests("a", "c")))
+    assert "extend.existing-pad-1" in values
+
+
+def test_rows_emptied_by_a_trim_and_what_is_read_of_them(tmp_path):
+    requests = {"a": {"prompt_len": 4}, "b": {"prompt_len": 2}, "c": {"prompt_len": 3}}
+    events = [{"join": ["a", "b"]}, {"trim": 2}, {"leave": ["a"]}, {"join": ["c"]}]
+    values = set(coverage.values_of(probe(tmp_path, events, requests)))
+    assert {"trim.more", "trim.empties-a-row", "extend.into-zero-token-rows", "nbytes.no-tokens"} <= values
+    assert not {"trim.empties-every-row", "trim.one-row"} & values
+    values = set(coverage.values_of(probe(tmp_path, [{"join": ["b"]}, {"trim": 2}], {"b": requests["b"]})))
+    assert {"trim.empties-every-row", "trim.one-row", "nbytes.no-tokens", "size.no-tokens"} <= values
+
+
+def test_rows_of_no_tokens_beside_rows_holding_tokens(tmp_path):
+    """A batched join from a store merges a fresh row (no tokens) beside a
+    stored prefix only where the store gives one some row's prompt; a row
+    emptied by a trim and reinserted is merged alone, then extends the batch
+    as a side of no tokens."""
+    requests = {"a": {"prompt_len": 4}, "t": {"continues": "a", "new_tokens": 2}, "f": {"prompt_len": 1}}
+    stored = [{"join": ["a"]}, {"store": {"into": "s", "requests": ["a"]}}, {"leave": ["a"]}]
+    for rows, beside in ((["t", "f"], True), (["t"], False), (["f"], False)):  # both; every row from a prefix, from nothing
+        values = set(coverage.values_of(probe(tmp_path, stored + [{"batched_join_stored": {"from": "s", "requests": rows}}],
+                                              {rid: requests[rid] for rid in ["a"] + rows}, stores={"s": {}})))
+        assert ("merge.zero-token-row-beside-tokens" in values) == beside, rows
+    requests = {"a": {"prompt_len": 4}, "b": {"prompt_len": 2}}
+    emptied = [{"join": ["a", "b"]}, {"trim": 2}, {"extract": "b"}, {"reinsert": "b"}]
+    values = set(coverage.values_of(probe(tmp_path, emptied, requests)))
+    assert {"merge.emptied-row", "extend.joiners-hold-no-tokens"} <= values
+    values = set(coverage.values_of(probe(tmp_path, emptied[:1] + [{"trim": 1}] + emptied[2:], requests)))
+    assert not {"merge.emptied-row", "extend.joiners-hold-no-tokens"} & values
+
+
+def test_lengths_around_quantized_kv_start(tmp_path):
+    requests = {"a": {"prompt_len": 4, "quantized_kv_start": 5}, "b": {"prompt_len": 6, "quantized_kv_start": 5}}
+    assert set(coverage.values_of(probe(tmp_path, [{"join": ["a", "b"]}, {"step": 1}], requests))) >= {
+        "merge.kv-start-one-below", "merge.kv-start-at", "merge.kv-start-one-above"}
+    assert not {"merge.kv-start-one-below", "merge.kv-start-at"} & set(
+        coverage.values_of(probe(tmp_path, [{"join": ["b"]}, {"step": 1}], {"b": requests["b"]})))
+
+
+def test_a_model_row_rolls_back_only_what_it_generated(tmp_path):
+    """At L1 a trim may go into the prompt (a row emptied); at L2 the prompt
+    is the model's input, and the schedule is refused before anything runs."""
+    from kvparity.suites.replay import ScheduleError
+
+    requests = {"a": {"prompt_len": 2}}
+    events = [{"join": ["a"]}, {"step": 1}, {"trim": 3}]
+    assert "trim.empties-every-row" in coverage.values_of(probe(tmp_path, events, requests))
+    doc = {"name": "probe", "levels": ["L1", "L2"], "requests": requests, "events": events}
+    (tmp_path / "l2.json").write_text(json.dumps(doc))
+    with pytest.raises(ScheduleError, match="past what it generated"):
+        load(tmp_path / "l2.json")
+    doc["levels"], doc["events"][-1] = ["L1"], {"trim": 4}
+    (tmp_path / "l1.json").write_text(json.dumps(doc))
+    with pytest.raises(ScheduleError, match=r"past what it holds \(3\)"):
+        load(tmp_path / "l1.json")

@@ -13,7 +13,7 @@ EVERY_KIND = [
     {"join": ["a", "b"]}, {"batched_join": ["c"]}, {"step": 2}, {"spec_round": {"k": 3, "accepted": {"a": 1}}},
     {"rollback": {"a": 1, "b": 2}}, {"trim": 2}, {"extract": "b"}, {"solo_step": {"b": 2}}, {"reinsert": "b"},
     {"leave": ["a", "c"]}, {"store": {"into": "s", "requests": ["a", "b"]}},
-    {"join_stored": {"from": "s", "requests": ["b"]}},
+    {"join_stored": {"from": "s", "requests": ["b"]}}, {"batched_join_stored": {"from": "s", "requests": ["b", "c"]}},
 ]
 
 
@@ -44,7 +44,8 @@ def test_shrinking_asks_each_event():
     events = [parse_event("<t>", i, doc) for i, doc in enumerate(EVERY_KIND)]
     assert [e.to_json() for e in (e.without("b") for e in events) if e is not None] == [
         {"join": ["a"]}, {"batched_join": ["c"]}, {"step": 2}, {"spec_round": {"k": 3, "accepted": {"a": 1}}},
-        {"rollback": {"a": 1}}, {"trim": 2}, {"leave": ["a", "c"]}, {"store": {"into": "s", "requests": ["a"]}}]
+        {"rollback": {"a": 1}}, {"trim": 2}, {"leave": ["a", "c"]}, {"store": {"into": "s", "requests": ["a"]}},
+        {"batched_join_stored": {"from": "s", "requests": ["c"]}}]
     assert {r for e in events for r in e.named} == {"a", "b", "c"}
     assert [s.to_json() for e in events for s in e.smaller()] == [
         {"step": 1}, {"spec_round": {"k": 2, "accepted": {"a": 1}}}, {"trim": 1}]

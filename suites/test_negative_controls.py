@@ -6,6 +6,7 @@ variants are reported there and fail under ``strict``."""
 import json
 
 import pytest
+from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.impl import negative_controls
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
@@ -129,3 +130,40 @@ def test_a_divergence_in_one_layer_of_several_names_that_layer(tmp_path, judged)
     assert {d.layer for d in result.divergences} == {1}
     assert "layer 1" in result.first.message() and "values" in result.first.message()
     assert judged(run_l1(load(path), load_implementation())).verdict == PASS
+
+
+# -- a row of no tokens (the coverage model's boundary cells) ---------------------------
+
+
+class ExtractsAnEmptyRowAsAFreshCache(BatchQuantizedKVCache):
+    """Right: a row that holds no tokens comes back as mlx-lm's empty cache
+    (keys and values None), as a published cache's extract does."""
+
+    def extract(self, idx):
+        row = super().extract(idx)
+        return QuantizedKVCache(group_size=self.group_size, bits=self.bits) if row.offset == 0 else row
+
+
+class _RowWhoseStateRaises(QuantizedKVCache):
+    @property
+    def state(self):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+
+class ExtractedRowStateRaises(BatchQuantizedKVCache):
+    def extract(self, idx):
+        row = super().extract(idx)
+        raising = _RowWhoseStateRaises(group_size=row.group_size, bits=row.bits)
+        raising.keys, raising.values, raising.offset = row.keys, row.values, row.offset
+        return raising
+
+
+def test_a_row_of_no_tokens_may_come_back_as_an_empty_cache_and_a_raising_row_is_extracts(judged):
+    emptied = load(CATALOG / "boundary-rows-emptied.json")
+    fresh = Implementation("test:ExtractsAnEmptyRowAsAFreshCache", ExtractsAnEmptyRowAsAFreshCache)
+    assert judged(run_l1(emptied, fresh)).verdict == PASS
+    # Reading a returned row's state is the cache's to survive: its FAIL, naming extract, not kvparity's error.
+    raising = Implementation("test:ExtractedRowStateRaises", ExtractedRowStateRaises)
+    result = run_l1(emptied, raising)
+    assert judged(result).verdict == FAIL and result.raised_by == "extract"
+    assert "TypeError" in result.first.message()

@@ -8,13 +8,13 @@ import sys
 
 from kvparity.oracle.models import available_models
 from kvparity.reports.commands import (
-    bench, bisect, calibrate, check, compare, fuzz, matrix, merge, model_dir, models, mutate, probe, record, replay,
-    run, vectors,
+    bench, bisect, calibrate, check, compare, coverage, fuzz, matrix, merge, model_dir, models, mutate, probe, record,
+    replay, run, vectors,
 )
 from kvparity.reports.verdicts import EXIT_USAGE
 
 COMMANDS = (run, bench, check, merge, matrix, replay, bisect, fuzz, mutate, models, model_dir, probe, record,
-            calibrate, compare, vectors)
+            calibrate, compare, coverage, vectors)
 
 EXAMPLES = """examples:
   kvparity run                                   the catalog against the reference cache
@@ -24,6 +24,7 @@ EXAMPLES = """examples:
   kvparity fuzz --workers 2 --minutes 10         generated schedules, shrunk failures
   kvparity vectors export vectors/               the L1 catalog as data any test runner reads
   kvparity mutate --workers 4                    your cache's lines the gate does not constrain
+  kvparity coverage                              the cells of the coverage model the catalog reaches
   git bisect run kvparity check                  find the commit that broke parity (impl from
                                                  [tool.kvparity] of pyproject.toml, or --impl)
   kvparity check --shard 1/2 --out s1; kvparity check --shard 2/2 --out s2; kvparity merge s1 s2
