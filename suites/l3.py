@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from kvparity.oracle.generation import (
-    SoloGeneration, StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, semantics,
+    SoloGeneration, StoredPrefix, cached_generate_alone, generate_from_prefix, semantics,
 )
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
@@ -109,7 +109,8 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     first_turns = [r for r in requests if r.continues is None]
     solos = generate_solos(result, loaded, first_turns, use_cache)
-    served = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
+    served = (serve(result, schedule, implementation, engine_spec, loaded, requests, use_cache)
+              if solos is not None else None)
     run, calls = served or (None, None)
     if run is not None:
         check_quantized(result, run, requests, loaded.plan, calls)
@@ -137,7 +138,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
             compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
-        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step))
+        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step), use_cache)
         result.seconds = time.perf_counter() - start
     return result
 
@@ -210,7 +211,7 @@ def reshaping(members) -> Tuple[str, ...]:
 
 
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
-          requests) -> Optional[Tuple[EngineRun, CallTrail]]:
+          requests, use_cache: bool) -> Optional[Tuple[EngineRun, CallTrail]]:
     """The engine's run and the members it called, or None when it stopped:
     what raised is worded as at every level (level, schedule, event, layer and frame)."""
     settings = schedule.engine
@@ -251,7 +252,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:
                 made = reshaping(implementation.trail[trail_start:])
-                wrong = wrong_so_far(result, loaded, requests, engine, made)
+                wrong = wrong_so_far(result, loaded, requests, engine, made, use_cache)
                 if wrong:  # a row stored before it raised was wrong already: that is the first divergence
                     consumed = ForwardRaised(raised.error, ForwardRaised.ENGINE)
                     consumed.layer = raised.layer
@@ -266,7 +267,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             raised.layer = layer_of(error, loaded.model.layers)
             # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
             made = reshaping(implementation.trail[trail_start:])
-            wrong = wrong_so_far(result, loaded, requests, engine, made)
+            wrong = wrong_so_far(result, loaded, requests, engine, made, use_cache)
             note_raised(result, 0, SERVE_LABEL, raised, everyone, said=f"{raised}, after {wrong}" if wrong else "",
                         reshaped=made + (EXTRACT_MEMBER,) * (bool(wrong) and EXTRACT_MEMBER not in made))
             return None
@@ -283,7 +284,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
 
 
 def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], run: EngineRun,
-                 made: Callable[[StoredPrefix], Tuple[str, ...]]) -> List[StoredPrefix]:
+                 made: Callable[[StoredPrefix], Tuple[str, ...]], use_cache: bool) -> List[StoredPrefix]:
     """Each entry the engine stored, as ``extract`` returned it, against
     mlx-lm's own cache of its request generated alone (from the entry that
     request started from, as the oracle starts it), on the tokens it is
@@ -308,7 +309,7 @@ def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], 
         if entry.layers is None or source is None or started_wrong:  # unusable: said where a request starts from it
             continue
         if entry.source not in alone:
-            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run)
+            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run, use_cache)
         found, compared = entry_divergences(entry, alone[entry.source], loaded.plan)
         if found:
             wrong.append(entry)
@@ -329,19 +330,18 @@ def output_diverged_by(result: ScheduleResult, run: EngineRun, rid: str, step: i
                for d in result.row(rid).divergences)
 
 
-def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun) -> list:
+def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun, use_cache: bool) -> list:
     """mlx-lm's prompt cache of ``request`` generated alone to its end (a
     next turn with the prompt the engine served it, from the entry it
-    started from): every token it holds, as mlx-lm computes it."""
+    started from): every token it holds, as mlx-lm computes it. From nothing,
+    it is the cache the solo run its tokens are compared with ended with (one
+    oracle cache entry); from an entry, computed here, as that solo run is."""
     prompt = run.prompts.get(request.id, request.prompt)
     request = replace(request, prompt=tuple(prompt), continues=None)
-    cache: list = []
     use = run.prefixes.get(request.id)
     if use is None:
-        generate_alone(loaded.model, request, prompt_cache=cache)
-    else:
-        generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry], prompt_cache=cache)
-    return cache
+        return cached_generate_alone(loaded.model, request, loaded.sha256, use_cache).cache
+    return generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry])[0].cache
 
 
 def entry_divergences(entry: StoredPrefix, alone: list, plan) -> Tuple[List[Divergence], int]:
@@ -373,13 +373,14 @@ def tokens_of(cache, n: int) -> dict:
             for part, x in zip(("packed", "scales", "biases"), getattr(cache, side))}
 
 
-def wrong_so_far(result: ScheduleResult, loaded, requests, engine, made: Tuple[str, ...]) -> str:
+def wrong_so_far(result: ScheduleResult, loaded, requests, engine, made: Tuple[str, ...], use_cache: bool) -> str:
     """Where the engine raised: the first entry it had stored that
     ``check_stored`` finds wrong (``engine.so_far``, what it stored until
     then), in words; empty where none was, or the engine does not say."""
     so_far = getattr(engine, "so_far", None)
     try:
-        wrong = check_stored(result, loaded, requests, so_far, lambda entry: made) if so_far is not None else []
+        wrong = (check_stored(result, loaded, requests, so_far, lambda entry: made, use_cache)
+                 if so_far is not None else [])
     except Exception:  # mlx-lm's own path cannot say what the entries should hold: the raise stands as it is
         return ""
     return f"{wrong[0].describe()}, which diverged as extract returned it" if wrong else ""
