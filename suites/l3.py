@@ -114,6 +114,7 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     run, calls = served or (None, None)
     if run is not None:
         check_quantized(result, run, requests, loaded.plan, calls)
+        ran = {}  # request -> its solo generation, whose cache its stored entries are held to
         for request in requests:
             if request.continues is not None:  # a next turn: its prompt as the engine served it
                 if request.id not in run.prompts:
@@ -136,9 +137,11 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                     return result
                 continue
             compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
+            if tuple(request.prompt) == tuple(run.prompts.get(request.id, request.prompt)):  # as check_stored asks
+                ran[request.id] = solo
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
-        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step), use_cache)
+        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step), use_cache, ran)
         result.seconds = time.perf_counter() - start
     return result
 
@@ -284,7 +287,8 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
 
 
 def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], run: EngineRun,
-                 made: Callable[[StoredPrefix], Tuple[str, ...]], use_cache: bool) -> List[StoredPrefix]:
+                 made: Callable[[StoredPrefix], Tuple[str, ...]], use_cache: bool,
+                 ran: Optional[Dict[str, SoloGeneration]] = None) -> List[StoredPrefix]:
     """Each entry the engine stored, as ``extract`` returned it, against
     mlx-lm's own cache of its request generated alone (from the entry that
     request started from, as the oracle starts it), on the tokens it is
@@ -298,9 +302,12 @@ def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], 
     fault, as a request's wrong token joins. Unless the request's own output
     diverged before the entry was stored: that output is then the first
     divergence. Entries of a request that started from a wrong one are not
-    checked again: their first divergence is that entry's. Returns the
-    entries that diverged."""
-    asked, wrong, alone = {r.id: r for r in requests}, [], {}
+    checked again: their first divergence is that entry's. ``ran``: the solo
+    generations the requests' outputs were compared with, whose caches are
+    those (a request not among them is generated, or read from the solo-run
+    cache, here). Returns the entries that diverged."""
+    asked, wrong = {r.id: r for r in requests}, []
+    alone = {rid: solo.cache for rid, solo in (ran or {}).items()}
     for number in sorted(run.stored):
         entry = run.stored[number]
         source = asked.get(entry.source)
