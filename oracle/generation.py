@@ -25,7 +25,9 @@ one computed in the same prefill, and that is mlx-lm's behaviour, not the cache'
 Where L2's oracle (``oracle/solo.py``) replays the calls a schedule makes,
 this one lets mlx-lm generate freely: the engine decides the calls. A request
 is anything with the attributes in ``GENERATION_FIELDS`` (an L3
-``EngineRequest``). Generations are cached by content hash, like L2's traces.
+``EngineRequest``). Generations are cached by content hash, like L2's traces,
+with the quantized layers of the cache each run ended with (what L3 holds the
+entries an engine stores against).
 """
 
 import hashlib
@@ -43,7 +45,8 @@ from kvparity.oracle.plan import fresh_rows
 from kvparity.oracle.sealed import cached
 from kvparity.oracle.trace import oracle_cache
 
-GENERATION_FORMAT = "kvparity.l3-solo/2"  # 2: entries sealed
+GENERATION_FORMAT = "kvparity.l3-solo/3"  # 2: entries sealed; 3: with the cache the run ended with
+GENERATION_FILE = "generation.safetensors"
 # What a generation depends on, besides the model and the machine.
 GENERATION_FIELDS = ("prompt", "max_tokens", "bits", "group_size", "quantized_kv_start", "prefill_step_size")
 
@@ -52,6 +55,10 @@ GENERATION_FIELDS = ("prompt", "max_tokens", "bits", "group_size", "quantized_kv
 class SoloGeneration:
     tokens: List[int]
     logprobs: List[mx.array]  # full vectors, as generate_step yields them
+    # mlx-lm's prompt cache the run ended with (prompt and every token): what
+    # L3 holds each entry an engine stored against. Read back from the oracle
+    # cache, its quantized layers only (None for every other layer).
+    cache: Optional[list] = None
 
 
 def semantics(request) -> str:
@@ -64,14 +71,12 @@ def semantics(request) -> str:
             f"quantized_kv_start={request.quantized_kv_start}")
 
 
-def generate_alone(model, request, prompt_cache: Optional[list] = None) -> SoloGeneration:
-    """The request alone through generate_step, greedy (its default sampler).
-    ``prompt_cache``: an empty list the caller keeps, which is left holding
-    the run's cache (mlx-lm's own: its kv_bits conversion replaces layers in
-    that list), prompt and every yielded token."""
-    cache = prompt_cache if prompt_cache is not None else []
-    cache[:] = (fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
-                if request.bits is not None and request.quantized_kv_start is None else make_prompt_cache(model))
+def generate_alone(model, request) -> SoloGeneration:
+    """The request alone through generate_step, greedy (its default sampler),
+    with the cache the run ended with (mlx-lm's own list: its kv_bits
+    conversion replaces layers in it), prompt and every yielded token."""
+    cache = (fresh_rows(model, request.bits, request.group_size, QuantizedKVCache)
+             if request.bits is not None and request.quantized_kv_start is None else make_prompt_cache(model))
     tokens, logprobs = [], []
     for token, vector in generate_step(mx.array(request.prompt), model, max_tokens=request.max_tokens,
                                        prefill_step_size=request.prefill_step_size, prompt_cache=cache,
@@ -79,7 +84,7 @@ def generate_alone(model, request, prompt_cache: Optional[list] = None) -> SoloG
         tokens.append(token)
         logprobs.append(vector)
     mx.eval(logprobs)
-    return SoloGeneration(tokens, logprobs)
+    return SoloGeneration(tokens, logprobs, cache)
 
 
 def conversion(request) -> dict:
@@ -156,19 +161,14 @@ def matched(stored: StoredPrefix, prompt: Sequence[int]) -> int:
     return 0 if cache is None else len(prompt) - len(rest)
 
 
-def generate_from_prefix(model, request, prompt: Sequence[int], stored: StoredPrefix,
-                         prompt_cache: Optional[list] = None) -> Tuple[SoloGeneration, int]:
+def generate_from_prefix(model, request, prompt: Sequence[int], stored: StoredPrefix) -> Tuple[SoloGeneration, int]:
     """``prompt`` alone through mlx-lm from ``stored``: an LRUPromptCache holding
     that entry, ``fetch_nearest`` (mlx-lm's deep copy and trim), then
     generate_step on the rest, greedy. Returns the generation and how many
-    prompt tokens came from the stored entry; ``prompt_cache`` as in
-    ``generate_alone``."""
+    prompt tokens came from the stored entry; its cache as in ``generate_alone``."""
     cache, rest = fetched(stored, prompt)
     if cache is None:
         raise ValueError(f"{stored.describe()} is no prefix of the prompt it was fetched for")
-    if prompt_cache is not None:
-        prompt_cache[:] = cache
-        cache = prompt_cache
     tokens, logprobs = [], []
     for token, vector in generate_step(mx.array(rest), model, max_tokens=request.max_tokens,
                                        prefill_step_size=request.prefill_step_size, prompt_cache=cache,
@@ -176,7 +176,7 @@ def generate_from_prefix(model, request, prompt: Sequence[int], stored: StoredPr
         tokens.append(token)
         logprobs.append(vector)
     mx.eval(logprobs)
-    return SoloGeneration(tokens, logprobs), len(prompt) - len(rest)
+    return SoloGeneration(tokens, logprobs, cache), len(prompt) - len(rest)
 
 
 def generation_key(request, model_sha256: str) -> str:
@@ -200,21 +200,64 @@ def cached_generate_alone(model, request, model_sha256: str, use_cache: bool = T
 
 
 def _save_generation(solo: SoloGeneration, request, staging):
-    mx.save_safetensors(str(staging / "logprobs.safetensors"),
-                        {f"logprobs{i}": v for i, v in enumerate(solo.logprobs)})
+    layers, held = _quantized_layers(solo.cache)
+    mx.save_safetensors(str(staging / GENERATION_FILE),
+                        {**{f"logprobs{i}": v for i, v in enumerate(solo.logprobs)}, **held})
     (staging / "manifest.json").write_text(json.dumps({
-        "format": GENERATION_FORMAT, "tokens": solo.tokens, "sha256": digest(solo.logprobs),
-        "semantics": semantics(request),
+        "format": GENERATION_FORMAT, "tokens": solo.tokens, "cache": layers,
+        "sha256": digest(solo.logprobs + list(held.values())), "semantics": semantics(request),
     }))
 
 
 def _load_generation(directory) -> SoloGeneration:
     manifest = json.loads((directory / "manifest.json").read_text())
-    tensors = mx.load(str(directory / "logprobs.safetensors"))
-    tokens = manifest["tokens"]
+    tensors = mx.load(str(directory / GENERATION_FILE))
+    tokens, layers = manifest["tokens"], manifest["cache"]
     if manifest["format"] != GENERATION_FORMAT or not all(type(t) is int for t in tokens):
         raise ValueError(f"not a {GENERATION_FORMAT} entry")
     vectors = [tensors[f"logprobs{i}"] for i in range(len(tokens))]
-    if len(tensors) != len(tokens) or digest(vectors) != manifest["sha256"]:
-        raise ValueError("the log-probs do not match their sha256")
-    return SoloGeneration(tokens, vectors)
+    held = _held_names(layers)
+    if len(tensors) != len(tokens) + len(held) or digest(vectors + [tensors[n] for n in held]) != manifest["sha256"]:
+        raise ValueError("the log-probs and the cache do not match their sha256")
+    return SoloGeneration(tokens, vectors, _read_layers(layers, tensors))
+
+
+_SIDES, _PARTS = ("keys", "values"), ("packed", "scales", "biases")
+_NUMBERS = ("offset", "bits", "group_size")
+
+
+def _quantized_layers(cache: list) -> Tuple[list, dict]:
+    """A prompt cache's quantized layers as the manifest describes them (None
+    for a layer mlx-lm keeps unquantized) and their triples by tensor name, in
+    the order ``_held_names`` gives."""
+    layers = [{n: int(getattr(c, n)) for n in _NUMBERS} if hasattr(c, "bits") else None for c in cache]
+    held = {name: x for c, names in zip(cache, _names_by_layer(layers)) if names
+            for name, x in zip(names, (*c.keys, *c.values))}
+    return layers, held
+
+
+def _names_by_layer(layers: list) -> List[List[str]]:
+    return [[f"cache{i}.{side}.{part}" for side in _SIDES for part in _PARTS] if layer is not None else []
+            for i, layer in enumerate(layers)]
+
+
+def _held_names(layers: list) -> List[str]:
+    if not isinstance(layers, list) or not all(
+            layer is None or (isinstance(layer, dict) and sorted(layer) == sorted(_NUMBERS)
+                              and all(type(v) is int for v in layer.values())) for layer in layers):
+        raise ValueError("the cache's layers are not described as stored")
+    return [name for names in _names_by_layer(layers) for name in names]
+
+
+def _read_layers(layers: list, tensors: dict) -> list:
+    """mlx-lm's own QuantizedKVCache per quantized layer, holding the stored triples."""
+    read = []
+    for layer, names in zip(layers, _names_by_layer(layers)):
+        if layer is None:
+            read.append(None)
+            continue
+        cache = QuantizedKVCache(group_size=layer["group_size"], bits=layer["bits"])
+        cache.keys, cache.values = tuple(tensors[n] for n in names[:3]), tuple(tensors[n] for n in names[3:])
+        cache.offset = layer["offset"]
+        read.append(cache)
+    return read

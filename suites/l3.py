@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from kvparity.oracle.generation import (
-    SoloGeneration, StoredPrefix, cached_generate_alone, generate_alone, generate_from_prefix, semantics,
+    SoloGeneration, StoredPrefix, cached_generate_alone, generate_from_prefix, semantics,
 )
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
@@ -109,10 +109,12 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
     requests = engine_requests(schedule, loaded.vocab_size, loaded.tokenizer)
     first_turns = [r for r in requests if r.continues is None]
     solos = generate_solos(result, loaded, first_turns, use_cache)
-    served = serve(result, schedule, implementation, engine_spec, loaded, requests) if solos is not None else None
+    served = (serve(result, schedule, implementation, engine_spec, loaded, requests, use_cache)
+              if solos is not None else None)
     run, calls = served or (None, None)
     if run is not None:
         check_quantized(result, run, requests, loaded.plan, calls)
+        ran = {}  # request -> its solo generation, whose cache its stored entries are held to
         for request in requests:
             if request.continues is not None:  # a next turn: its prompt as the engine served it
                 if request.id not in run.prompts:
@@ -135,9 +137,11 @@ def run_l3(schedule: ArrivalSchedule, implementation, engine_spec: Optional[str]
                     return result
                 continue
             compare_request(result, request, solo, run.outputs.get(request.id), origin, calls)
+            if tuple(request.prompt) == tuple(run.prompts.get(request.id, request.prompt)):  # as check_stored asks
+                ran[request.id] = solo
             if schedule.conversation:
                 result.row(request.id).metrics[FROM_STORE] = use.cached if use else 0
-        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step))
+        check_stored(result, loaded, requests, run, lambda entry: calls.by(entry.step), use_cache, ran)
         result.seconds = time.perf_counter() - start
     return result
 
@@ -210,7 +214,7 @@ def reshaping(members) -> Tuple[str, ...]:
 
 
 def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, engine_spec, loaded,
-          requests) -> Optional[Tuple[EngineRun, CallTrail]]:
+          requests, use_cache: bool) -> Optional[Tuple[EngineRun, CallTrail]]:
     """The engine's run and the members it called, or None when it stopped:
     what raised is worded as at every level (level, schedule, event, layer and frame)."""
     settings = schedule.engine
@@ -251,7 +255,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
                             f"{result.level} {result.schedule}, event {SERVE_LABEL}: {what}")
             else:
                 made = reshaping(implementation.trail[trail_start:])
-                wrong = wrong_so_far(result, loaded, requests, engine, made)
+                wrong = wrong_so_far(result, loaded, requests, engine, made, use_cache)
                 if wrong:  # a row stored before it raised was wrong already: that is the first divergence
                     consumed = ForwardRaised(raised.error, ForwardRaised.ENGINE)
                     consumed.layer = raised.layer
@@ -266,7 +270,7 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
             raised.layer = layer_of(error, loaded.model.layers)
             # What reshaped the batch before it broke: a member's wrong state can make the forward raise.
             made = reshaping(implementation.trail[trail_start:])
-            wrong = wrong_so_far(result, loaded, requests, engine, made)
+            wrong = wrong_so_far(result, loaded, requests, engine, made, use_cache)
             note_raised(result, 0, SERVE_LABEL, raised, everyone, said=f"{raised}, after {wrong}" if wrong else "",
                         reshaped=made + (EXTRACT_MEMBER,) * (bool(wrong) and EXTRACT_MEMBER not in made))
             return None
@@ -283,7 +287,8 @@ def serve(result: ScheduleResult, schedule: ArrivalSchedule, implementation, eng
 
 
 def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], run: EngineRun,
-                 made: Callable[[StoredPrefix], Tuple[str, ...]]) -> List[StoredPrefix]:
+                 made: Callable[[StoredPrefix], Tuple[str, ...]], use_cache: bool,
+                 ran: Optional[Dict[str, SoloGeneration]] = None) -> List[StoredPrefix]:
     """Each entry the engine stored, as ``extract`` returned it, against
     mlx-lm's own cache of its request generated alone (from the entry that
     request started from, as the oracle starts it), on the tokens it is
@@ -297,9 +302,12 @@ def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], 
     fault, as a request's wrong token joins. Unless the request's own output
     diverged before the entry was stored: that output is then the first
     divergence. Entries of a request that started from a wrong one are not
-    checked again: their first divergence is that entry's. Returns the
-    entries that diverged."""
-    asked, wrong, alone = {r.id: r for r in requests}, [], {}
+    checked again: their first divergence is that entry's. ``ran``: the solo
+    generations the requests' outputs were compared with, whose caches are
+    those (a request not among them is generated, or read from the solo-run
+    cache, here). Returns the entries that diverged."""
+    asked, wrong = {r.id: r for r in requests}, []
+    alone = {rid: solo.cache for rid, solo in (ran or {}).items()}
     for number in sorted(run.stored):
         entry = run.stored[number]
         source = asked.get(entry.source)
@@ -308,7 +316,7 @@ def check_stored(result: ScheduleResult, loaded, requests: List[EngineRequest], 
         if entry.layers is None or source is None or started_wrong:  # unusable: said where a request starts from it
             continue
         if entry.source not in alone:
-            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run)
+            alone[entry.source] = mlx_lm_cache_alone(loaded, source, run, use_cache)
         found, compared = entry_divergences(entry, alone[entry.source], loaded.plan)
         if found:
             wrong.append(entry)
@@ -329,19 +337,18 @@ def output_diverged_by(result: ScheduleResult, run: EngineRun, rid: str, step: i
                for d in result.row(rid).divergences)
 
 
-def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun) -> list:
+def mlx_lm_cache_alone(loaded, request: EngineRequest, run: EngineRun, use_cache: bool) -> list:
     """mlx-lm's prompt cache of ``request`` generated alone to its end (a
     next turn with the prompt the engine served it, from the entry it
-    started from): every token it holds, as mlx-lm computes it."""
+    started from): every token it holds, as mlx-lm computes it. From nothing,
+    it is the cache the solo run its tokens are compared with ended with (one
+    oracle cache entry); from an entry, computed here, as that solo run is."""
     prompt = run.prompts.get(request.id, request.prompt)
     request = replace(request, prompt=tuple(prompt), continues=None)
-    cache: list = []
     use = run.prefixes.get(request.id)
     if use is None:
-        generate_alone(loaded.model, request, prompt_cache=cache)
-    else:
-        generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry], prompt_cache=cache)
-    return cache
+        return cached_generate_alone(loaded.model, request, loaded.sha256, use_cache).cache
+    return generate_from_prefix(loaded.model, request, prompt, run.stored[use.entry])[0].cache
 
 
 def entry_divergences(entry: StoredPrefix, alone: list, plan) -> Tuple[List[Divergence], int]:
@@ -373,13 +380,14 @@ def tokens_of(cache, n: int) -> dict:
             for part, x in zip(("packed", "scales", "biases"), getattr(cache, side))}
 
 
-def wrong_so_far(result: ScheduleResult, loaded, requests, engine, made: Tuple[str, ...]) -> str:
+def wrong_so_far(result: ScheduleResult, loaded, requests, engine, made: Tuple[str, ...], use_cache: bool) -> str:
     """Where the engine raised: the first entry it had stored that
     ``check_stored`` finds wrong (``engine.so_far``, what it stored until
     then), in words; empty where none was, or the engine does not say."""
     so_far = getattr(engine, "so_far", None)
     try:
-        wrong = check_stored(result, loaded, requests, so_far, lambda entry: made) if so_far is not None else []
+        wrong = (check_stored(result, loaded, requests, so_far, lambda entry: made, use_cache)
+                 if so_far is not None else [])
     except Exception:  # mlx-lm's own path cannot say what the entries should hold: the raise stands as it is
         return ""
     return f"{wrong[0].describe()}, which diverged as extract returned it" if wrong else ""

@@ -424,9 +424,10 @@ class SoloRuns:
         its answer (through the end-of-sequence token), with the cache."""
         if (rid, dense) not in self.entries:
             request = self.server.oracle(self.sent[rid].request, dense)
-            stored, layers = self.start(rid, dense)[0], []
-            solo = generate_alone(self.loaded.model, request, layers) if stored is None else \
-                generate_from_prefix(self.loaded.model, request, request.prompt, stored, layers)[0]
+            stored = self.start(rid, dense)[0]
+            solo = generate_alone(self.loaded.model, request) if stored is None else \
+                generate_from_prefix(self.loaded.model, request, request.prompt, stored)[0]
+            layers = solo.cache
             kept = len(cut_at_eos(solo, self.tokenizer).tokens)
             trim_prompt_cache(layers, len(solo.tokens) - kept)
             self.entries[rid, dense] = StoredPrefix(0, tuple(request.prompt) + tuple(solo.tokens[:kept]), layers,

@@ -1,13 +1,15 @@
 """The serial oracle is mlx-lm: it equals generate_step token for token and
 log-probability for log-probability, bit for bit."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
 from kvparity.oracle.models import load_model
 from kvparity.suites.compare import first_difference
-from kvparity.oracle.generation import cached_generate_alone, generate_alone, generation_key
+from kvparity.oracle.generation import GENERATION_FILE, cached_generate_alone, generate_alone, generation_key
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import Reading, digest, owned_arrays
@@ -113,13 +115,21 @@ def test_l3_generations_are_cached_by_content_and_recomputed_when_damaged(tmp_pa
     # id and arrival are the engine's business, not the generation's
     assert generation_key(EngineRequest("b", (1, 2, 3, 4), 5, 3, 4, 64, None, 2048), model.sha256) == directory.name
     assert generation_key(EngineRequest("a", (1, 2, 3, 4), 0, 3, 8, 64, None, 2048), model.sha256) != directory.name
-    data = bytearray((directory / "logprobs.safetensors").read_bytes())
-    data[-3] ^= 0xFF
-    (directory / "logprobs.safetensors").write_bytes(bytes(data))
+    data = bytearray((directory / GENERATION_FILE).read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")  # a byte of the cache's tensors, not the log-probs'
+    data[header + json.loads(data[8:header])["cache0.keys.packed"]["data_offsets"][0]] ^= 0xFF
+    (directory / GENERATION_FILE).write_bytes(bytes(data))
     again = cached_generate_alone(model.model, request, model.sha256)  # damaged: computed afresh, not read
-    for run in (stored, again):
+    read = cached_generate_alone(model.model, request, model.sha256)  # read back: the cache it ended with too
+    for run in (stored, again, read):
         assert run.tokens == fresh.tokens
         assert all(first_difference(a, b) is None for a, b in zip(fresh.logprobs, run.logprobs))
+    assert [c.offset for c in read.cache] == [c.offset for c in fresh.cache]
+    assert all(c.offset > len(request.prompt) for c in read.cache)
+    for want, got in zip(fresh.cache, read.cache):
+        assert (got.bits, got.group_size) == (want.bits, want.group_size)
+        for x, y in zip((*want.keys, *want.values), (*got.keys, *got.values)):
+            assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item()
 
 
 @pytest.mark.gqa_batched

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvparity.oracle.generation import GENERATION_FILE
 from kvparity.oracle.sealed import LEDGER, SEAL, Unproven, seal, verify
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.suites.schedule import CATALOG, load
@@ -82,7 +83,7 @@ def replace_by_a_file(entry, rng):
 def reseal_altered(entry, rng):
     """An entry altered and sealed again under its own key: the seal holds,
     the trace's own per-tensor hashes do not."""
-    path = entry / ("trace.safetensors" if (entry / "trace.safetensors").exists() else "logprobs.safetensors")
+    path = entry / ("trace.safetensors" if (entry / "trace.safetensors").exists() else GENERATION_FILE)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
