@@ -311,6 +311,8 @@ def check_model_name(name, what="--model"):
             load_registry_model(name)
         except ModelPathError as error:
             raise UsageError(str(error))
+        except ModelUnavailable as error:  # mlx-lm's module for it needs a package not installed here
+            raise CannotRun(f"{what} {name}: {error}")
         return
     if name not in available_models() and random_model(name) is None:
         raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "
