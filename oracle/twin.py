@@ -62,6 +62,7 @@ DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transfor
 QUERY_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads")
 KV_HEADS_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads", "num_attention_groups")
 HEAD_DIM = ("head_dim", "hidden_size_per_head", "kv_channels")
+GROUP = ("n_heads_in_group", "n_shared_head")  # query heads per kv head, kept: the heads divide down to a multiple
 
 
 def named(fields: dict, names: tuple) -> Optional[str]:
@@ -144,13 +145,25 @@ def head_fields(fields: dict) -> Dict[str, int]:
                  or k in QUERY_HEADS or k in KV_HEADS_NAMES)}
 
 
-def _divisor(heads: Dict[str, int], kv: int) -> int:
+def _divisor(heads: Dict[str, int], kv: int, groups=()) -> int:
     """The factor every head count is divided by: the smallest that leaves at
-    most KV_HEADS kv heads, among those dividing every count."""
+    most KV_HEADS kv heads, among those dividing every count and leaving each
+    head count a multiple of every group (query heads per kv head) kept."""
     common = 0
     for v in heads.values():
         common = math.gcd(common, v)
-    return next((d for d in range(1, common + 1) if common % d == 0 and kv // d <= KV_HEADS), common)
+    return next((d for d in range(1, common + 1) if common % d == 0 and kv // d <= KV_HEADS
+                 and all(v // d % g == 0 for v in heads.values() for g in groups)), common)
+
+
+def groups_of(fields: dict) -> list:
+    """The query-heads-per-kv-head counts a config keeps (GROUP), in it or in its per-layer objects."""
+    found = [fields[name] for name in GROUP if _is_int(fields.get(name))]
+    for value in fields.values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                found += groups_of(item)
+    return found
 
 
 def _shrink_value(key: str, value, hidden: Tuple[int, int]):
@@ -187,9 +200,11 @@ def shrink_widths(fields: dict, args_class, explicit_head_dim: bool = True) -> d
     hidden = fields.get(width)
     d, twin_hidden = 1, None
     if heads and _is_int(query) and _is_int(hidden):
+        groups = groups_of(fields)
         kv = fields.get(named(fields, KV_HEADS_NAMES)) or next(
-            (v for _, n, v in nested_heads if n in KV_HEADS_NAMES), query)  # DBRX's attn_config.kv_n_heads
-        d = _divisor({**heads, **{f"{k}.{n}": v for k, n, v in nested_heads}}, kv)
+            (v for _, n, v in nested_heads if n in KV_HEADS_NAMES),  # DBRX's attn_config.kv_n_heads
+            query // min(groups) if groups else query)
+        d = _divisor({**heads, **{f"{k}.{n}": v for k, n, v in nested_heads}}, kv, groups)
         out.update({k: v // d for k, v in heads.items()})
         head_dim = fields.get("head_dim") or hidden // query
         known = {f.name for f in dataclasses.fields(args_class)}

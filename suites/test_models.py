@@ -426,6 +426,9 @@ def test_a_twin_shrinks_a_config_whatever_its_architecture_names_its_widths():
     assert dbrx["ffn_config"]["ffn_hidden_size"] == 512 and dbrx["ffn_config"]["moe_num_experts"] == 4
     ernie = widths("ernie4_5_moe")
     assert ernie["moe_k"] <= ernie["moe_num_experts"] == 4
+    # PLaMo keeps 5 query heads per kv head (n_shared_head): its 40 heads divide to 10, not 2
+    plamo = widths("plamo")
+    assert (plamo["num_attention_heads"], plamo["n_shared_head"]) == (10, 5)
 
 
 def test_a_config_whose_mlx_lm_module_needs_a_package_not_installed_cannot_be_judged_here(capsys):
