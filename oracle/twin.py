@@ -62,6 +62,7 @@ DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transfor
 QUERY_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads")
 KV_HEADS_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads", "num_attention_groups")
 HEAD_DIM = ("head_dim", "hidden_size_per_head", "kv_channels")
+OTHER_MODELS = ("text_config", "vision_config", "audio_config")  # their own twins, or none (not the text's)
 GROUP = ("n_heads_in_group", "n_shared_head")  # query heads per kv head, kept: the heads divide down to a multiple
 
 
@@ -193,7 +194,8 @@ def shrink_widths(fields: dict, args_class, explicit_head_dim: bool = True) -> d
     """``fields`` with every width shrunk and the attention head dims kept."""
     out = dict(fields)
     heads = head_fields(fields)
-    nested = {k: v for k, v in fields.items() if isinstance(v, dict) and k not in QUANTIZATION + ("text_config",)}
+    nested = {k: v for k, v in fields.items() if isinstance(v, dict) and k not in QUANTIZATION + OTHER_MODELS
+              and not k.startswith("rope")}  # the model's own settings in an object: DBRX's attn_config
     nested_heads = [(k, n, v) for k, sub in nested.items() for n, v in head_fields(sub).items()]
     width = named(fields, WIDTH) or "hidden_size"
     query = fields.get(named(fields, QUERY_HEADS))
