@@ -34,6 +34,7 @@ import io
 import math
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -42,7 +43,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from .gguf import sha256_file
+from .gguf import ModelUnavailable, sha256_file
 from .inputs import read_json
 from .model_path import ModelPathError
 from .plan import kv_dims
@@ -56,6 +57,20 @@ PROBE = [[1, 2, 3]]
 MIN_LAYERS = 2  # a cache that mixes up its layers shows only where there are two
 QUANTIZATION = ("quantization", "quantization_config")
 
+# The names architectures give one quantity (GPT-2's n_embd is Llama's hidden_size), first the usual one.
+WIDTH = ("hidden_size", "n_embd", "d_model", "model_dim", "hidden_dim")
+DEPTH = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers")
+QUERY_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads")
+KV_HEADS_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_n_heads", "num_attention_groups")
+HEAD_DIM = ("head_dim", "hidden_size_per_head", "kv_channels")
+OTHER_MODELS = ("text_config", "vision_config", "audio_config")  # their own twins, or none (not the text's)
+GROUP = ("n_heads_in_group", "n_shared_head")  # query heads per kv head, kept: the heads divide down to a multiple
+
+
+def named(fields: dict, names: tuple) -> Optional[str]:
+    """The first of ``names`` that ``fields`` has, or None."""
+    return next((name for name in names if name in fields), None)
+
 
 class TwinError(ModelPathError):
     """A config that cannot be twinned: the field and the reason."""
@@ -66,10 +81,15 @@ class TwinError(ModelPathError):
 
 def classes(config: dict):
     """(Model, ModelArgs) of the config's model_type, as ``mlx_lm.utils`` finds them."""
+    said = io.StringIO()
     try:
-        return _get_classes(config)
+        with contextlib.redirect_stdout(said):
+            return _get_classes(config)
     except ValueError as error:
         raise TwinError(f"model_type {config.get('model_type')!r}: {error}")
+    except SystemExit:  # a module that needs a package not installed says so and exits (olmo's hf_olmo)
+        raise ModelUnavailable(f"model_type {config.get('model_type')!r}: mlx-lm's module for it cannot be "
+                               f"imported here: {' '.join(said.getvalue().split()) or 'it exited on import'}")
 
 
 def text_args_class(config: dict) -> Optional[type]:
@@ -83,7 +103,15 @@ def text_args_class(config: dict) -> Optional[type]:
         for name in ("TextModelArgs", "TextArgs", "TextConfig"):
             if getattr(module, name, None) is not None:
                 return getattr(module, name)
-    return classes(config["text_config"])[1]
+    try:
+        return classes(config["text_config"])[1]
+    except TwinError:  # a text model_type that is no module (qwen3_vl_text): the one model module it imports
+        module = sys.modules[classes(config)[0].__module__]
+        imported = [m for m in vars(module).values() if isinstance(m, types.ModuleType)
+                    and m.__name__.startswith("mlx_lm.models.") and hasattr(m, "ModelArgs") and hasattr(m, "Model")]
+        if len(imported) != 1:
+            raise
+        return imported[0].ModelArgs
 
 
 def levels(config: dict):
@@ -115,16 +143,29 @@ def _is_int(value) -> bool:
 def head_fields(fields: dict) -> Dict[str, int]:
     """The attention head counts: query heads and kv heads, of every kind of attention layer."""
     return {k: v for k, v in fields.items() if _is_int(v) and v > 0
-            and ("attention_heads" in k or "key_value_heads" in k or k.endswith("kv_heads"))}
+            and ("attention_heads" in k or "key_value_heads" in k or k.endswith("kv_heads")
+                 or k in QUERY_HEADS or k in KV_HEADS_NAMES)}
 
 
-def _divisor(heads: Dict[str, int], kv: int) -> int:
+def _divisor(heads: Dict[str, int], kv: int, groups=()) -> int:
     """The factor every head count is divided by: the smallest that leaves at
-    most KV_HEADS kv heads, among those dividing every count."""
+    most KV_HEADS kv heads, among those dividing every count and leaving each
+    head count a multiple of every group (query heads per kv head) kept."""
     common = 0
     for v in heads.values():
         common = math.gcd(common, v)
-    return next((d for d in range(1, common + 1) if common % d == 0 and kv // d <= KV_HEADS), common)
+    return next((d for d in range(1, common + 1) if common % d == 0 and kv // d <= KV_HEADS
+                 and all(v // d % g == 0 for v in heads.values() for g in groups)), common)
+
+
+def groups_of(fields: dict) -> list:
+    """The query-heads-per-kv-head counts a config keeps (GROUP), in it or in its per-layer objects."""
+    found = [fields[name] for name in GROUP if _is_int(fields.get(name))]
+    for value in fields.values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                found += groups_of(item)
+    return found
 
 
 def _shrink_value(key: str, value, hidden: Tuple[int, int]):
@@ -134,17 +175,17 @@ def _shrink_value(key: str, value, hidden: Tuple[int, int]):
         return [min(v, INTERMEDIATE) for v in value]
     if not _is_int(value):
         return value
-    if "vocab_size" in key:
+    if "vocab_size" in key or key == "num_vocab":
         return min(value, VOCAB_SIZE)
-    if "intermediate" in key or key.endswith(("ff_dim", "ffn_dim")):
+    if "intermediate" in key or key.endswith(("ff_dim", "ffn_dim", "ffn_hidden_size")) or key == "n_inner":
         return min(value, INTERMEDIATE)
-    if "experts" in key or key in ("moe_topk", "top_k"):
-        if any(word in key for word in ("per_tok", "topk", "top_k")):
+    if "experts" in key or key in ("moe_topk", "top_k", "moe_top_k", "moe_k"):
+        if any(word in key for word in ("per_tok", "topk", "top_k")) or key == "moe_k":
             return min(value, ACTIVE_EXPERTS)
         return min(value, SHARED_EXPERTS if "shared" in key else EXPERTS)
     if key in ("n_group", "topk_group", "num_expert_group"):
         return min(value, 1)
-    if value == published_hidden and key != "hidden_size" and ("dim" in key or "size" in key) and not any(
+    if value == published_hidden and key not in WIDTH and ("dim" in key or "size" in key) and not any(
             word in key for word in ("head", "rank", "window", "position", "vocab", "layer")):
         return twin_hidden  # a width that is the hidden size (lfm2's block_dim)
     return value
@@ -154,11 +195,19 @@ def shrink_widths(fields: dict, args_class, explicit_head_dim: bool = True) -> d
     """``fields`` with every width shrunk and the attention head dims kept."""
     out = dict(fields)
     heads = head_fields(fields)
-    query = fields.get("num_attention_heads")
-    hidden = fields.get("hidden_size")
+    nested = {k: v for k, v in fields.items() if isinstance(v, dict) and k not in QUANTIZATION + OTHER_MODELS
+              and not k.startswith("rope")}  # the model's own settings in an object: DBRX's attn_config
+    nested_heads = [(k, n, v) for k, sub in nested.items() for n, v in head_fields(sub).items()]
+    width = named(fields, WIDTH) or "hidden_size"
+    query = fields.get(named(fields, QUERY_HEADS))
+    hidden = fields.get(width)
+    d, twin_hidden = 1, None
     if heads and _is_int(query) and _is_int(hidden):
-        kv = fields.get("num_key_value_heads") or query
-        d = _divisor(heads, kv)
+        groups = groups_of(fields)
+        kv = fields.get(named(fields, KV_HEADS_NAMES)) or next(
+            (v for _, n, v in nested_heads if n in KV_HEADS_NAMES),  # DBRX's attn_config.kv_n_heads
+            query // min(groups) if groups else query)
+        d = _divisor({**heads, **{f"{k}.{n}": v for k, n, v in nested_heads}}, kv, groups)
         out.update({k: v // d for k, v in heads.items()})
         head_dim = fields.get("head_dim") or hidden // query
         known = {f.name for f in dataclasses.fields(args_class)}
@@ -167,13 +216,14 @@ def shrink_widths(fields: dict, args_class, explicit_head_dim: bool = True) -> d
             twin_hidden = min(hidden, HIDDEN)
         else:
             twin_hidden = query // d * head_dim
-        out["hidden_size"] = twin_hidden
+        out[width] = twin_hidden
     elif _is_int(hidden):
-        twin_hidden = out["hidden_size"] = min(hidden, HIDDEN)
-    else:
-        twin_hidden = None
+        twin_hidden = out[width] = min(hidden, HIDDEN)
     for key, value in fields.items():
-        if key not in heads and key not in ("hidden_size", "head_dim"):
+        if key in nested:  # settings nested in an object (DBRX's attn_config, ffn_config)
+            out[key] = {k: v // d if k in head_fields(value) else _shrink_value(k, v, (hidden, twin_hidden))
+                        for k, v in value.items()}
+        elif key not in heads and key not in (width, "head_dim"):
             out[key] = _shrink_value(key, value, (hidden, twin_hidden))
     return out
 
@@ -187,7 +237,7 @@ def cut_to_depth(fields: dict, depth: int, published: int) -> dict:
     there, counts of layers scaled; nested objects alike."""
     out = {}
     for key, value in fields.items():
-        if key == "num_hidden_layers":
+        if key in DEPTH:
             value = depth
         elif isinstance(value, (list, str)) and len(value) == published and published > 1:
             value = value[:depth]
@@ -240,7 +290,7 @@ def pattern_depth(fields: dict, published: int) -> int:
 def fewest_layers(config: dict) -> dict:
     """``config`` at the fewest layers that show every kind of layer its full depth has."""
     text = config.get("text_config", config)
-    published = text.get("num_hidden_layers")
+    published = text.get(named(text, DEPTH))
     if not _is_int(published) or published <= MIN_LAYERS:
         return config
     full = layer_kinds(_build(config))
@@ -272,10 +322,10 @@ def expected_head_dim(config: dict) -> Optional[int]:
     """The published attention head dim where the config states it (or hidden / heads);
     None for latent attention (MLA), whose dims are its ranks."""
     text = config.get("text_config", config)
-    if "kv_lora_rank" in text or not _is_int(text.get("num_attention_heads")):
+    query, hidden = text.get(named(text, QUERY_HEADS)), text.get(named(text, WIDTH))
+    if "kv_lora_rank" in text or not _is_int(query):
         return None
-    return text.get("head_dim") or (text["hidden_size"] // text["num_attention_heads"]
-                                    if _is_int(text.get("hidden_size")) else None)
+    return text.get(named(text, HEAD_DIM)) or (hidden // query if _is_int(hidden) else None)
 
 
 def backend_missing(error: BaseException) -> bool:

@@ -73,7 +73,8 @@ def fix_parameters(model: nn.Module, config: dict):
             updates.append((path, dt + mx.log(-mx.expm1(-dt))))  # softplus(x) = dt
         elif leaf == "D" and p.ndim == 1:
             updates.append((path, mx.ones(p.shape)))
-    vocab = config.get("text_config", config)["vocab_size"]
+    text = config.get("text_config", config)
+    vocab = text.get("vocab_size", text.get("num_vocab"))  # Phixtral names it num_vocab
     heads = [k for k, p in params.items() if p.ndim == 2 and p.shape[0] == vocab
              and "layers." not in k and "embed" not in k]
     for path in heads:

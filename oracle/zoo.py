@@ -191,37 +191,75 @@ def quantized_layout(layout) -> Tuple[str, ...]:
 PUBLISHED_DIR = ZOO_DIR / "published"  # published config.json files, at their published sizes
 
 
-def architecture_modules() -> list:
-    """The model modules of the installed mlx-lm (each defines Model and ModelArgs), by name."""
+def mlx_lm_modules() -> list:
+    """Every module of the installed mlx-lm's models package, by name."""
     import pkgutil
 
     import mlx_lm.models
 
+    return sorted(info.name for info in pkgutil.iter_modules(mlx_lm.models.__path__))
+
+
+def architecture_modules() -> list:
+    """The model modules of the installed mlx-lm (each defines Model and ModelArgs), by name."""
     names = []
-    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+    for name in mlx_lm_modules():
         try:  # a module that needs a package not installed here says so and exits (olmo's)
             with contextlib.redirect_stdout(io.StringIO()):
-                module = importlib.import_module(f"mlx_lm.models.{info.name}")
+                module = importlib.import_module(f"mlx_lm.models.{name}")
         except (Exception, SystemExit):
-            names.append(info.name)  # an architecture all the same: its config says so where it is built
+            names.append(name)  # an architecture all the same: its config says so where it is built
             continue
         if hasattr(module, "Model") and hasattr(module, "ModelArgs"):
-            names.append(info.name)
-    return sorted(names)
+            names.append(name)
+    return names
 
 
 def module_of(config: dict) -> str:
-    """The mlx-lm module a config's model_type is built by (mlx-lm's own remapping)."""
-    from mlx_lm.utils import MODEL_REMAPPING
+    """The mlx-lm module a config is built by: the module of mlx-lm's own class lookup
+    (its remapping by model_type and by model_type and architecture alike)."""
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
 
-    return MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+    model_type, architectures = config["model_type"], config.get("architectures") or ()
+    for architecture in [architectures] if isinstance(architectures, str) else architectures:
+        if (model_type, architecture) in MODEL_ARCHITECTURE_REMAPPING:
+            return MODEL_ARCHITECTURE_REMAPPING[(model_type, architecture)]
+    return MODEL_REMAPPING.get(model_type, model_type)
+
+
+PUBLISHED_INDEX = PUBLISHED_DIR / "index.json"  # where each published file's values come from; modules without one
+
+
+@dataclass(frozen=True)
+class PublishedIndex:
+    """What ``oracle/zoo/published/index.json`` says: per published file (by name),
+    the public checkpoint its values are from, or why there is none; per module
+    kvparity has no config for, the reason in words (no twin can be built, it is
+    not a language model)."""
+    checkpoints: Dict[str, str]  # file name -> "org/name", or "no public checkpoint: why"
+    without_config: Dict[str, str]  # mlx-lm module -> the reason it has no config
+
+    @classmethod
+    def read(cls, path: Path = None) -> "PublishedIndex":
+        doc = json.loads((path or PUBLISHED_INDEX).read_text())
+        return cls(doc["checkpoints"], {**doc["no_twin"], **doc["not_language_models"]})
+
+
+def published_configs() -> list:
+    """The published config.json files, by path (the index is not one)."""
+    return [path for path in sorted(PUBLISHED_DIR.glob("*.json")) if path != PUBLISHED_INDEX]
+
+
+def module_reasons() -> Dict[str, str]:
+    """mlx-lm module -> why kvparity has no config for it (published/index.json)."""
+    return PublishedIndex.read().without_config
 
 
 def known_configs() -> Dict[str, str]:
     """module -> the model kvparity has a config for: a zoo entry (its first,
     by name), else a published config.json (its path)."""
     known = {}
-    for path in sorted(PUBLISHED_DIR.glob("*.json")):
+    for path in published_configs():
         known[module_of(json.loads(path.read_text()))] = str(path)
     for name in sorted(ZOO, reverse=True):
         known[module_of(ZOO[name].config)] = name

@@ -53,6 +53,8 @@ MARKERS = (
     "benchmark_suite: pytest-benchmark measurements (CI runs a short version)",
     "matrix: the matrix's reproduction scripts and published engines, each run where its package's version is "
     "installed (its row's environment); skipped elsewhere",
+    "sweep: the sweep of every mlx-lm module at L2, L3 and L4 beyond CI's share (suites/test_sweep.py; about an "
+    "hour on 2 cores)",
     "gqa_batched: drives mlx-lm's batched attention on a grouped-query model; skipped, naming the defect, where "
     "the installed mlx-lm's is wrong (oracle/mlx_lm_versions.py)",
 )

@@ -406,3 +406,37 @@ def test_smollm2_as_a_model_directory_is_the_same_model(tmp_path):
     tokens = mx.array([PROMPT])
     assert mx.array_equal(loaded.model(tokens), smollm2.model(tokens)).item()
     assert loaded.tokenizer.encode("Hello there") [-2:] == smollm2.tokenizer.encode("Hello there")
+
+
+def test_a_twin_shrinks_a_config_whatever_its_architecture_names_its_widths():
+    """GPT-2's n_embd, n_head and n_layer, DBRX's heads nested in attn_config, ERNIE's
+    moe_k: each shrunk as Llama's names are (each twin was the published size before:
+    GPT-J's 6B parameters, DBRX's 132B ended in a crash)."""
+    gptj = shrink(json.loads((PUBLISHED_DIR / "gptj.json").read_text()))
+    assert (gptj["n_embd"] // gptj["n_head"], gptj["n_head"], gptj["n_layer"]) == (256, 2, 2)
+    from kvparity.oracle.twin import classes, shrink_widths
+
+    def widths(name):  # the widths alone: DBRX's depth search builds 40 layers (a minute)
+        config = json.loads((PUBLISHED_DIR / f"{name}.json").read_text())
+        return shrink_widths(config, classes(config)[1])
+
+    dbrx = widths("dbrx")
+    heads, kv = dbrx["n_heads"], dbrx["attn_config"]["kv_n_heads"]
+    assert (dbrx["d_model"] // heads, heads // kv, kv) == (128, 6, 2)
+    assert dbrx["ffn_config"]["ffn_hidden_size"] == 512 and dbrx["ffn_config"]["moe_num_experts"] == 4
+    ernie = widths("ernie4_5_moe")
+    assert ernie["moe_k"] <= ernie["moe_num_experts"] == 4
+    # PLaMo keeps 5 query heads per kv head (n_shared_head): its 40 heads divide to 10, not 2
+    plamo = widths("plamo")
+    assert (plamo["num_attention_heads"], plamo["n_shared_head"]) == (10, 5)
+
+
+def test_a_config_whose_mlx_lm_module_needs_a_package_not_installed_cannot_be_judged_here(capsys):
+    """mlx-lm's olmo module prints and exits when hf_olmo is missing: that exit was
+    kvparity's exit 1 (parity broken) on `kvparity models olmo.json`."""
+    pytest.importorskip("mlx_lm")
+    if importlib.util.find_spec("hf_olmo") is not None:
+        pytest.skip("hf_olmo is installed here")
+    assert main(["models", str(PUBLISHED_DIR / "olmo.json")]) == 125
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "cannot judge here" in line and "ai2-olmo" in line

@@ -3,12 +3,13 @@ plan and whether mlx-lm's solo kv_bits run exists on it; with ``--all``,
 every architecture module the installed mlx-lm has."""
 
 import json
+from pathlib import Path
 
 from tabulate import tabulate
 
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import available_models
-from kvparity.oracle.zoo import architecture_modules, known_configs
+from kvparity.oracle.zoo import PublishedIndex, architecture_modules, known_configs, mlx_lm_modules
 from kvparity.reports.commands.base import CannotRun, check_model_name, load_model
 from kvparity.reports.verdicts import EXIT_OK
 
@@ -19,9 +20,10 @@ DESCRIPTION = ("For each model: what each layer of mlx-lm's prompt cache holds (
                "mlx-lm), and whether mlx-lm's solo kv_bits run, the oracle, exists on it (else the mlx-lm "
                "limit or defect that keeps it from being judged, found by running mlx-lm, or the model's own "
                "fact: every layer recurrent state, a head dim no MLX group size divides). A NAME may be a model "
-               "directory or a config.json. With --all, every architecture module of the installed mlx-lm: its "
-               "plan where kvparity has a config for it (the zoo's, or a published config.json), else \"pass your "
-               "config.json\" (kvparity check --model CONFIG.json judges a tiny random twin of it).")
+               "directory or a config.json. With --all, every module of the installed mlx-lm: its plan where "
+               "kvparity has a config for it (the zoo's, or a published config.json, with the public checkpoint "
+               "its values are from), else the reason it has none in words (not a language model, no twin), else "
+               "\"pass your config.json\" (kvparity check --model CONFIG.json judges a tiny random twin of it).")
 PASS_CONFIG = "pass your config.json"
 
 
@@ -29,7 +31,7 @@ def arguments(command):
     command.add_argument("names", nargs="*", metavar="NAME", help="these models only (default: every one)")
     command.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     command.add_argument("--all", action="store_true",
-                         help="every architecture module of the installed mlx-lm, with its plan where a config is known")
+                         help="every module of the installed mlx-lm: its plan, or the reason it has none")
 
 
 NOTHING_TO_JUDGE = "nothing-to-judge"  # what "solo_kv_bits" says where the model itself leaves nothing to judge
@@ -64,11 +66,21 @@ def known_record(module: str, name: str) -> dict:
 
 
 def module_records() -> list:
-    """One record per architecture module of the installed mlx-lm (``--all``)."""
-    known = known_configs()
-    return [known_record(module, known[module]) if module in known else
-            {"module": module, "model": None, "plan": PASS_CONFIG, "solo_kv_bits": None, "limit": None}
-            for module in architecture_modules()]
+    """One record per module of the installed mlx-lm (``--all``): a model module's
+    plan where kvparity has a config for it, else the reason it has none."""
+    known, index = known_configs(), PublishedIndex.read()
+    architectures = set(architecture_modules())
+    records = []
+    for module in mlx_lm_modules():
+        if module not in architectures and module not in index.without_config:
+            continue  # a helper a later mlx-lm added: no model, nothing to judge
+        if module in known:
+            checkpoint = index.checkpoints.get(Path(known[module]).stem) if known[module].endswith(".json") else None
+            records.append({**known_record(module, known[module]), "checkpoint": checkpoint})
+        else:
+            records.append({"module": module, "model": None, "plan": index.without_config.get(module, PASS_CONFIG),
+                            "solo_kv_bits": None, "limit": None})
+    return records
 
 
 def handle(args):
