@@ -315,7 +315,8 @@ def check_model_name(name, what="--model"):
         except ModelPathError as error:
             raise UsageError(str(error))
         except ModelUnavailable as error:  # mlx-lm cannot run it here (a backend, a package it needs)
-            raise CannotRun(f"{what} {name}: {error}")
+            said = str(error)
+            raise CannotRun(said if said.startswith(str(name)) else f"{name}: {said}")
         return
     if name not in available_models() and random_model(name) is None:
         raise UsageError(f"{what} {name!r}: unknown model (available: {', '.join(available_models())}; "
