@@ -780,12 +780,16 @@ class ExtractReturnsBfloat16(BatchQuantizedKVCache):
         row = super().extract(idx)
         cache = KVCache()
         if row.keys is not None:
-            dequantize = lambda triple: mx.dequantize(
-                *triple, group_size=self.group_size, bits=self.bits
-            ).astype(mx.bfloat16)
-            cache.keys, cache.values = dequantize(row.keys), dequantize(row.values)
+            cache.keys, cache.values = self._dequantized(row.keys), self._dequantized(row.values)
         cache.offset = row.offset
         return cache
+
+    def _dequantized(self, triple):
+        packed = triple[0]
+        if packed.shape[2] == 0:  # a row of no tokens (trimmed or rolled back empty): mx.dequantize cannot reshape it
+            dim = packed.shape[3] * 32 // self.bits
+            return mx.zeros((*packed.shape[:3], dim), dtype=mx.bfloat16)
+        return mx.dequantize(*triple, group_size=self.group_size, bits=self.bits).astype(mx.bfloat16)
 
 
 class ExtractReturnsBfloat16TrimForgetsOffset(ExtractReturnsBfloat16):

@@ -57,6 +57,11 @@ class SoloCache:
         """``per_layer``: one (keys, values) per layer."""
         for cache, (keys, values) in zip(self.layers, per_layer, strict=True):
             cache.update_and_fetch(keys, values)
+        self.convert()
+
+    def convert(self):
+        """mlx-lm's conversion, where generate_step makes it: once the row
+        holds quantized_kv_start tokens."""
         maybe_quantize_kv_cache(
             self.layers, self.quantized_kv_start, self.group_size, self.bits
         )

@@ -375,7 +375,7 @@ class Paths:
 
     def append_alone(self, rid, solo, n, j):
         start = self.schedule.requests[rid].quantized_kv_start
-        if rid not in self.replay.extracted and start and solo.offset == start - 1:  # waiting, not preempted
+        if rid not in self.replay.preempted and start and solo.offset == start - 1:  # waiting, not preempted
             self.note("merge", {"kv-start-one-below": True})
         self.dry.append_alone(rid, solo, n, j)
 

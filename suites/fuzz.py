@@ -173,6 +173,14 @@ class ScheduleMachine(RuleBasedStateMachine):
     def min_generated(self):
         return min((self.replay.generated[r] for r in self.running()), default=0)
 
+    def ended(self) -> bool:
+        """The live run stopped in an event without failing (a member declined
+        an optional capability): the schedule ends there. Later rules add
+        nothing, since the replay's bookkeeping stopped with the run and a
+        schedule continued from it would not replay (an extract of a row the
+        stopped event already took out)."""
+        return self.run is not None and not self.run.running
+
     # -- adding events ---------------------------------------------------------
 
     def new_requests(self, data, count, join_unquantized=True):
@@ -180,7 +188,7 @@ class ScheduleMachine(RuleBasedStateMachine):
         the row waits alone until mlx-lm converts it (not for batched_join,
         which prefills straight into the quantized batch)."""
         ids, lengths = [], [len(self.replay.held[r]) for r in self.running()]
-        for _ in range(count):
+        for _ in range(0 if self.ended() else count):
             rid = f"r{len(self.schedule.requests)}"
             # A free length, or in about one draw of three one next to a row's (running or joining with it).
             beside = near(lengths)
@@ -199,6 +207,8 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     def add(self, kind, args):
         """An event of ``kind`` (its class) with these JSON arguments, validated as a file's would be."""
+        if self.ended():
+            return
         event = make_event(kind, self.schedule.path, len(self.schedule.events), args)
         self.schedule.events.append(event)
         if self.run is None:

@@ -83,6 +83,20 @@ class SyntheticBackend:
         self.resumed[rid] = solo
         return solo
 
+    def stored_as_merged(self, rid, cache) -> list:
+        """A stored prefix (a copy) as merge takes it in a batched join: given
+        to mlx-lm first, as a join from a store gives it (``prefill_from``),
+        so a row the implementation's extract handed out unquantized is
+        converted by mlx-lm's own code and merged (its bytes then held by
+        ``stored``), not refused by merge. It is converted before the rest of
+        its prompt: the batch it joins is quantized, and the request holds
+        quantized_kv_start tokens by its end (``Replay.batched``)."""
+        solo = SoloCache(self.schedule.bits, self.schedule.group_size, 0, cache)
+        with consuming("extract", "mlx-lm's maybe_quantize_kv_cache (the stored row, before merge)",
+                       lambda: rows_in_words(cache)):
+            solo.convert()
+        return solo.layers
+
     def resume(self, rid, caches):
         start = self.schedule.requests[rid].quantized_kv_start
         return SoloCache(self.schedule.bits, self.schedule.group_size, start, caches)
@@ -144,8 +158,9 @@ class SyntheticBackend:
         # Per request, per layer: its prompt's keys and values, then junk to the width.
         padded = [[tuple(mx.concatenate([x, pad], axis=2) for x, pad in zip(layer, junk))
                    for layer, junk in zip(mine, self.kv.padding(width - n))] for mine, n in zip(own, lengths)]
-        rows = [starts.get(rid, (None,))[0] or [QuantizedKVCache(self.schedule.group_size, self.schedule.bits)
-                                                for _ in self.schedule.shapes] for rid in rids]
+        rows = [self.stored_as_merged(rid, starts[rid][0]) if starts.get(rid, (None,))[0]
+                else [QuantizedKVCache(self.schedule.group_size, self.schedule.bits) for _ in self.schedule.shapes]
+                for rid in rids]
         self.watch("merge", [c for row in rows for c in row])
         layers, called = [], self.replay.called
         for i, layer in enumerate(zip(*padded)):

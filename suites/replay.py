@@ -99,7 +99,7 @@ class Replay:
         self.layers: Optional[list] = None  # the implementation's batch, one per layer; None when empty
         self.waiting: Dict[str, object] = {}  # joined, not yet converted: decoding alone
         self.preempted: Dict[str, object] = {}  # extracted, decoding alone
-        self.extracted: set = set()  # preempted rows whose cache came out of the batch
+        self.extracted: set = set()  # rows out of the batch whose cache extract returned (preempted, or waiting)
         self.gone: set = set()
         self.generated: Dict[str, int] = {}
         self.calls: Dict[str, List[ScheduledCall]] = {rid: [] for rid in schedule.requests}
@@ -233,6 +233,7 @@ class Replay:
     def enter(self, solos: Dict[str, object]):
         """Converted rows join the batch together; the others wait."""
         ready = [rid for rid, solo in solos.items() if solo.quantized]
+        self.extracted.difference_update(ready)
         if ready:
             layers = list(zip(*(solos[rid].layers for rid in ready)))
             quantized = [rows for rows in layers if hasattr(rows[0], "bits")]
@@ -370,6 +371,7 @@ class Replay:
             self.require_running(rid)
         for rid in event.requests:
             self.waiting.pop(rid, None)
+            self.extracted.discard(rid)
             self.gone.add(rid)
         self.keep_rows([rid for rid in self.rows if rid not in event.requests])
 
@@ -407,8 +409,9 @@ class Replay:
                 self.backend.append_alone(rid, self.preempted[rid], 1, self.call(rid, "append", 1))
 
     def _reinsert(self, event):
+        # A row reinserted unquantized waits, still holding what extract returned (a later extract hands
+        # out that again): it stays marked until it enters the batch.
         self.require_preempted(event.request)
-        self.extracted.discard(event.request)
         self.enter({event.request: self.preempted.pop(event.request)})
 
     def _store(self, event):
