@@ -44,6 +44,10 @@ FLOAT16_REINSERTS = sorted(path.stem for path, s in L1_CATALOG.items()
 # A stored row comes back bfloat16 too: a request that joins from it holds
 # its keys and values quantized again, and observes that (check stored).
 STORED_ROWS = sorted(path.stem for path, s in L1_CATALOG.items() if any(e.kind == "store" for e in s.events))
+# A batched join from a store prefills the rests of the rows together: the row quantized again is seen
+# in the prefill's write (check bytes), where the stored check reads a joined row only once its rest is in.
+BATCHED_FROM_STORE = sorted(path.stem for path, s in L1_CATALOG.items()
+                            if any(e.kind == "batched_join_stored" for e in s.events))
 ELSEWHERE = [str(path) for path in L1_CATALOG if path.stem not in FLOAT16_REINSERTS + STORED_ROWS]
 
 
@@ -74,14 +78,19 @@ def test_without_expectations_the_designed_difference_fails_and_the_table_shows_
 
 
 def test_with_the_expectations_file_only_the_float16_reinserts_fail(capsys):
-    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE)
+    # The catalog's schedules, which the file names: generated ones reinsert rows too, under names it cannot list.
+    code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE,
+                         "--generated", "0")
     assert code == EXIT_BROKEN, out + err
     failing = {line.split()[0]: line for line in out.splitlines() if f"  {FAIL}  " in line}
     assert FLOAT16_REINSERTS and STORED_ROWS and sorted(failing) == sorted(FLOAT16_REINSERTS + STORED_ROWS), out
     # first the row's scales come back float32 after decoding alone, then extend refuses the row
     assert all("layout: after event" in failing[name] and "solo_step" in failing[name]
                for name in FLOAT16_REINSERTS), out
-    assert all("stored: after event" in failing[name] for name in STORED_ROWS), out
+    assert BATCHED_FROM_STORE and all("stored: after event" in failing[name] for name in STORED_ROWS
+                                      if name not in BATCHED_FROM_STORE), out
+    assert all("bytes: after event" in failing[name] and "batched_join_stored" in failing[name]
+               for name in BATCHED_FROM_STORE), out
     assert f"{len(FLOAT16_REINSERTS) + len(STORED_ROWS)} failed" in out
 
 
