@@ -514,7 +514,7 @@ class WorkerJudge:
 def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, stop, share=None):
     from hypothesis import seed
 
-    from kvparity.suites.fuzz import ScheduleFailed, found_in, generate, leaves
+    from kvparity.suites.fuzz import generate
 
     start = time.perf_counter()
     machine.judge.start = start
@@ -535,11 +535,7 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
         try:
             generate(machine, round_settings(examples))
         except Exception as error:  # a ScheduleFailed, or a group of them
-            failures = found_in(error, ScheduleFailed)
-            if not failures or len(failures) < leaves(error):  # anything else is the harness's own error
-                raise
-            for failure in failures:
-                messages.put(("found", worker, Found(worker, failure.doc, str(failure))))
+            put_found(error, worker, messages)
             break
         finally:
             messages.put(("tally", worker, tally(machine, start)))
@@ -553,6 +549,18 @@ def generate_rounds(campaign: Campaign, worker: int, machine, round_settings, me
             size = max(1, min(size, int(rate * (seconds - (time.perf_counter() - start))) + 1))
 
 
+def put_found(error: Exception, worker: int, messages):
+    """The failures a round raised, each sent as found; anything else it
+    raised is the harness's own error, raised again."""
+    from kvparity.suites.fuzz import ScheduleFailed, found_in, leaves
+
+    failures = found_in(error, ScheduleFailed)
+    if not failures or len(failures) < leaves(error):
+        raise error
+    for failure in failures:
+        messages.put(("found", worker, Found(worker, failure.doc, str(failure))))
+
+
 def fixed_rounds(campaign: Campaign, worker: int, machine, round_settings, messages, examples: int, start):
     """A derandomized campaign's worker: the database's saved failures
     replayed first (where there is a database), then its ``examples`` in one
@@ -561,7 +569,7 @@ def fixed_rounds(campaign: Campaign, worker: int, machine, round_settings, messa
     fails into the database for the next campaign."""
     from hypothesis import Phase, seed
 
-    from kvparity.suites.fuzz import ScheduleFailed, found_in, generate, leaves
+    from kvparity.suites.fuzz import generate
 
     seed(f"{campaign.seed}/{worker}/0")(machine)
     rounds = [(Phase.reuse, Phase.shrink)] if campaign.database is not None else []
@@ -571,11 +579,7 @@ def fixed_rounds(campaign: Campaign, worker: int, machine, round_settings, messa
         except unittest.SkipTest:  # Hypothesis's word for a round that ran nothing: the database held none
             continue
         except Exception as error:  # a ScheduleFailed, or a group of them
-            failures = found_in(error, ScheduleFailed)
-            if not failures or len(failures) < leaves(error):  # anything else is the harness's own error
-                raise
-            for failure in failures:
-                messages.put(("found", worker, Found(worker, failure.doc, str(failure))))
+            put_found(error, worker, messages)
             return
         finally:
             messages.put(("tally", worker, tally(machine, start)))
