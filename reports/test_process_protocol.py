@@ -215,8 +215,9 @@ def test_garbage_on_the_pipe_is_the_member_s_fail_and_the_process_is_stopped(tmp
     impl = load_implementation(spec)
     reason = failed(run_l1(STAYS, impl), judged, "merge")
     impl.batch_class._processes.stop()
+    # what was seen is what one read got: the newline may come in a read of its own
     assert ("merge raised ProcessGarbage: garbage on stdout after merge: no frame (it does not start with "
-            "KVP1): b'merging 2 rows\\n'; it wrote nothing on stderr") in reason
+            "KVP1): b'merging 2 rows") in reason and "; it wrote nothing on stderr" in reason
     assert not left_running(tmp_path)
 
 
