@@ -218,13 +218,14 @@ def architecture_modules() -> list:
 def module_of(config: dict) -> str:
     """The mlx-lm module a config is built by: the module of mlx-lm's own class lookup
     (its remapping by model_type and by model_type and architecture alike)."""
-    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+    from mlx_lm import utils
 
+    by_architecture = getattr(utils, "MODEL_ARCHITECTURE_REMAPPING", {})  # 0.32 on; 0.31 remaps by model_type only
     model_type, architectures = config["model_type"], config.get("architectures") or ()
     for architecture in [architectures] if isinstance(architectures, str) else architectures:
-        if (model_type, architecture) in MODEL_ARCHITECTURE_REMAPPING:
-            return MODEL_ARCHITECTURE_REMAPPING[(model_type, architecture)]
-    return MODEL_REMAPPING.get(model_type, model_type)
+        if (model_type, architecture) in by_architecture:
+            return by_architecture[(model_type, architecture)]
+    return utils.MODEL_REMAPPING.get(model_type, model_type)
 
 
 PUBLISHED_INDEX = PUBLISHED_DIR / "index.json"  # where each published file's values come from; modules without one
