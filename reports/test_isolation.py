@@ -104,13 +104,15 @@ def test_a_hung_member_costs_one_timeout_for_the_whole_run(tmp_path):
     the three runs that call filter waited the timeout out. A timeout
     shorter than a child's start-up holds too that the hung child's last
     record is never read as the next child's (it was, before: 128)."""
-    argv = [str(KVPARITY), "check", "--impl", HANGING, "--level", "L1", "--out", "out", "--member-timeout", "1"]
+    argv = [str(KVPARITY), "check", "--impl", HANGING, "--level", "L1", "--out", "out", "--member-timeout", "1",
+            "--generated", "20"]  # the generated schedules would call filter again: not run
     for schedule in (*FILTERS, STAYS):
         argv += ["--schedule", str(schedule)]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
     assert done.stderr.count("did not return within 1 s (--member-timeout)") == 1, done.stderr
     assert "1 passed, 1 failed, 2 not judged (4 schedule runs)" in done.stdout, done.stdout
+    assert "generated (L1): not run: filter hung in L1 leave-longest after 1 s (--member-timeout)" in done.stdout
     (report,) = (tmp_path / "out").glob("*/report.json")
     record = json.loads(report.read_text())
     assert [r["schedule"] for r in hung_waits(record)] == ["leave-longest"]

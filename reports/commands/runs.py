@@ -286,7 +286,10 @@ def select_and_run(args, files, shard=None):
         progress.close()
     cut = len(results) < len(runs)  # --exit-first stopped at a failure (or a signal stopped the runs)
     budget_run = None
-    if budget and not cut:  # after the catalog: its runs are judged whatever the budget finds
+    if budget and not cut and FLIGHT.hung:  # its schedules would call the member and wait the timeout out again
+        print(f"generated ({generated.LEVEL}): not run: " + "; ".join(
+            f"{member} hung in {where}" for member, where in FLIGHT.hung.items()))
+    elif budget and not cut:  # after the catalog: its runs are judged whatever the budget finds
         try:
             budget_run, found = generated.run_generated(args, chosen, chosen_policy, declared, budget, database)
             results = results + found
