@@ -165,7 +165,10 @@ def digest(arrays: Iterable[mx.array]) -> str:
 
 
 def owned_arrays(cache) -> List[mx.array]:
-    """Every array a cache's state holds (triples flattened)."""
+    """Every array a cache's state holds (triples flattened); none for a
+    cache never written (mlx-lm 0.31's QuantizedKVCache.state raises on one)."""
+    if getattr(cache, "keys", ()) is None:
+        return []
     return arrays_in(cache.state)
 
 
