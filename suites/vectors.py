@@ -47,7 +47,8 @@ MANIFEST = "manifest.json"
 RECORDED = ("merge", "extend", "filter", "extract", "trim", "rollback", WRITE, "prepare", "finalize")
 PARTS = tuple(f"{name}.{part}" for name in ("keys", "values") for part in TRIPLE)
 # What a batch call leaves, for the rows' columns: "aligned" rows own [left_padding, size());
-# "prefill" (a padded prefill before finalize) rows own [0, length); "none" (prepare) nothing yet.
+# "prefill" (a padded prefill before finalize) rows own [left_padding, left_padding + length), the padding
+# merge gave them; "none" (prepare) nothing yet.
 ALIGNED, PREFILL, NONE = "aligned", "prefill", "none"
 LAYOUTS = (ALIGNED, PREFILL, NONE)
 WHOLE, SELECTED = "whole", "selected"  # the manifest's catalog: every L1 schedule, or those --schedule named
