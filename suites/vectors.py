@@ -47,7 +47,8 @@ MANIFEST = "manifest.json"
 RECORDED = ("merge", "extend", "filter", "extract", "trim", "rollback", WRITE, "prepare", "finalize")
 PARTS = tuple(f"{name}.{part}" for name in ("keys", "values") for part in TRIPLE)
 # What a batch call leaves, for the rows' columns: "aligned" rows own [left_padding, size());
-# "prefill" (a padded prefill before finalize) rows own [0, length); "none" (prepare) nothing yet.
+# "prefill" (a padded prefill before finalize) rows own [left_padding, left_padding + length), the padding
+# merge gave them; "none" (prepare) nothing yet.
 ALIGNED, PREFILL, NONE = "aligned", "prefill", "none"
 LAYOUTS = (ALIGNED, PREFILL, NONE)
 WHOLE, SELECTED = "whole", "selected"  # the manifest's catalog: every L1 schedule, or those --schedule named
@@ -219,6 +220,16 @@ class Recorder:
         self.tapes.note(state.key, layer, cache, tokens, where)
         return {"request": rid, "length": cache.offset, "tokens": token_spans(tokens)}
 
+    def merged(self, rids: List[str], layer: int, prefill: bool, sources) -> List[dict]:
+        """The rows merge was handed: in a padded prefill, each the stored
+        prefix it starts from (``sources``, as batched_join_stored hands
+        them) or no tokens; else each row alone now."""
+        if not prefill:
+            return [self.row(rid, layer) for rid in rids]
+        lengths = [source.offset for source in sources] if sources else [0] * len(rids)
+        return [{"request": rid, "length": n, "tokens": token_spans(self.run.replay.held[rid][:n])}
+                for rid, n in zip(rids, lengths)]
+
     def layout(self, rows: List[dict], how: str) -> dict:
         lengths = [r["length"] for r in rows]
         out = {"layout": how, "rows": rows}
@@ -246,8 +257,7 @@ class Recorder:
                   "batch": self.handle(batch)}
         prefill = bool(what.get("prefill"))
         if member == "merge":
-            record["args"] = {"rows": [{"request": rid, "length": 0, "tokens": []} if prefill
-                                       else self.row(rid, layer) for rid in rows]}
+            record["args"] = {"rows": self.merged(rows, layer, prefill, what.get("sources"))}
         elif member == "extend":
             record["args"] = {"other": self.handle(args[0])}
         elif member == "filter":
@@ -275,9 +285,11 @@ class Recorder:
             record["expected"] = self.layout([], NONE)
         else:
             how = PREFILL if prefill and member == WRITE else ALIGNED
-            solo = [{"request": rid, "length": 0, "tokens": []} if prefill and member == "merge"
-                    else self.row(rid, layer) for rid in rows]
+            solo = record["args"]["rows"] if member == "merge" else [self.row(rid, layer) for rid in rows]
             record["expected"] = self.layout(solo, how)
+            if how == PREFILL:  # each row after the padding its merge gave it
+                merged = next(r for r in reversed(self.calls) if r["batch"] == record["batch"] and r["member"] == "merge")
+                record["expected"]["left_padding"] = merged["expected"]["left_padding"]
         self.calls.append(record)
 
     def on_event(self, event):

@@ -96,9 +96,10 @@ export function replay(entry, Cache = BatchQuantizedKVCache) {
     if (expected.layout === 'none') return;
     const size = batch.size();
     expected.rows.forEach((row, b) => {
-      if (expected.layout === 'prefill') {
-        compareRow(record, record.layer, batch.state, b, 0, row, 'state');
-        if (fetched) compareRow(record, record.layer, fetched, b, 0, row, 'fetched');
+      if (expected.layout === 'prefill') { // each row after the padding its merge gave it
+        const pad = expected.left_padding[b];
+        compareRow(record, record.layer, batch.state, b, pad, row, 'state');
+        if (fetched) compareRow(record, record.layer, fetched, b, pad, row, 'fetched');
         return;
       }
       if (batch.offset[b] !== row.length) fail(record, `offset of row ${row.request} is ${batch.offset[b]}, expected ${row.length}`);
