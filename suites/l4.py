@@ -230,8 +230,9 @@ _MODEL_ROOT: Optional[tempfile.TemporaryDirectory] = None
 
 def model_dir(loaded, under: Path) -> Path:
     """The model as a directory a server loads: the one it was loaded from,
-    else written once per process into a folder of kvparity's own output
-    (``under``, the run's --out), removed when the process ends; named by the
+    else written once per run into a folder of kvparity's own output
+    (``under``, the run's --out), removed when the run ends
+    (``release_model_dirs``) or else with the process; named by the
     model's file name and hash, never at a path the user gave (the
     config.json a twin is made from)."""
     global _MODEL_ROOT
@@ -244,6 +245,17 @@ def model_dir(loaded, under: Path) -> Path:
         name = f"{Path(loaded.name).name}-{loaded.sha256[:12]}"
         _MODEL_DIRS[loaded.sha256] = write_model_dir(loaded, Path(_MODEL_ROOT.name) / name)
     return _MODEL_DIRS[loaded.sha256]
+
+
+def release_model_dirs():
+    """Remove the model directories written for this run's servers: a run
+    leaves under its --out only its report, also when called in process."""
+    global _MODEL_ROOT
+    if _MODEL_ROOT is not None:
+        _MODEL_ROOT.cleanup()
+    _MODEL_ROOT = None
+    _MODEL_DIRS.clear()
+    load_defect.cache_clear()  # keyed by a directory that is gone
 
 
 @lru_cache(maxsize=None)

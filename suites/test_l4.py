@@ -73,6 +73,15 @@ def report(out: Path) -> dict:
     return load_checked(directory / "report.json", SCHEMA_PATH, AssertionError)
 
 
+def unpassed_rows(doc: dict) -> str:
+    """Each row that did not pass, with its reason and what it stood on (the
+    server's prompt cache, mlx-lm's run it was or was not compared with): a
+    no-evidence row depends on the server's timing, which the summary table omits."""
+    return "\n".join(f"{run['schedule']} {row['request']}: {row['verdict']}: {row['reason']}; "
+                     f"{json.dumps(row['metrics'])}"
+                     for run in doc["results"] for row in run["rows"] if row["verdict"] != "pass")
+
+
 def test_the_answer_shapes_of_openai_servers():
     mlx_lm = {"choices": [{"logprobs": {"content": [{"id": 3, "logprob": -0.5}, {"id": 9, "logprob": -1.25}]}}],
               "usage": {"prompt_tokens": 4}}
@@ -318,8 +327,9 @@ def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(servers_running, kv, off
     request alone; else a fresh server answers each conversation alone."""
     command = MLX_LM + (f" {KV}" if kv else "")
     args = ["run", "--level", "L4", "--server", command, *kv, *off, "--models", "none", "--out", str(tmp_path)]
-    assert main(args) == EXIT_OK
+    status = main(args)
     doc = report(tmp_path)
+    assert status == EXIT_OK, unpassed_rows(doc)
     assert len(doc["results"]) >= 2 and all(r["verdict"] == "pass" for r in doc["results"])
     for run in doc["results"]:
         assert run["server"]["tokens per second"] > 0 and run["server"]["log"] and run["server"]["load seconds"] > 0

@@ -21,6 +21,7 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
+from kvparity.suites import l4
 from kvparity.suites.adapter import Implementation
 from kvparity.suites.evidence import FAILURES, PASS, crashed
 from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
@@ -263,6 +264,13 @@ def select_and_run(args, files, shard=None):
     """Run what the command selects (with ``shard``, a ``shards.Shard``, its
     share of the plan): (implementation, policy, results, run verdict,
     expectations, the shard block or None)."""
+    try:
+        return _select_and_run(args, files, shard)
+    finally:
+        l4.release_model_dirs()  # the servers' model directories: the run is done with them
+
+
+def _select_and_run(args, files, shard):
     declared = expectations(args)  # a bad file is refused before anything else
     required = required_levels(args)
     budget, database = generated.budget_of(args, files), generated.database_of(args)
