@@ -109,9 +109,9 @@ def _gate(minor: str):
     def gate(session):
         release = MLX_LM_MINORS[minor]
         out = OUT / f"gate-{minor}"
-        session.install("-e", ".", f"mlx-lm=={release}")
+        session.install("-e", ".[parallel]", f"mlx-lm=={release}")
         session.run("python", "-c", "import mlx_lm, mlx.core as mx; print('mlx-lm', mlx_lm.__version__, 'mlx', mx.__version__)")
-        session.run("python", "-m", "pytest", "-q", *session.posargs)
+        session.run("python", "-m", "pytest", "-q", "-n", "auto", *session.posargs)  # the README's test command
         session.run("kvparity", "run", "--out", str(out / "catalog"))
         session.run("kvparity", "run", "--level", "L2", "--model", MHA_MODEL, "--out", str(out / "mha"))
 
