@@ -20,17 +20,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from kvparity.oracle import tensor_file
+
 MAGIC = b"KVP1"
 PROTOCOL = 1
-# MLX's dtype names -> (the dtype, numpy's for its bytes); bfloat16 travels as its 16 bits.
-DTYPES = {
-    "uint32": (mx.uint32, np.uint32),
-    "int32": (mx.int32, np.int32),
-    "float16": (mx.float16, np.float16),
-    "bfloat16": (mx.bfloat16, np.uint16),
-    "float32": (mx.float32, np.float32),
-    "bool": (mx.bool_, np.bool_),
-}
+# MLX's dtype names -> (the dtype, numpy's for its bytes, as the vectors' safetensors files
+# hold them: bfloat16 travels as its 16 bits).
+DTYPES = {name: (dtype, tensor_file.DTYPES[dtype][1]) for name, dtype in (
+    ("uint32", mx.uint32), ("int32", mx.int32), ("float16", mx.float16), ("bfloat16", mx.bfloat16),
+    ("float32", mx.float32), ("bool", mx.bool_))}
 DTYPE_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}
 HEADER_MAX = 1 << 24  # a header this long is not a header: garbage
 SHOWN = 64  # bytes of garbage a failure quotes
