@@ -40,6 +40,7 @@ from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .model_path import ModelPathError, read_model_dir
+from .isolation import probe_survives
 from .mlx_lm_versions import mlx_lm_frame
 from .twin import backend_missing, read_twin
 from .plan import CachePlan, plan_for
@@ -332,6 +333,7 @@ def load_model(name: str) -> LoadedModel:
 
 @lru_cache(maxsize=None)
 def _load_path(path: str) -> LoadedModel:
+    probe_survives(path)
     try:
         if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
             model, args, source = read_twin(Path(path))

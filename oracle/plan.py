@@ -90,6 +90,8 @@ class CachePlan:
     # decode step of the converted caches; empty where that step could not run.
     attention_heads: Tuple[Tuple[int, int], ...] = ()
     vocab_size: int = 0  # the width of the logits the model returns
+    # That decode step raised in mlx-lm (its solo kv_bits run raises there too), or None.
+    decode: Optional[MlxLmDefect] = None
 
     def query_heads(self, kv_heads: Optional[int]) -> Optional[int]:
         """The query heads mlx-lm's quantized attention pairs with ``kv_heads``
@@ -207,17 +209,17 @@ def _attention_heads_seen(seen: set):
         mlx_lm_base.quantized_scaled_dot_product_attention = attention
 
 
-def _quantized_heads(model, caches) -> Tuple[Tuple[int, int], ...]:
+def _quantized_heads(model, caches) -> Tuple[Tuple[Tuple[int, int], ...], Optional[MlxLmDefect]]:
     """One decode step on ``caches`` (converted as kv_bits converts them): the
-    heads mlx-lm's quantized attention receives; none where the step raises
-    (mlx-lm's limit, found again by ``limit_for``)."""
+    heads mlx-lm's quantized attention receives, and what the step raised
+    (mlx-lm's limit: generate_step with kv_bits makes the same step), or None."""
     seen: set = set()
     try:
         with _attention_heads_seen(seen):
             mx.eval(model(mx.array([PROBE_PROMPT[:1]]), cache=caches))
-    except Exception:
-        return ()
-    return tuple(sorted(seen))
+    except Exception as error:
+        return (), solo_kv_bits_raises(error, f"a decode step on the caches kv_bits converts (bits {PROBE_BITS})")
+    return tuple(sorted(seen)), None
 
 
 def plan_for(model) -> CachePlan:
@@ -244,8 +246,9 @@ def plan_for(model) -> CachePlan:
             cache.merge([make_prompt_cache(model)[index], make_prompt_cache(model)[index]])).__name__
         layers.append(LayerPlan(index, type(cache).__name__, quantizable, key_dim, value_dim, kv_heads,
                                 bool(cache.is_trimmable()), batched, isinstance(cache, ArraysCache)))
-    heads = _quantized_heads(model, converted_caches) if group_size is not None and conversion is None else ()
-    return CachePlan(tuple(layers), conversion, heads, logits.shape[-1])
+    heads, decode = _quantized_heads(model, converted_caches) if group_size is not None and conversion is None \
+        else ((), None)
+    return CachePlan(tuple(layers), conversion, heads, logits.shape[-1], decode)
 
 
 def limit_for(model, plan: CachePlan) -> Optional[MlxLmDefect]:
@@ -266,7 +269,8 @@ def _first_limit(model, plan: CachePlan) -> Optional[MlxLmDefect]:
             return no_batched_class(layer.cache, layer.index)
     if not plan.quantized:
         return kv_bits_leaves_dense(sorted({layer.cache for layer in plan.layers}))
-    return _solo_kv_bits_limit(model, probe_group_size(plan.dims)) or dense_batch_differs(model)
+    # Where the plan's decode step raised, that is mlx-lm's limit: generate_step with kv_bits makes the same step.
+    return plan.decode or _solo_kv_bits_limit(model, probe_group_size(plan.dims)) or dense_batch_differs(model)
 
 
 def _solo_kv_bits_limit(model, group_size: int, bits: int = PROBE_BITS) -> Optional[MlxLmDefect]:
@@ -284,7 +288,7 @@ def solo_kv_bits_limit(model, plan: CachePlan, bits: int, group_size: int) -> Op
     """Why mlx-lm's own solo run with these kv settings cannot exist on
     ``model`` (a layer its conversion raises on, or its generate_step
     raising), or None: where a server is judged against that run (L4)."""
-    return with_script(plan.conversion or _solo_kv_bits_limit(model, group_size, bits))
+    return with_script(plan.conversion or plan.decode or _solo_kv_bits_limit(model, group_size, bits))
 
 
 __all__ = ["CachePlan", "LayerPlan", "converted", "fresh_rows", "kv_dims", "limit_for", "mlx_lm_frame",

@@ -71,6 +71,9 @@ OPTIONAL_MEMBERS = {member: capability for capability, (_, member) in CAPABILITI
 # others run at every forward (a write, its mask) or only read.
 RESHAPING_MEMBERS = ("merge", "extend", "filter", "extract", "trim", "prepare", "finalize", "rollback")
 WRITE = "update_and_fetch"
+# The members that write or reshape a batch when the schedule calls them (extract, which the
+# checks call too, only reads it).
+CHANGING_MEMBERS = (*(m for m in RESHAPING_MEMBERS if m != "extract"), WRITE)
 # The members whose own output a check reads (a mask, an extracted row, a
 # count, a width, a position): a divergence there is theirs by construction,
 # whatever call came before it.
@@ -89,6 +92,17 @@ class ImplementationUnavailable(ImplementationError):
     def __init__(self, message: str, missing_module: Optional[str] = None):
         super().__init__(message)
         self.missing_module = missing_module
+
+
+class LazyArrayFailed(Exception):
+    """Computing an array a member left in the batch raised (MLX evaluates
+    lazily, so the member itself returned): the error of the member that last
+    wrote or reshaped the batch."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"the arrays it left in the batch could not be computed: "
+                         f"{type(error).__name__}: {error}")
+        self.__cause__ = error
 
 
 class MemberRaised(Exception):
@@ -334,6 +348,8 @@ class _Watch:
                 for trail in self.trails:
                     trail.append(name)
                 FLIGHT.member(name)
+                if name in CHANGING_MEMBERS:
+                    FLIGHT.last_change = name
             self.depth += 1
             try:
                 return fn(*args, **kwargs)

@@ -65,6 +65,8 @@ class Flight:
         self.state: dict = {}  # the run, its result and the event; the member and its call are kept apart
         self.head = "{"  # the state encoded, without its closing brace: one encoding per event, not per call
         self.running: Optional[str] = None
+        # The member that last wrote or reshaped a batch: what the lazy arrays a check reads came from.
+        self.last_change: Optional[str] = None
         self.calls = 0
         self.timeout: Optional[float] = None
         # member -> where it hung earlier in this run, in words (IsolatedState.hung): not called again

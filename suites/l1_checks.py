@@ -9,12 +9,13 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
-from kvparity.suites.adapter import consuming
+from kvparity.suites.adapter import LazyArrayFailed, MemberRaised, consuming
 from kvparity.suites.checks import (ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
                                      size_is_odd, state_triples, triple_job)
 from kvparity.suites.events import FROM_A_STORE
+from kvparity.suites.flight import FLIGHT
 from kvparity.suites.evidence import ScheduleResult
 from kvparity.suites.l1_solo import SoloCaches, layer_parts, triples_of
 from kvparity.suites.replay import Replay
@@ -71,7 +72,10 @@ class EventChecks:
             self.result.note(self.at, check, [rid], made, found)
 
     def done(self):
-        self.reading.evaluate()
+        try:
+            self.reading.evaluate()
+        except Exception as error:  # MLX computes lazily: a batch a member left fails only here
+            raise MemberRaised(FLIGHT.last_change or "a member", LazyArrayFailed(error)) from error
         queue, self.queue = self.queue, []
         for item in queue:
             if callable(item):

@@ -442,3 +442,20 @@ def test_a_config_whose_mlx_lm_module_needs_a_package_not_installed_cannot_be_ju
     assert main(["models", str(PUBLISHED_DIR / "olmo.json")]) == 125
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "cannot judge here" in line and "ai2-olmo" in line
+
+
+def test_a_model_whose_probe_crashes_its_process_is_named_not_a_crash_of_kvparity(tmp_path, monkeypatch):
+    """A model given by path is probed in a child first (oracle/isolation.py): a
+    native crash there (phi3small on MLX 0.32's CPU backend) is the model's reason."""
+    from kvparity.oracle import isolation
+    from kvparity.oracle.gguf import ModelUnavailable
+
+    (tmp_path / "crashing_probe.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(isolation, "CHILD_MODULE", "crashing_probe")
+    with pytest.raises(ModelUnavailable) as crashed:
+        isolation.probe_survives("some/config.json")
+    assert "some/config.json: mlx-lm's own forward passes on this model" in str(crashed.value)
+    assert "ended the process with SIGSEGV (11), a crash inside MLX or mlx-lm, not a verdict" in str(crashed.value)
+    monkeypatch.setenv(isolation.CHILD_ENV, "1")  # the child itself probes in process: no grandchild
+    isolation.probe_survives("some/config.json")

@@ -8,11 +8,17 @@ oracle cannot run. Exit 128 only for kvparity's own bugs.
 import pytest
 from mlx_lm.models import llama
 
+from kvparity.impl.batch_quantized import BatchQuantizedKVCache
+from kvparity.oracle.models import load_model
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_HARNESS_ERROR, main
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.adapter import Implementation, detect_capabilities
+from kvparity.suites.l1 import run_l1
+from kvparity.suites.schedule import CATALOG, load
 
 L2_SCHEDULE = CATALOG / "join-longer-joiner.json"
 L3_SCHEDULE = CATALOG / "l3" / "staggered.json"
+MODEL = "llama-h64-bf16"  # both schedules' (the L3 file names it, the L2 file takes the default)
+
 FORWARD = "the model's forward raised RuntimeError: this attention takes no batch"
 
 
@@ -29,7 +35,10 @@ def fresh_oracle(tmp_path, monkeypatch):
 
 
 def wrap_attention(monkeypatch, refuses):
-    """An attention wrapper of the kind a cache's package installs into mlx-lm."""
+    """An attention wrapper of the kind a cache's package installs into mlx-lm.
+    mlx-lm's limits on the schedules' model are probed first, unpatched: a
+    process probes them once, when first asked, and keeps them."""
+    load_model(MODEL).limit
     plain = llama.scaled_dot_product_attention
 
     def attention(queries, keys, values, cache, *args, **kwargs):
@@ -105,3 +114,19 @@ def test_a_member_raising_is_a_failure_that_names_it(capsys, monkeypatch, level,
     assert "Traceback" not in err and "internal error" not in err, err
     assert code == EXIT_BROKEN, out + err
     assert said in out, out
+
+
+class LazyFloatShift(BatchQuantizedKVCache):
+    """A rollback whose gather indices are floats: MLX builds the graph and the
+    member returns; computing the batch it left raises, in kvparity's reading."""
+
+    def _shift_rows_right(self, shifts):
+        super()._shift_rows_right([s / 2 if s else s for s in shifts])
+
+
+def test_an_array_a_member_left_that_cannot_be_computed_is_that_member_s_failure():
+    result = run_l1(load(CATALOG / "rollback-uneven.json"), Implementation(
+        f"{__name__}:LazyFloatShift", LazyFloatShift, detect_capabilities(LazyFloatShift)))
+    assert result.raised_by == "rollback", result.reason
+    assert "rollback raised LazyArrayFailed: the arrays it left in the batch could not be computed: " \
+           "RuntimeError" in result.reason, result.reason

@@ -1,0 +1,44 @@
+"""A model given by path is loaded, planned and probed first in a child
+process: a native crash of MLX or mlx-lm on the model's own forward passes
+(phi3small on MLX 0.32's CPU backend: its memory is corrupted by a prefill and
+a decode step, oracle/mlx_lm_defects/phi3small_crash_after_decode.py) ends that child, not kvparity, and becomes the model's named
+reason. The parent then loads the model in process as before."""
+
+import os
+import signal
+import subprocess
+import sys
+
+from .gguf import ModelUnavailable
+
+CHILD_MODULE = "kvparity.oracle.probe_child"
+CHILD_ENV = "KVPARITY_MODEL_PROBE_CHILD"  # set in the child: it probes in process
+PROBE_TIMEOUT_S = 900.0  # a real model directory's load and probe on a slow machine, with room
+
+
+def signal_named(returncode: int) -> str:
+    try:
+        return f"{signal.Signals(-returncode).name} ({-returncode})"
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def probe_survives(path: str) -> None:
+    """Raise ModelUnavailable where loading ``path``, its plan and mlx-lm's
+    limit probe end a child process by a signal or outrun the timeout. A
+    Python error in the child is left to the parent's own load to raise."""
+    if os.environ.get(CHILD_ENV):
+        return
+    command = [sys.executable, "-m", CHILD_MODULE, path]
+    try:
+        done = subprocess.run(command, env={**os.environ, CHILD_ENV: "1"}, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ModelUnavailable(f"{path}: loading it and probing its forward passes with mlx-lm did not finish "
+                               f"within {PROBE_TIMEOUT_S:g} s") from None
+    if done.returncode < 0:
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise ModelUnavailable(
+            f"{path}: mlx-lm's own forward passes on this model (a prefill, a decode step, generate_step with "
+            f"kv_bits) ended the process with {signal_named(done.returncode)}, a crash inside MLX or mlx-lm, "
+            f"not a verdict; its last line: {last}")
