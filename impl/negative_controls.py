@@ -510,6 +510,18 @@ class ExtendPadsNoEmptyJoiners(BatchQuantizedKVCache):
             self.left_padding = mx.concatenate([self.left_padding[:self.batch_size - other.batch_size], joiners])
 
 
+class SaysUntrimmable(BatchQuantizedKVCache):
+    """is_trimmable answers False (as a cache that cannot trim per row might):
+    mlx-lm's trim_prompt_cache then trims nothing, and a speculative round's
+    rejected tokens stay in every row."""
+
+    caught_by = "trimmed"
+    at_fault = "is_trimmable"
+
+    def is_trimmable(self):
+        return False  # the bug: trim works, and mlx-lm asks this before it calls trim
+
+
 VARIANTS = [
     LeftPaddingOffByOne,
     FilterKeepsSharedPadding,
@@ -537,7 +549,7 @@ VARIANTS = [
 # The boundary controls: each one group at the default gate, naming its ``at_fault``.
 BOUNDARY = [PrepareRightPaddingPastOne, FilterDropsSharedPaddingFromTwo, RollbackRefusesToEmptyARow,
             ExtendPadsNoEmptySide, TrimCountsWhatRemains, NbytesZeroWithoutTokens, MergePadsNoFreshRow,
-            ExtendPadsNoEmptyJoiners]
+            ExtendPadsNoEmptyJoiners, SaysUntrimmable]
 VARIANTS += BOUNDARY
 
 

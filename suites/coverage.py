@@ -232,6 +232,9 @@ class _WatchedBatch:
     def rollback(self, amounts):
         self.paths.trimmed, self.paths.amounts = True, list(amounts)
 
+    def is_trimmable(self):
+        return True
+
     def extract(self, i):
         return NoRow()
 

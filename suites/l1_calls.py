@@ -107,7 +107,7 @@ class CallChecks:
             else:
                 self._batch(record, what.get("fetched"))
             if member == "trim":
-                self._trimmed(record, what["amount"], what["trimmed"])
+                self._trimmed(record, what["amount"], what["trimmed"], what["trimmable"])
         finally:
             del trail[mark:]  # what the evidence called is not what the event called
         self.records.append(record)
@@ -130,11 +130,20 @@ class CallChecks:
             actual=f"offset {got[0]!r}, bits {got[1]!r}, group_size {got[2]!r}",
             detail=f"what extract({record.rows.index(rid)}) returned", **self.where(record, rid, "extract"))]))
 
-    def _trimmed(self, record: CallRecord, n: int, returned):
+    def _trimmed(self, record: CallRecord, n: int, returned, trimmable):
         """What trim returned, against what mlx-lm's QuantizedKVCache.trim
         returns for the same trim of the shortest row (every row is trimmed
         by ``n``; trim_prompt_cache passes the count on). Noted at once: the
-        event's own checks do not read it."""
+        event's own checks do not read it. A batch whose is_trimmable() is
+        not True is not trimmed, as trim_prompt_cache leaves it."""
+        if trimmable is not True:
+            self.checks.note(self.checks.at, TRIMMED, record.rows, 1, [Divergence(
+                TRIMMED, self.event.label, tensor="is_trimmable", expected=True,
+                actual=trimmable if isinstance(trimmable, bool) else in_words(trimmable),
+                detail=f"so mlx-lm's trim_prompt_cache trims nothing (trim({n}) was not called), as mlx-lm's "
+                       "QuantizedKVCache rows are trimmable", **{k: v for k, v in self.where(
+                           record, member="is_trimmable").items() if k != "event"})])
+            return
         expected = _trim_count(min(record.lengths) + n, n)  # the rows held n more before
         ok = isinstance(returned, int) and not isinstance(returned, bool) and returned == expected
         self.checks.note(self.checks.at, TRIMMED, record.rows, 1, [] if ok else [Divergence(

@@ -310,8 +310,11 @@ class Replay:
         if any(batched):
             for layer, batch in enumerate(self.layers):
                 if even:
-                    trimmed = batch.trim(batched[0])
-                    self.called("trim", layer, batch, self.rows, amount=batched[0], trimmed=trimmed)
+                    # As mlx-lm's trim_prompt_cache trims a prompt cache: nothing where is_trimmable() says no.
+                    trimmable = batch.is_trimmable()
+                    trimmed = batch.trim(batched[0]) if trimmable else 0
+                    self.called("trim", layer, batch, self.rows, amount=batched[0], trimmed=trimmed,
+                                trimmable=trimmable)
                 else:
                     batch.rollback(batched)
                     self.called("rollback", layer, batch, self.rows)
@@ -534,6 +537,9 @@ class _NoBatch:
 
     def extract(self, i):
         return NoRow()
+
+    def is_trimmable(self):
+        return True
 
     def __getattr__(self, member):
         return lambda *args, **kwargs: None
