@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from kvparity.oracle.inputs import read_toml
+
 CANNOT_INSTALL = "cannot-install.json"
 # The checked-in rows: beside this package in a checkout and in the wheel (package data of kvparity.impl).
 ROWS_FILE = Path(__file__).resolve().parent.parent / "impl" / "ecosystem" / "rows.toml"
@@ -111,13 +113,8 @@ def _row(path, index: int, entry) -> Row:
 
 def load_rows(path) -> Tuple[Row, ...]:
     """Every row of ``path``, checked before anything runs."""
-    import tomllib  # Python 3.11+, as every session's interpreter
-
     path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise RowsError(f"{path}: {error}")
+    doc = read_toml(path, RowsError)
     if set(doc) != {"row"} or not isinstance(doc["row"], list) or not doc["row"]:
         raise RowsError(f"{path}: expected [[row]] tables and nothing else")
     rows = tuple(_row(path, i, entry) for i, entry in enumerate(doc["row"]))
