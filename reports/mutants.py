@@ -26,6 +26,9 @@ A mutant ends as one of ``OUTCOMES``:
 The equivalents file (TOML) lists the survivors that are equivalent, each
 with its reason; an entry names its file (from the equivalents file's
 folder), line, operator and the mutated line, as the campaign prints them.
+A region entry names a file's ``lines = [first, last]`` instead: every
+mutant of those lines may survive, for one reason (a block no caller's
+call reaches, say); it vouches for none of them, so a killed one is no error.
 """
 
 import functools
@@ -56,6 +59,7 @@ KILLED, TIMEOUT, SURVIVED, NOT_JUDGED = "killed", "killed by timeout", "survived
 NOT_A_PROGRAM = "not a program"
 OUTCOMES = (KILLED, TIMEOUT, SURVIVED, NOT_JUDGED, NOT_A_PROGRAM)
 ENTRY_KEYS = ("file", "line", "operator", "mutant", "reason")
+REGION_KEYS = ("file", "lines", "reason")
 
 
 class MutantsError(Exception):
@@ -156,13 +160,31 @@ class Equivalent:
 
     path: Path
     line: int
-    operator: str
-    mutant: str
+    operator: str  # "" for a region
+    mutant: str  # "" for a region
     reason: str
     shown: str  # the entry, for messages: FILE entry N
+    last: Optional[int] = None  # a region's last line (every mutant of lines line..last); None: one mutant
 
     def key(self) -> tuple:
-        return (self.path.resolve(), self.line, self.operator, self.mutant)
+        return (self.path.resolve(), self.line, self.operator, self.mutant, self.last)
+
+    def covers(self, mutant: "Mutant") -> bool:
+        if self.last is None:
+            return (self.path.resolve(), self.line, self.operator, self.mutant) == mutant.key()
+        return mutant.path.resolve() == self.path.resolve() and self.line <= mutant.line <= self.last
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The entries for the files being mutated."""
+
+    entries: tuple = ()
+
+    def entry_for(self, mutant: "Mutant") -> Optional[Equivalent]:
+        """The one-mutant entry for ``mutant``, else a region that holds it, else None."""
+        covering = [e for e in self.entries if e.covers(mutant)]
+        return next((e for e in covering if e.last is None), covering[0] if covering else None)
 
 
 def load_equivalents(path) -> List[Equivalent]:
@@ -181,44 +203,60 @@ def load_equivalents(path) -> List[Equivalent]:
         shown = f"{path}: equivalent entry {n}"
         if not isinstance(entry, dict):
             raise MutantsError(f"{shown}: expected a table")
-        missing = [k for k in ENTRY_KEYS if k not in entry]
-        extra = sorted(set(entry) - set(ENTRY_KEYS))
+        region = "lines" in entry
+        keys = REGION_KEYS if region else ENTRY_KEYS
+        missing = [k for k in keys if k not in entry]
+        extra = sorted(set(entry) - set(keys))
         if missing or extra:
             raise MutantsError(f"{shown}: " + "; ".join(
                 ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(extra)}"] if extra else [])))
-        if isinstance(entry["line"], bool) or not isinstance(entry["line"], int) or entry["line"] < 1:
-            raise MutantsError(f"{shown}: line: expected a line number, got {entry['line']!r}")
-        for name in ("file", "operator", "mutant", "reason"):
-            if not isinstance(entry[name], str) or not entry[name].strip():
-                raise MutantsError(f"{shown}: {name}: expected a non-empty string")
-        equivalent = Equivalent(path.parent / entry["file"], entry["line"], entry["operator"].strip(),
-                                entry["mutant"].strip(), entry["reason"].strip(), shown)
+        name = "lines" if region else "line"
+        numbers = entry[name] if region else [entry[name]]
+        if not (isinstance(numbers, list) and len(numbers) == (2 if region else 1) and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers) and numbers == sorted(numbers)):
+            expected = "[first, last], line numbers in order" if region else "a line number"
+            raise MutantsError(f"{shown}: {name}: expected {expected}, got {entry[name]!r}")
+        for key in keys:
+            if key != name and (not isinstance(entry[key], str) or not entry[key].strip()):
+                raise MutantsError(f"{shown}: {key}: expected a non-empty string")
+        equivalent = Equivalent(path.parent / entry["file"], numbers[0], "" if region else entry["operator"].strip(),
+                                "" if region else entry["mutant"].strip(), entry["reason"].strip(), shown,
+                                numbers[1] if region else None)
         if equivalent.key() in seen:
-            raise MutantsError(f"{shown}: the same mutant as entry {seen[equivalent.key()]}")
+            raise MutantsError(f"{shown}: the same {'lines' if region else 'mutant'} as entry {seen[equivalent.key()]}")
         seen[equivalent.key()] = n
         found.append(equivalent)
     return found
 
 
-def match_equivalents(equivalents: Sequence[Equivalent], mutants: Sequence[Mutant]) -> Dict[tuple, Equivalent]:
-    """Mutant key -> its entry, for the entries of the files being mutated.
-    One that names no mutant of its file (the line moved, the code changed)
-    is bad input: it would vouch for nothing."""
+def match_equivalents(equivalents: Sequence[Equivalent], mutants: Sequence[Mutant]) -> Listing:
+    """The entries of the files being mutated. One that names no mutant of
+    its file (the line moved, the code changed), or a region of lines that
+    hold none, is bad input: it would vouch for nothing."""
     files = {m.path.resolve() for m in mutants}
     named = [e for e in equivalents if e.path.resolve() in files]
-    at = {(e.path.resolve(), e.line, e.operator) for e in named}
-    keys = {m.key() for m in mutants if (m.path.resolve(), m.line, m.operator) in at}  # the rest stay unmade
-    stale = [e for e in named if e.key() not in keys]
+    ones = {(e.path.resolve(), e.line, e.operator) for e in named if e.last is None}
+    # Only the mutants an entry could name are made (making one costs a read of the file).
+    candidates = [m for m in mutants if (m.path.resolve(), m.line, m.operator) in ones
+                  or any(e.last is not None and e.covers(m) for e in named)]
+    stale = [e for e in named if not any(e.covers(m) for m in candidates)]
     if stale:
         e = stale[0]
-        raise MutantsError(f"{e.shown}: {e.path.name}:{e.line} has no {e.operator} mutant {e.mutant!r} "
-                           f"(the code changed? {len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'})")
-    return {e.key(): e for e in named}
+        what = (f"{e.path.name}:{e.line} has no {e.operator} mutant {e.mutant!r}" if e.last is None
+                else f"{e.path.name}:{e.line}-{e.last} hold no mutant")
+        raise MutantsError(f"{e.shown}: {what} (the code changed? {len(stale)} stale "
+                           f"entr{'y' if len(stale) == 1 else 'ies'})")
+    return Listing(tuple(named))
 
 
-def listed_in(equivalents: Dict[tuple, Equivalent], mutant: Mutant) -> bool:
-    at = (mutant.path.resolve(), mutant.line, mutant.operator)
-    return any(key[:3] == at for key in equivalents) and mutant.key() in equivalents
+def listed_in(listing: Listing, mutant: Mutant) -> bool:
+    return listing.entry_for(mutant) is not None
+
+
+def vouched_for(listing: Listing, mutant: Mutant) -> bool:
+    """Listed by an entry for this one mutant (a region vouches for none)."""
+    entry = listing.entry_for(mutant)
+    return entry is not None and entry.last is None
 
 
 def entry_of(mutant: Mutant, folder: Path) -> str:
@@ -377,7 +415,7 @@ def outcome_counts(judged: Sequence[Judged]) -> Dict[str, int]:
     return {outcome: sum(j.outcome == outcome for j in judged) for outcome in OUTCOMES}
 
 
-def report(judged: Sequence[Judged], listed: Dict[tuple, Equivalent], seconds: float, workers: int) -> dict:
+def report(judged: Sequence[Judged], listed: Listing, seconds: float, workers: int) -> dict:
     """The campaign as data (``--out``): every mutant, whether it is listed, and the counts."""
     return {"workers": workers, "seconds": round(seconds, 1), "counts": outcome_counts(judged),
             "mutants": [{**j.to_json(), "listed_equivalent": listed_in(listed, j.mutant)}

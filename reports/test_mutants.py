@@ -93,6 +93,10 @@ def test_the_sample_is_fixed_and_a_share(source, found):
     ("[equivalent]\nfile = 'x'\n", "expected [[equivalent]] entries"),
     ("equivalents = []\n", "unknown key equivalents"),
     ("[[equivalent]\n", "TOML"),
+    ("[[equivalent]]\nfile = 'shift.py'\nlines = [3, 2]\nreason = 'r'\n",
+     "entry 1: lines: expected [first, last], line numbers in order, got [3, 2]"),
+    ("[[equivalent]]\nfile = 'shift.py'\nlines = ['a', 2]\nreason = 'r'\n", "entry 1: lines: expected [first, last]"),
+    ("[[equivalent]]\nfile = 'shift.py'\nlines = [2, 3]\nline = 2\nreason = 'r'\n", "entry 1: unknown line"),
 ])
 def test_a_bad_equivalents_file_is_one_line_naming_the_entry(text, message, tmp_path):
     path = tmp_path / "eq.toml"
@@ -100,6 +104,17 @@ def test_a_bad_equivalents_file_is_one_line_naming_the_entry(text, message, tmp_
     with pytest.raises(MutantsError) as error:
         load_equivalents(path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_region_names_lines_and_one_that_holds_no_mutant_is_refused(source, found):
+    path = source.parent / "region.toml"
+    path.write_text('[[equivalent]]\nfile = "shift.py"\nlines = [2, 3]\nreason = "a test\'s"\n')
+    listed = match_equivalents(load_equivalents(path), found)
+    assert {m.line for m in found if mutants.listed_in(listed, m)} == {2, 3}
+    assert not any(mutants.vouched_for(listed, m) for m in found)
+    path.write_text('[[equivalent]]\nfile = "shift.py"\nlines = [5, 9]\nreason = "a test\'s"\n')
+    with pytest.raises(MutantsError, match="entry 1: shift.py:5-9 hold no mutant"):
+        match_equivalents(load_equivalents(path), found)
 
 
 def test_an_entry_names_one_mutant_and_a_stale_one_is_refused(source, found, tmp_path):
@@ -111,7 +126,7 @@ def test_an_entry_names_one_mutant_and_a_stale_one_is_refused(source, found, tmp
     with pytest.raises(MutantsError, match="entry 1: shift.py:4 has no core/ReplaceBinaryOperator_Sub_Add mutant"):
         match_equivalents(load_equivalents(path), found)
     other = [mutants.Mutant(tmp_path / "other.py", "other", m.line, m.column, m.operator, m.occurrence) for m in found]
-    assert match_equivalents(load_equivalents(path), other) == {}  # an entry for a file not mutated is left alone
+    assert match_equivalents(load_equivalents(path), other) == mutants.Listing()  # an entry for a file not mutated is left alone
 
 
 class ScriptedGate(Gate):
@@ -181,9 +196,11 @@ def test_a_stop_ends_the_running_gates_and_judges_nothing(plus, tmp_path):
     assert outcome == ["interrupted"] and child.poll() is not None
 
 
-def campaign_status(judged, listed=()):
+def campaign_status(judged, listed=(), regions=()):
     args = argparse.Namespace(workers=1, equivalents=None)
-    return summary(judged, {m.key(): m for m in listed}, 1.0, args, Path.cwd())
+    entries = [mutants.Equivalent(m.path, m.line, m.operator, m.now, "a test's", "entry") for m in listed]
+    entries += [mutants.Equivalent(path, first, "", "", "a test's", "region", last) for path, first, last in regions]
+    return summary(judged, mutants.Listing(tuple(entries)), 1.0, args, Path.cwd())
 
 
 def test_the_campaigns_exit_status(found, plus, capsys):
@@ -195,6 +212,10 @@ def test_the_campaigns_exit_status(found, plus, capsys):
     assert campaign_status([Judged(minus, SURVIVED)], listed=[minus]) == 0
     assert campaign_status([Judged(minus, KILLED, "L1", 1)], listed=[minus]) == EXIT_BROKEN  # the entry is wrong
     assert "the entry is wrong" in capsys.readouterr().out
+    # A region lets its lines' mutants survive and vouches for none: a killed one is no error.
+    region = [(minus.path, 2, 3)]
+    assert campaign_status([Judged(plus, KILLED, "L1", 1), Judged(minus, SURVIVED)], regions=region) == 0
+    assert campaign_status([Judged(plus, SURVIVED)], regions=[(minus.path, 4, 4)]) == EXIT_BROKEN
     with pytest.raises(CannotRun, match="1 mutant"):
         campaign_status([Judged(plus, KILLED, "L1", 1), Judged(minus, NOT_JUDGED, "L1", 125)])
     with pytest.raises(CannotRun, match="no evidence"):

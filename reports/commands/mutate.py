@@ -18,7 +18,7 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.runs import member_timeout_option
 from kvparity.reports.mutants import (
     KILLED, NOT_A_PROGRAM, NOT_JUDGED, SURVIVED, TIMEOUT, Gate, MutantsError, campaign, entry_of, listed_in, load_equivalents,
-    match_equivalents, mutants_of, outcome_counts, report, sample,
+    match_equivalents, mutants_of, outcome_counts, report, sample, vouched_for,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
 from kvparity.suites.levels import CACHE_LEVELS, L1
@@ -210,7 +210,7 @@ def summary(judged, equivalents, elapsed, args, folder) -> int:
     survived = [j for j in judged if j.outcome == SURVIVED]
     listed = [j for j in survived if listed_in(equivalents, j.mutant)]
     gaps = [j for j in survived if not listed_in(equivalents, j.mutant)]
-    wrong = [j for j in judged if j.outcome in (KILLED, TIMEOUT) and listed_in(equivalents, j.mutant)]
+    wrong = [j for j in judged if j.outcome in (KILLED, TIMEOUT) and vouched_for(equivalents, j.mutant)]
     unjudged = [j for j in judged if j.outcome == NOT_JUDGED]
     at_l1 = sum(j.outcome == KILLED and j.stage == L1 for j in judged)
     each = elapsed * args.workers / max(len(judged), 1)
