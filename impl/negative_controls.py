@@ -510,6 +510,26 @@ class ExtendPadsNoEmptyJoiners(BatchQuantizedKVCache):
             self.left_padding = mx.concatenate([self.left_padding[:self.batch_size - other.batch_size], joiners])
 
 
+class MergeStopsAtAFreshRow(BatchQuantizedKVCache):
+    """merge stops placing rows at the first one that holds no keys (a fresh
+    cache, "nothing more to copy"): right while fresh rows come last, as they
+    do beside a stored prefix inserted first; the rows after a fresh one are
+    left zero."""
+
+    caught_by = "bytes"
+    at_fault = "merge"
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        first = next((i for i, c in enumerate(caches) if c.keys is None), len(caches))
+        if batch.keys is not None and first < len(caches):  # the bug: a ``break`` where ``continue`` belongs
+            placed = (mx.arange(len(caches)) < first)[:, None, None, None]
+            batch.keys = tuple(mx.where(placed, x, mx.zeros((), dtype=x.dtype)) for x in batch.keys)
+            batch.values = tuple(mx.where(placed, x, mx.zeros((), dtype=x.dtype)) for x in batch.values)
+        return batch
+
+
 class SaysUntrimmable(BatchQuantizedKVCache):
     """is_trimmable answers False (as a cache that cannot trim per row might):
     mlx-lm's trim_prompt_cache then trims nothing, and a speculative round's
@@ -549,7 +569,7 @@ VARIANTS = [
 # The boundary controls: each one group at the default gate, naming its ``at_fault``.
 BOUNDARY = [PrepareRightPaddingPastOne, FilterDropsSharedPaddingFromTwo, RollbackRefusesToEmptyARow,
             ExtendPadsNoEmptySide, TrimCountsWhatRemains, NbytesZeroWithoutTokens, MergePadsNoFreshRow,
-            ExtendPadsNoEmptyJoiners, SaysUntrimmable]
+            ExtendPadsNoEmptyJoiners, SaysUntrimmable, MergeStopsAtAFreshRow]
 VARIANTS += BOUNDARY
 
 

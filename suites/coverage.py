@@ -136,6 +136,10 @@ VALUES: Dict[str, Value] = {
         "merge", "a row of no tokens (a fresh cache, keys None) beside rows holding a stored prefix", ENGINE,
         "BatchGenerator._make_batch merges the caches insert(caches=...) got for some requests (a stored "
         "prefix) beside make_prompt_cache's empty ones for the others, before their prefill"),
+    "merge.zero-token-row-first": Value(
+        "merge", "a row of no tokens merged before a row holding tokens (the order rows are placed in)", ENGINE,
+        "BatchGenerator merges its requests' caches in the order they were inserted, a fresh one first as often "
+        "as a stored prefix"),
     "merge.emptied-row": Value("merge", "a row that held tokens and was trimmed to none (keys kept, offset 0)",
                                PROTOCOL_ONLY, "only a batch trim empties a row (mlx-lm's engine trims no batch), "
                                "and a stored prefix fetch_nearest_cache gives holds a token at least; the "
@@ -288,8 +292,9 @@ class Paths:
         prefixes = [len(self.replay.held[rid]) - n for rid, n in zip(rids, lengths)]  # what each row held before
         gaps = [max(lengths) - n for n in lengths]
         padded = [g for g in gaps if g]
+        first_empty = prefixes.index(0) if 0 in prefixes else len(prefixes)
         self.note("merge", {"zero-token-rows": 0 in prefixes, "zero-token-row-beside-tokens": 0 < max(prefixes)
-                            and 0 in prefixes})
+                            and 0 in prefixes, "zero-token-row-first": any(prefixes[first_empty:])})
         self.note("prepare", {"no-gap": not padded, "longest-gap-1": max(gaps) == 1,
                               "longest-gap-more": max(gaps) > 1, "gap-1-beside-more": 1 in gaps and max(gaps) > 1,
                               "equal-gaps": len(set(padded)) < len(padded)})

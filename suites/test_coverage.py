@@ -178,7 +178,7 @@ def test_cells_of_every_layer_at_its_key_dim_and_its_value_dim(tmp_path):
 BOUNDARY_CELLS = {"prepare.longest-gap-1": "boundary-pads-by-one", "filter.shift-1": "boundary-pads-by-one",
                   "trim.empties-every-row": "boundary-rows-emptied",
                   "rollback.empties-a-row": "boundary-rollback-empties-a-row",
-                  "merge.zero-token-row-beside-tokens": "boundary-join-stored-beside-fresh",
+                  "merge.zero-token-row-first": "boundary-join-fresh-before-stored",
                   "merge.emptied-row": "boundary-extend-empty-side",
                   "extend.joiners-hold-no-tokens": "boundary-extend-empty-side"}
 
