@@ -219,6 +219,7 @@ def check_layout(batch, rows, checks: EventChecks, event, named, bits: int, grou
     triples = state_triples(batch.state)
     if triples is None and holds_none and size == 0 and not any(offsets):
         checks.note(at, LAYOUT, rows, 1, [])  # a batch merged from rows of no tokens: nothing written yet
+        check_nbytes(batch, {}, checks, rows, label, named)  # holding nothing, it counts no less than 0
         return None
     if triples is None:
         checks.note(at, LAYOUT, rows, 1, [Divergence(
