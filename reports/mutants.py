@@ -14,12 +14,14 @@ tree is written.
 A mutant ends as one of ``OUTCOMES``:
 
 * killed: a stage exits 1 (a divergence, a refusal, a crash or a hang in a
-  member), or the mutant's gate outruns its timeout (killed by timeout);
+  member), the mutated module raises as the gate imports it (stage
+  "import": no caller can load it), or the mutant's gate outruns its
+  timeout (killed by timeout);
 * survived: every stage exits 0. Its line is one the gate does not
   constrain: an equivalent mutant (no caller through mlx-lm or the protocol
   can observe it), dead code, or a gap in the gate;
-* not judged: a stage exits 125, 128 or 129 (say, the mutant's module no
-  longer imports); never counted as killed;
+* not judged: a stage exits 125 for another reason, 128 or 129; never
+  counted as killed;
 * not a program: cosmic-ray's mutation does not compile (it mutated the
   ``*`` of a signature); no gate runs, and it counts for nothing.
 
@@ -35,6 +37,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from kvparity.oracle.inputs import read_toml
-from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
+from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_INTERRUPTED, EXIT_OK
 from kvparity.suites.adapter import MUTANT_ENV
 from kvparity.suites.flight import STATE_ENV
 from kvparity.suites.levels import L1
@@ -58,6 +61,10 @@ KILLED, TIMEOUT, SURVIVED, NOT_JUDGED = "killed", "killed by timeout", "survived
 # parameters becomes ``//`` or ``<<``. Such a mutant does not compile: it is no program, never judged.
 NOT_A_PROGRAM = "not a program"
 OUTCOMES = (KILLED, TIMEOUT, SURVIVED, NOT_JUDGED, NOT_A_PROGRAM)
+# The stage of a mutant that makes the --impl module raise as it is imported (a decorator removed
+# from a property whose setter follows, say): the gate cannot load the class (125), nor can anyone.
+IMPORT_STAGE = "import"
+IMPORT_RAISED = re.compile(r"cannot judge here: --impl '[^']*': importing \S+ raised ")
 ENTRY_KEYS = ("file", "line", "operator", "mutant", "reason")
 REGION_KEYS = ("file", "lines", "reason")
 
@@ -356,6 +363,10 @@ class Gate:
                 raise KeyboardInterrupt
             if status == EXIT_BROKEN:
                 return Judged(mutant, KILLED, stage, status, seconds)
+            if status == EXIT_CANNOT_JUDGE and mutant is not None and IMPORT_RAISED.search(
+                    log.read_text(errors="replace")):
+                # The unmutated cache imports (it passed), so the mutant broke the import: every caller sees it.
+                return Judged(mutant, KILLED, IMPORT_STAGE, status, seconds)
             if status != EXIT_OK:
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-6:])
                 return Judged(mutant, NOT_JUDGED, stage, status, seconds, tail)

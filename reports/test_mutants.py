@@ -133,15 +133,15 @@ class ScriptedGate(Gate):
     """The gate's stages as small Python programs: each exits with the status
     its stage is given, after checking that the mutant is what it imports."""
 
-    def __init__(self, statuses, timeout=30.0, sleep=0.0):
+    def __init__(self, statuses, timeout=30.0, sleep=0.0, said="stage output"):
         super().__init__(list(statuses), [], timeout, Path.cwd())
-        self.statuses, self.sleep = statuses, sleep
+        self.statuses, self.sleep, self.said = statuses, sleep, said
 
     def command(self, stage):
         program = (f"import json, os, sys, time; time.sleep({self.sleep}); "
                    f"sources = json.loads(os.environ.get({mutants.MUTANT_ENV!r}, '{{}}')); "
                    "texts = [open(p).read() for p in sources.values()]; "
-                   "print('stage output'); "
+                   f"print({self.said!r}); "
                    f"sys.exit({self.statuses[stage]} if all('a + 1' in t for t in texts) else 3)")
         return [sys.executable, "-c", program]
 
@@ -158,6 +158,15 @@ def test_each_stage_exit_status_is_an_outcome(statuses, outcome, stage, status, 
     assert (judged.outcome, judged.stage, judged.status) == (outcome, stage, status)
     assert ("stage output" in judged.tail) == (outcome == NOT_JUDGED)
     assert source.read_text() == SOURCE  # the mutant was written to its copy only
+
+
+def test_a_mutant_whose_module_raises_as_it_is_imported_is_killed_there(plus, tmp_path):
+    said = "kvparity: cannot judge here: --impl 'shift:C': importing shift raised AttributeError: no setter"
+    judged = ScriptedGate({"L1": 125, "L2,L3": 0}, said=said).judge(plus, tmp_path)
+    assert (judged.outcome, judged.stage, judged.status) == (KILLED, mutants.IMPORT_STAGE, 125)
+    other = ScriptedGate({"L1": 125, "L2,L3": 0}, said="kvparity: cannot judge here: no such device").judge(
+        plus, tmp_path)
+    assert (other.outcome, other.status) == (NOT_JUDGED, 125)  # the machine, not the mutant
 
 
 def test_a_mutant_that_does_not_compile_is_no_program_and_runs_no_gate(tmp_path):
