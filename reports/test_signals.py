@@ -77,7 +77,9 @@ class Run:
         return self.process.returncode
 
     def report(self) -> dict:
-        (report,) = self.out.glob("*/report.json")
+        found = list(self.out.glob("*/report.json"))
+        assert len(found) == 1, f"{found}: {self.stdout}\n{self.stderr.read_text()}"
+        (report,) = found
         return json.loads(report.read_text())
 
     def left(self) -> list:
