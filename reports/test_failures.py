@@ -511,7 +511,8 @@ def test_an_extracted_row_whose_offset_is_an_array_is_extracts_failure_at_l2():
 
 # The catalog's schedules that reach the value cells the controls break (suites/coverage.py VALUES).
 BOUNDARY_SCHEDULES = ("boundary-pads-by-one", "boundary-rows-emptied", "boundary-rollback-empties-a-row",
-                      "boundary-join-stored-beside-fresh", "boundary-extend-empty-side")
+                      "boundary-join-stored-beside-fresh", "boundary-extend-empty-side",
+                      "boundary-join-fresh-before-stored")
 
 
 @pytest.mark.parametrize("control", negative_controls.BOUNDARY, ids=lambda c: c.__name__)
