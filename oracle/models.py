@@ -40,7 +40,7 @@ from mlx_lm.models import llama, qwen3
 
 from .gguf import ChecksumMismatch, ModelUnavailable, load_smollm2
 from .model_path import ModelPathError, read_model_dir
-from .isolation import probe_survives
+from .isolation import probed_in_a_child
 from .mlx_lm_versions import mlx_lm_frame
 from .twin import backend_missing, read_twin
 from .plan import CachePlan, plan_for
@@ -273,13 +273,14 @@ def model_sha256(args: dict, model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> LoadedModel:
-    plan = plan_for(model)
+def _loaded(name, model, args, dtype, tokenizer, sha256=None, probed=None, **source) -> LoadedModel:
+    """``probed``: (plan, limit) found in a child process, taken instead of running the model here."""
+    plan = probed[0] if probed is not None else plan_for(model)
     # Its attention's geometry: the first quantized layer's, else the first that keeps keys (one mlx-lm
     # cannot quantize), else none.
     attention = next((layer for layer in plan.layers if layer.quantized), None) or next(
         (layer for layer in plan.layers if layer.key_dim is not None), plan.layers[plan.attention])
-    return LoadedModel(
+    loaded = LoadedModel(
         name=name,
         model=model,
         args=args,
@@ -295,6 +296,9 @@ def _loaded(name, model, args, dtype, tokenizer, sha256=None, **source) -> Loade
         vocab_size=plan.vocab_size,
         **source,
     )
+    if probed is not None:
+        loaded.__dict__["limit"] = probed[1]  # the cached property, as the child found it
+    return loaded
 
 
 def embedding_width(model: nn.Module, vocab_size: int) -> Optional[int]:
@@ -333,13 +337,13 @@ def load_model(name: str) -> LoadedModel:
 
 @lru_cache(maxsize=None)
 def _load_path(path: str) -> LoadedModel:
-    probe_survives(path)
+    probed = probed_in_a_child(path)
     try:
         if Path(path).is_file():  # a config.json alone: its architecture's tiny random twin
             model, args, source = read_twin(Path(path))
-            return _loaded(path, model, args, DTYPES[args["dtype"]], None, **source)
+            return _loaded(path, model, args, DTYPES[args["dtype"]], None, probed=probed, **source)
         model, args, tokenizer, source = read_model_dir(Path(path))
-        return _loaded(path, model, args, parameter_dtype(model), tokenizer, **source)
+        return _loaded(path, model, args, parameter_dtype(model), tokenizer, probed=probed, **source)
     except RuntimeError as error:
         if not backend_missing(error):
             raise

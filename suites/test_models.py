@@ -454,8 +454,8 @@ def test_a_model_whose_probe_crashes_its_process_is_named_not_a_crash_of_kvparit
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(isolation, "CHILD_MODULE", "crashing_probe")
     with pytest.raises(ModelUnavailable) as crashed:
-        isolation.probe_survives("some/config.json")
+        isolation.probed_in_a_child("some/config.json")
     assert "some/config.json: mlx-lm's own forward passes on this model" in str(crashed.value)
     assert "ended the process with SIGSEGV (11), a crash inside MLX or mlx-lm, not a verdict" in str(crashed.value)
     monkeypatch.setenv(isolation.CHILD_ENV, "1")  # the child itself probes in process: no grandchild
-    isolation.probe_survives("some/config.json")
+    assert isolation.probed_in_a_child("some/config.json") is None
