@@ -1,29 +1,23 @@
 """A model given by path is loaded, planned and probed first in a child
 process: a native crash of MLX or mlx-lm on the model's own forward passes
 (phi3small on MLX 0.32's CPU backend: its memory is corrupted by a prefill and
-a decode step, oracle/mlx_lm_defects/phi3small_crash_after_decode.py) ends that child, not kvparity, and becomes the model's named
-reason. The parent takes the plan and limit the child found, so it runs no
-forward pass of the model to load it."""
+a decode step, oracle/mlx_lm_defects/phi3small_crash_after_decode.py) ends
+that child, not kvparity, and becomes the model's named reason. The parent
+takes the plan and limit the child found, so it runs no forward pass of the
+model to load it."""
 
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
 
 from .gguf import ModelUnavailable
+from .signals import signal_name
 
 CHILD_MODULE = "kvparity.oracle.probe_child"
 CHILD_ENV = "KVPARITY_MODEL_PROBE_CHILD"  # set in the child: it probes in process
 PROBE_TIMEOUT_S = 900.0  # a real model directory's load and probe on a slow machine, with room
-
-
-def signal_named(returncode: int) -> str:
-    try:
-        return f"{signal.Signals(-returncode).name} ({-returncode})"
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def probed_in_a_child(path: str):
@@ -47,7 +41,7 @@ def probed_in_a_child(path: str):
             last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
             raise ModelUnavailable(
                 f"{path}: mlx-lm's own forward passes on this model (a prefill, a decode step, generate_step with "
-                f"kv_bits) ended the process with {signal_named(done.returncode)}, a crash inside MLX or mlx-lm, "
+                f"kv_bits) ended the process with {signal_name(done.returncode)}, a crash inside MLX or mlx-lm, "
                 f"not a verdict; its last line: {last}")
         if done.returncode != 0 or not os.path.exists(found):
             return None

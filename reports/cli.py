@@ -144,11 +144,12 @@ def isolated(argv) -> int:
     kernels stay where they are kept between runs)."""
     import signal
 
+    from kvparity.oracle.signals import signal_name
     from kvparity.suites.flight import (
         STATE_ENV, clear_flight, ended, how_it_ended, mark_parent, note_crash, read_flight,
     )
     from kvparity.suites.processes import (
-        STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, signal_name, sweep,
+        STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, sweep,
     )
 
     become_subreaper()

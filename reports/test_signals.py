@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvparity.reports.cli import EXIT_INTERRUPTED
-from kvparity.suites.processes import signal_name, stopping_on_signals
+from kvparity.oracle.signals import signal_name
+from kvparity.suites.processes import stopping_on_signals
 from kvparity.suites.runners import L4_CATALOG
 
 KVPARITY = Path(sys.executable).with_name("kvparity")  # the console script, as users run it

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.atomic import FOUND_DIR, make_folder
+from kvparity.oracle.signals import signal_name
 from kvparity.suites.evidence import FAILURES, PASS
 from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, SCHEDULE_FILE, Watch, ended, how_it_ended, read_flight
 from kvparity.suites.levels import L1, L2, SCHEDULE_LEVELS
 from kvparity.suites.processes import (
-    STOP_GRACE_S, die_with_parent, died_of_a_crash, oom_kills, signal_name, stop_signal,
+    STOP_GRACE_S, die_with_parent, died_of_a_crash, oom_kills, stop_signal,
 )
 
 LEVELS = SCHEDULE_LEVELS  # the state machine generates schedules

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
-from kvparity.suites.processes import signal_name
+from kvparity.oracle.signals import signal_name
 
 STATE_ENV = "KVPARITY_ISOLATED"  # the folder the parent and its children share
 # --member-timeout's default, in seconds: the slowest member call of the

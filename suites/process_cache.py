@@ -40,7 +40,8 @@ from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, MemberHung, Process
 from kvparity.suites.process_frame import (
     PROTOCOL, FrameGarbage, FrameReader, FrameTimeout, encode, write_all,
 )
-from kvparity.suites.processes import die_with_parent, signal_name
+from kvparity.oracle.signals import signal_name
+from kvparity.suites.processes import die_with_parent
 
 EXEC = "exec:"  # the --impl prefix of a command
 # The ops that only read a batch. Between two requests of any other op, the

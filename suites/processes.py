@@ -42,14 +42,6 @@ REAP_S = 2.0  # how long a sweep waits for what it killed to be gone
 STOP_GRACE_S = 10.0
 
 
-def signal_name(returncode: int) -> str:
-    """``SIGABRT (6)`` for a child that a signal ended (a negative status)."""
-    try:
-        return f"{signal.Signals(-returncode).name} ({-returncode})"
-    except ValueError:
-        return f"signal {-returncode}"
-
-
 # -- stop signals, made Ctrl-C ------------------------------------------------------
 
 

@@ -32,7 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvparity.suites.processes import descendants, kill_all, marked, signal_name, signals_deferred
+from kvparity.oracle.signals import signal_name
+from kvparity.suites.processes import descendants, kill_all, marked, signals_deferred
 
 READY_PATH = "/v1/models"  # every OpenAI-compatible server lists its models here
 SERVER_LOGS = "server-logs"  # the report directory's folder of the servers' logs
