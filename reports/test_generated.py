@@ -110,7 +110,9 @@ def test_two_runs_of_a_budget_generate_the_same_schedules(tmp_path):
 
     first, again, other = generated(1), generated(1), generated(2)
     assert first.rows_passed > 0 and first.schedules >= 8
-    assert (first.digest, first.cells, first.schedules) == (again.digest, again.cells, again.schedules)
+    assert (first.digest, first.cells, first.values, first.schedules) == (again.digest, again.cells, again.values,
+                                                                          again.schedules)
+    assert first.values, "the generated schedules reached no value cell of the coverage model"
     assert first.digest != other.digest
 
 

@@ -207,6 +207,7 @@ class Tally:
     seconds: float = 0.0  # generating, since the campaign started
     first_failure_s: Optional[float] = None  # when a schedule first failed, since the start
     cells: frozenset = frozenset()  # the coverage model's cells reached, where the campaign notes them
+    values: frozenset = frozenset()  # there, the value cells reached, by name
     digest: str = ""  # there, a sha256 of the schedules judged, in their order (fuzz.make_machine's reach)
 
     @property
@@ -258,6 +259,10 @@ class CampaignResult:
     @property
     def cells(self) -> frozenset:
         return frozenset().union(*(t.cells for t in self.tallies.values()))
+
+    @property
+    def values(self) -> frozenset:
+        return frozenset().union(*(t.values for t in self.tallies.values()))
 
     @property
     def digest(self) -> str:
@@ -594,5 +599,6 @@ def tally(machine, start) -> Tally:
         schedules=sum(machine.outcomes.values()), outcomes=Counter(machine.outcomes),
         rows=Counter(machine.row_outcomes), seconds=time.perf_counter() - start,
         first_failure_s=machine.judge.first, cells=frozenset(machine.reached or ()),
+        values=frozenset(machine.reached_values or ()),
         digest=machine.digest.hexdigest() if machine.digest is not None else "",
     )

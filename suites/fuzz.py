@@ -35,7 +35,7 @@ from kvparity.suites.flight import FLIGHT
 from kvparity.suites.l1 import L1Run, run_l1
 from kvparity.suites.levels import L1, L2
 from kvparity.suites.replay import Replay, dry_backend
-from kvparity.suites.coverage import HEAD_DIMS, cells_of
+from kvparity.suites.coverage import HEAD_DIMS, reached
 from kvparity.suites.events import (
     BatchedJoin, Extract, Join, JoinStored, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Store, Trim,
     make_event,
@@ -122,6 +122,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     row_outcomes: dict = None
     shapes_drawn: dict = None  # schedules per feature of their shapes (``shape_features``)
     reached: set = None  # the coverage model's cells its finished schedules reached; None: not noted
+    reached_values: set = None  # with reached: the value cells they reached, by name
     digest = None  # with reached: a sha256 of its finished schedules, in the order they ran
 
     @initialize(data=st.data(), bits=st.sampled_from(BITS), kv_heads=st.sampled_from((1, 2)))
@@ -242,7 +243,9 @@ class ScheduleMachine(RuleBasedStateMachine):
         the coverage model too."""
         self.outcomes[result.verdict] = self.outcomes.get(result.verdict, 0) + 1
         if self.reached is not None and self.schedule.events:
-            self.reached.update(cells_of(self.schedule))
+            cells, values = reached(self.schedule)
+            self.reached.update(cells)
+            self.reached_values.update(values)
             self.digest.update(json.dumps(self.schedule.to_json(), sort_keys=True).encode())
         for row in result.rows:
             self.row_outcomes[row.verdict] = self.row_outcomes.get(row.verdict, 0) + 1
@@ -401,7 +404,8 @@ def make_machine(implementation, judge, found_dir=None, level=L1, run_l2=None, d
     namespace = {"implementation": implementation, "found_dir": found_dir, "level": level,
                  "judge": staticmethod(judge), "run_l2": staticmethod(run_l2) if run_l2 else None,
                  "outcomes": {}, "row_outcomes": {}, "shapes_drawn": {}, "resumed": 0,
-                 "reached": set() if reach else None, "digest": hashlib.sha256() if reach else None}
+                 "reached": set() if reach else None, "reached_values": set() if reach else None,
+                 "digest": hashlib.sha256() if reach else None}
     if database_key is not None:  # read by Hypothesis's function_digest, as for parametrized tests
         namespace["_hypothesis_internal_add_digest"] = database_key
     if level == L2:
