@@ -67,6 +67,7 @@ def check_line(out, check):
 # -- the designed difference -----------------------------------------------------------
 
 
+@pytest.mark.slow  # about 8 s on 2 cores (the README's test command stays near 2 min)
 def test_without_expectations_the_designed_difference_fails_and_the_table_shows_what_held(capsys):
     code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16)
     assert code == EXIT_BROKEN, out + err
@@ -77,6 +78,7 @@ def test_without_expectations_the_designed_difference_fails_and_the_table_shows_
         assert check_line(out, held) == [schedules, 0, 0, 0], held
 
 
+@pytest.mark.slow  # about 8 s on 2 cores (the README's test command stays near 2 min)
 def test_with_the_expectations_file_only_the_float16_reinserts_fail(capsys):
     # The catalog's schedules, which the file names: generated ones reinsert rows too, under names it cannot list.
     code, out, err = run(capsys, "check", "--level", "L1", "--impl", BF16, "--expectations", EXAMPLE,

@@ -178,7 +178,8 @@ def fuzz(tmp_path, crash, *options):
 
 
 @pytest.mark.parametrize("crash, said, raised, options", [
-    ("os.abort()", "the process died of SIGABRT (6) in filter at event #", "ProcessDied", ()),
+    pytest.param("os.abort()", "the process died of SIGABRT (6) in filter at event #", "ProcessDied", (),
+                 marks=pytest.mark.slow),  # a minute's campaign and its replay: about 11 s on 2 cores
     pytest.param("time.sleep(10**6)", "filter did not return within 2 s (--member-timeout) at event #", "MemberHung",
                  ("--member-timeout", "2"), marks=pytest.mark.slow),
 ])

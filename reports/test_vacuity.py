@@ -93,6 +93,7 @@ def test_zero_width_state_fails_l2_under_the_gpu_policy(capsys):
     assert "FAIL" in out and "layout: after event #0" in out
 
 
+@pytest.mark.slow  # the whole default check, about 12 s on 2 cores (the README's test command stays near 2 min)
 def test_an_optional_member_that_declines_is_not_supported_and_the_rest_passes(capsys, verdict_of):
     code, out, err = run(capsys, "check", "--level", "L1", "--impl", f"{CONTROLS}:RollbackRaisesNotImplemented")
     (results, run_verdict), = verdict_of
@@ -106,6 +107,7 @@ def test_an_optional_member_that_declines_is_not_supported_and_the_rest_passes(c
     assert code == EXIT_OK and "not supported" in out, out + err
 
 
+@pytest.mark.slow  # the whole default check, about 30 s on 2 cores (the README's test command stays near 2 min)
 @pytest.mark.gqa_batched
 def test_the_default_check_on_the_reference_exercises_every_member_and_event_kind(capsys, verdict_of):
     code, out, err = run(capsys, "check")

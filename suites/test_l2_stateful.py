@@ -24,6 +24,7 @@ def fuzz_settings(examples, **overrides):
                     **overrides)
 
 
+@pytest.mark.slow  # about 26 s on 2 cores (the README's test command stays near 2 min)
 @pytest.mark.gqa_batched
 def test_generated_schedules_at_l2(implementation, policy, judged, tmp_path):
     machine = make_machine(implementation, lambda r: judged(r, policy),

@@ -20,6 +20,7 @@ def check(capsys, *argv):
     assert f"coverage model (L1): {asked} of {asked} requirements reached" in out
 
 
+@pytest.mark.slow  # the L1 catalog, about 14 s on 2 cores (the README's test command stays near 2 min)
 def test_the_minimal_cache_passes_l1(capsys):
     check(capsys, "--level", "L1")
 

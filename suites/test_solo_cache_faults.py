@@ -178,6 +178,7 @@ def test_no_damage_to_the_cache_changes_a_verdict(how, filled, tmp_path, capsys,
         verify(entry, entry.name)
 
 
+@pytest.mark.slow  # every bit of an entry, about 16 s on 2 cores (the README's test command stays near 2 min)
 def test_every_single_bit_flip_of_an_entry_is_refused(filled, tmp_path):
     """All bits of the seal and the manifest and a sample of the tensors'."""
     trace = next(p for p in entries(filled) if (p / "trace.safetensors").exists())
