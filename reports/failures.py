@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
 from kvparity.reports.verdicts import ScheduleVerdict
-from kvparity.suites.adapter import WRITE, ForwardRaised
+from kvparity.suites.adapter import APPLIES_WHAT_RECORDED, WRITE, ForwardRaised
 from kvparity.suites.checks import OUTPUT_CHECKS
 from kvparity.suites.compare import Divergence
 from kvparity.suites.evidence import FAIL, REFUSED, died
@@ -437,6 +437,9 @@ def lines(groups: List[FailureGroup]) -> List[str]:
         out.append(f"[{number}] {g.title()}")
         if g.exposure:
             out.append(f"    cause: {g.exposure.sentence()}")
+        elif g.at_fault in APPLIES_WHAT_RECORDED:
+            out.append(f"    {g.at_fault} applies what {APPLIES_WHAT_RECORDED[g.at_fault]} recorded before it, which "
+                       f"no check can read: the bug may be in either")
         if g.shrunk:
             out.append(f"    shrunk schedule: {'; '.join(g.shrunk)}")
         if g.shrunk_differs:  # the full run's is the first seen, below

@@ -551,3 +551,13 @@ def test_issue_42s_two_bugs_pass_the_catalog_without_its_boundary_schedules(cont
     impl = load_implementation(f"{CONTROLS}:{control.__name__}")
     others = [p for p in catalog_paths("L1") if not p.stem.startswith("boundary-")]
     assert others and all(judged(run_l1(load(p), impl)).verdict != FAIL for p in others)
+
+
+def test_a_bug_in_what_prepare_records_is_named_by_finalize_which_says_prepare_too():
+    """finalize is where the wrong offset first shows (the evidence); what
+    prepare keeps no check can read, so the group names prepare beside it."""
+    _, _, groups = judged_runs(negative_controls.PrepareRightPaddingPastOne.__name__, ("boundary-pads-by-one",))
+    (group,) = groups
+    assert group.at_fault == negative_controls.PrepareRightPaddingPastOne.at_fault == "finalize"
+    said = "\n".join(failures.lines(groups))
+    assert "finalize applies what prepare recorded before it" in said, said

@@ -78,6 +78,9 @@ CHANGING_MEMBERS = (*(m for m in RESHAPING_MEMBERS if m != "extract"), WRITE)
 # count, a width, a position): a divergence there is theirs by construction,
 # whatever call came before it.
 READING_MEMBERS = ("make_mask", "extract", "nbytes", "size", "offset")
+# A member that applies what an earlier one recorded and no check can read in between (prepare
+# keeps the right padding that finalize then acts on): where it is at fault, so may be the other.
+APPLIES_WHAT_RECORDED = {"finalize": "prepare"}
 
 
 class ImplementationError(Exception):
