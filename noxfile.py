@@ -50,7 +50,7 @@ ROW_LIST = ecosystem_rows.load_rows(ROWS)
 
 
 def write_json(doc: dict, path: Path):
-    """Whole or not at all, as suites/schedule.py's atomic_write_json."""
+    """Whole or not at all, as suites/format/schedule.py's atomic_write_json."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:

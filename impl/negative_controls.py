@@ -382,7 +382,7 @@ class ExtractDescribes8BitRowsAtGroup64(BatchQuantizedKVCache):
 # -- boundary values: one-line bugs that hold everywhere but at an edge ---------------
 # Each is right at every padding, shift, amount or width but one (a padding of
 # exactly one column, a row emptied, a side of rows holding no tokens): the
-# coverage model's value cells (suites/coverage.py VALUES) are there to reach it.
+# coverage model's value cells (suites/search/coverage.py VALUES) are there to reach it.
 
 
 class PrepareRightPaddingPastOne(BatchQuantizedKVCache):
@@ -777,7 +777,7 @@ VACUITY = [RefusesUpdateAndFetch, ZeroesMergeRefusesFilter, StateReturnsNone, Ze
 
 # -- hangs: a member that never returns ------------------------------------------------
 # Judged only by the kvparity executable, whose parent stops a member call that
-# outruns --member-timeout (suites/flight.py); run in process, it would hang its caller.
+# outruns --member-timeout (suites/core/flight.py); run in process, it would hang its caller.
 
 
 class FilterNeverReturns(BatchQuantizedKVCache):

@@ -1,5 +1,5 @@
 """Safetensors files written byte for byte the same every time, and read
-back without MLX: what the conformance vectors carry (``suites/vectors.py``).
+back without MLX: what the conformance vectors carry (``suites/l1/vectors.py``).
 
 The format is the public one: 8 bytes little-endian header length, a JSON
 header (each tensor's dtype, shape and byte range; ``__metadata__``

@@ -21,7 +21,7 @@ import mlx.core as mx
 from tabulate import tabulate
 
 import kvparity.suites
-from kvparity.suites.adapter import REFERENCE
+from kvparity.suites.core.adapter import REFERENCE
 
 SUITE = Path(kvparity.suites.__file__).parent / "test_benchmarks.py"
 RATIO_HEADERS = ["ratio", "case", "measured", "target", "met?"]

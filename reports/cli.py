@@ -46,9 +46,9 @@ def main(argv=None) -> int:
         from kvparity.reports.commands.base import CannotRun, UsageError, configure
         from kvparity.reports.commands.parser import build_parser
         from kvparity.reports.settings import SettingsError
-        from kvparity.suites.flight import STATE_ENV, remove_if_orphaned
-        from kvparity.suites.processes import stop_signal, stopping_on_signals
-        from kvparity.suites.schedule import ScheduleError
+        from kvparity.suites.core.flight import STATE_ENV, remove_if_orphaned
+        from kvparity.suites.core.processes import stop_signal, stopping_on_signals
+        from kvparity.suites.format.errors import ScheduleError
 
         parser = build_parser()
     except KeyboardInterrupt:  # Ctrl-C while kvparity starts
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
 # The commands the ``kvparity`` executable runs in a child process, so that a
 # cache that crashes the process or hangs in a member is that schedule run's
-# FAIL and the rest goes on (suites/flight.py); ``replay`` too, as a fuzz
+# FAIL and the rest goes on (suites/core/flight.py); ``replay`` too, as a fuzz
 # campaign's crash or hang is replayed. ``python -m kvparity`` and
 # ``main()`` run in process: the children themselves, and tests that patch
 # the process. ``run --workers`` runs each worker so (run.in_workers).
@@ -101,7 +101,7 @@ POLL_S = 0.1  # how often the parent looks at its child and its flight record
 
 def console() -> int:
     """The ``kvparity`` executable."""
-    from kvparity.suites.flight import STATE_ENV
+    from kvparity.suites.core.flight import STATE_ENV
 
     argv = sys.argv[1:]
     if (not argv or argv[0] not in ISOLATED_COMMANDS or os.environ.get(STATE_ENV)
@@ -131,7 +131,7 @@ class Stop:
 
 def isolated(argv) -> int:
     """``kvparity ARGV`` in a child process, again after each crash or hang:
-    a child that a crash ends (suites/processes.py says which signals are a
+    a child that a crash ends (suites/core/processes.py says which signals are a
     crash's) is named by its flight record (the schedule run, event and
     member it died in), and so is one whose member does not return within
     the member timeout the record states (this process kills it); the next
@@ -145,10 +145,10 @@ def isolated(argv) -> int:
     import signal
 
     from kvparity.oracle.signals import signal_name
-    from kvparity.suites.flight import (
+    from kvparity.suites.core.flight import (
         STATE_ENV, clear_flight, ended, how_it_ended, mark_parent, note_crash, read_flight,
     )
-    from kvparity.suites.processes import (
+    from kvparity.suites.core.processes import (
         STOP_GRACE_S, STOP_SIGNALS, become_subreaper, die_with_parent, died_of_a_crash, oom_kills, sweep,
     )
 
@@ -201,8 +201,8 @@ def supervise(child, state, stop: Stop):
     None). It is killed with everything below it once it overruns the
     member timeout its flight record states, or ``STOP_GRACE_S`` after a
     stop signal."""
-    from kvparity.suites.flight import Watch
-    from kvparity.suites.processes import STOP_GRACE_S, descendants, kill_all
+    from kvparity.suites.core.flight import Watch
+    from kvparity.suites.core.processes import STOP_GRACE_S, descendants, kill_all
 
     def kill():
         kill_all(descendants(child.pid))

@@ -19,9 +19,9 @@ from typing import List, Optional, Tuple
 
 
 from kvparity.reports.documents import load_checked
-from kvparity.suites.checks import CHECKS
-from kvparity.suites.events import EVENT_KINDS
-from kvparity.suites.levels import LEVELS
+from kvparity.suites.format.checks import CHECKS
+from kvparity.suites.format.events import EVENT_KINDS
+from kvparity.suites.format.levels import LEVELS
 
 SCHEMA_PATH = Path(files(__package__) / "schema" / "expectations.schema.json")  # package data
 EXAMPLES = Path(files(__package__) / "examples" / "expectations")  # shipped expectations files

@@ -2,7 +2,7 @@
 
 One bug fails many schedules the same way. A failing schedule run is keyed
 by the member its first failing divergence blames: at L1 from the evidence
-after every protocol call (``suites/l1_calls.py``: the first call after
+after every protocol call (``suites/l1/calls.py``: the first call after
 which something diverged, or the member whose own output the check read),
 else the member that raised, else the last one the replay called before it
 (L2). Runs blaming one member are one group, whatever check or level saw
@@ -27,15 +27,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
 from kvparity.reports.verdicts import ScheduleVerdict
-from kvparity.suites.adapter import APPLIES_WHAT_RECORDED, WRITE, ForwardRaised
-from kvparity.suites.checks import OUTPUT_CHECKS
-from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import FAIL, REFUSED, died
-from kvparity.suites.l3 import PREFILL_MODES
-from kvparity.suites.l4 import SERVER
-from kvparity.suites.levels import L1, L2, L3, L4, LEVELS
-from kvparity.suites.schedule import ScheduleError, load, parse
-from kvparity.suites.shrink import Exposure, Shrinker, exposure, first_failure
+from kvparity.suites.core.adapter import APPLIES_WHAT_RECORDED, WRITE, ForwardRaised
+from kvparity.suites.format.checks import OUTPUT_CHECKS
+from kvparity.suites.core.compare import Divergence
+from kvparity.suites.core.evidence import FAIL, REFUSED, died
+from kvparity.suites.l3.run import PREFILL_MODES
+from kvparity.suites.l4.run import SERVER
+from kvparity.suites.format.levels import L1, L2, L3, L4, LEVELS
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.core.loading import load, parse
+from kvparity.suites.search.shrink import Exposure, Shrinker, exposure, first_failure
 
 # keys.packed, values.scales, ... inside a tensor's name ("batch.keys.packed",
 # "resumed from stored entry ...: keys.scales")

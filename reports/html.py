@@ -18,12 +18,12 @@ from kvparity.reports.environment import flatten
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import GATE
 from kvparity.reports.verdicts import DIVERGED, EXIT_BROKEN, EXIT_OK, HELD, NOT_COMPARED, STATUS
-from kvparity.suites.checks import LOGITS, TOKENS
-from kvparity.suites.evidence import (
+from kvparity.suites.format.checks import LOGITS, TOKENS
+from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )
-from kvparity.suites.levels import L2, LEVELS
+from kvparity.suites.format.levels import L2, LEVELS
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 # outcome -> (css class, what it means, shown on hover)

@@ -17,7 +17,7 @@ import re
 import xml.etree.ElementTree as ET
 
 from kvparity.reports.expectations import MATCHED, UNEXPECTEDLY_PASSING
-from kvparity.suites.evidence import (
+from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, PASS, REFUSED,
 )

@@ -9,8 +9,8 @@ folders that per-row sessions write (one environment each), in this layout
     ROOT/<row>/bisect/NAME-min.json       optional: what kvparity bisect shrank a FAIL to
     ROOT/<row>/cannot-install.json        instead, for a row that could not be installed
 
-Columns are the levels (``suites/levels.py``) and the checks
-(``suites/checks.py``). A level's cell counts its schedule runs by outcome;
+Columns are the levels (``suites/format/levels.py``) and the checks
+(``suites/format/checks.py``). A level's cell counts its schedule runs by outcome;
 a check's cell counts, per schedule run where the check applies, what
 became of it. The architecture table counts, per model a row's runs ran on
 (its results' ``model``), schedule runs by outcome with the mlx-lm limits
@@ -41,13 +41,13 @@ from kvparity.reports.verdicts import (
     EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, STATUS, ScheduleVerdict, gates, required_checks,
 )
 from kvparity.reports.writer import Architecture, architectures, model_order
-from kvparity.suites.checks import BY_TIER, CHECKS
-from kvparity.suites.evidence import (
+from kvparity.suites.format.checks import BY_TIER, CHECKS
+from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, OUTCOMES, PASS,
 )
-from kvparity.suites.levels import L4, LEVELS
-from kvparity.suites.shrink import first_failure
+from kvparity.suites.format.levels import L4, LEVELS
+from kvparity.suites.search.shrink import first_failure
 
 SCHEMA = "kvparity.matrix/1"
 BISECTED = "bisect"  # a row folder's minimal failing schedules, NAME-min.json as kvparity bisect names them

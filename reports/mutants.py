@@ -51,10 +51,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from kvparity.oracle.inputs import read_toml
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_INTERRUPTED, EXIT_OK
-from kvparity.suites.adapter import MUTANT_ENV
-from kvparity.suites.flight import STATE_ENV
-from kvparity.suites.levels import L1
-from kvparity.suites.processes import STOP_GRACE_S, descendants, die_with_parent, kill_all
+from kvparity.suites.core.adapter import MUTANT_ENV
+from kvparity.suites.core.flight import STATE_ENV
+from kvparity.suites.format.levels import L1
+from kvparity.suites.core.processes import STOP_GRACE_S, descendants, die_with_parent, kill_all
 
 KILLED, TIMEOUT, SURVIVED, NOT_JUDGED = "killed", "killed by timeout", "survived", "not judged"
 # cosmic-ray also mutates what is no operator: the ``*`` that ends a signature's positional

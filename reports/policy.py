@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from kvparity.oracle.inputs import read_json
-from kvparity.suites.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
-from kvparity.suites.levels import L1
+from kvparity.suites.format.checks import BY_HYGIENE_POLICY, BY_TIER, CHECKS, MODEL_WRITTEN
+from kvparity.suites.format.levels import L1
 
 POLICIES = Path(files(__package__) / "policies")  # package data
 BIT_EXACT, DIVERGED = "bit-exact", "diverged"
@@ -87,7 +87,7 @@ class Policy:
 
     def gates(self, divergence, level: str) -> bool:
         """Whether a divergence (other than logits, judged by tier) fails its
-        row, by how its check gates (``suites/checks.py``). A backend that is
+        row, by how its check gates (``suites/format/checks.py``). A backend that is
         not batch-invariant may differ without a bug in the logits and in the
         cache bytes the model writes from them (L2, with a layer)."""
         check = CHECKS[divergence.check]

@@ -164,7 +164,7 @@ def their_schedules(config) -> list:
     """(path, level) of each schedule file in the folders --kvparity-schedules
     names, at each chosen level that takes it; every file is checked before
     anything runs. A folder without schedule files is a usage error."""
-    from kvparity.suites.replay import ScheduleError
+    from kvparity.suites.format.errors import ScheduleError
     from kvparity.suites.runners import RUNNERS, load_schedule
 
     chosen, cases = levels(config), []
@@ -202,7 +202,7 @@ def implementation(pytestconfig, record_testsuite_property):
     once MLX's default device has passed its known-answer check."""
     from kvparity.oracle.known_answer import checked
     from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE
-    from kvparity.suites.adapter import ImplementationError, load_implementation
+    from kvparity.suites.core.adapter import ImplementationError, load_implementation
 
     spec = setting(pytestconfig, "impl")
     if spec is None:
@@ -274,7 +274,7 @@ def smollm2():
 def describe(judged) -> str:
     """A schedule run's verdict (``reports.verdicts.judge``) in words: each
     row that did not pass, and its first divergences."""
-    from kvparity.suites.evidence import PASS
+    from kvparity.suites.core.evidence import PASS
 
     result = judged.evidence
     lines = [f"{result.level} {result.schedule}: {judged.verdict} ({result.path})"]
@@ -293,7 +293,7 @@ def assert_parity(judged):
     """Pass with evidence, skip as not supported, or fail saying why: a
     missing capability is never a pass, and neither is a run that compared
     nothing. Returns the verdict."""
-    from kvparity.suites.evidence import EXPECTED_DIVERGENCE, NOT_SUPPORTED, PASS
+    from kvparity.suites.core.evidence import EXPECTED_DIVERGENCE, NOT_SUPPORTED, PASS
 
     __tracebackhide__ = True  # a failure points at the test that asked
     if judged.verdict == NOT_SUPPORTED:

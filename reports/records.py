@@ -22,9 +22,9 @@ from kvparity.reports.expectations import Declaration, Expectations
 from kvparity.reports.policy import Policy
 from kvparity.reports.verdicts import ScheduleVerdict, judge
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH
-from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import RowResult, ScheduleResult
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.core.compare import Divergence
+from kvparity.suites.core.evidence import RowResult, ScheduleResult
+from kvparity.suites.format.schedule import CATALOG
 
 REPORT = "report.json"
 # _json_safe writes non-finite floats as these strings: JSON has no literal for them.

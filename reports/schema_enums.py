@@ -15,10 +15,10 @@ from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES
 from kvparity.reports.expectations import MATCHED, NOT_EXERCISED, UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import CHOICES, GATES
 from kvparity.reports.verdicts import STATUS
-from kvparity.suites.checks import CHECKS, HYGIENE, HYGIENE_CHECKS, PARITY
-from kvparity.suites.evidence import OUTCOMES, STOPS
-from kvparity.suites.levels import LEVELS, SCHEDULE_LEVELS
-from kvparity.suites.vectors import LAYOUTS, RECORDED, SELECTED, WHOLE
+from kvparity.suites.format.checks import CHECKS, HYGIENE, HYGIENE_CHECKS, PARITY
+from kvparity.suites.core.evidence import OUTCOMES, STOPS
+from kvparity.suites.format.levels import LEVELS, SCHEDULE_LEVELS
+from kvparity.suites.l1.vectors import LAYOUTS, RECORDED, SELECTED, WHOLE
 
 SCHEMAS = Path(__file__).parent / "schema"
 

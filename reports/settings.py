@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional
 
 from kvparity.oracle.inputs import read_toml
-from kvparity.suites.levels import CACHE_LEVELS, LEVELS
+from kvparity.suites.format.levels import CACHE_LEVELS, LEVELS
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"

@@ -53,9 +53,9 @@ def write_schedules(directory: Path, examples: int):
 
     from kvparity.reports.policy import load_policy
     from kvparity.reports.verdicts import judge
-    from kvparity.suites.adapter import load_implementation
-    from kvparity.suites.fuzz import generate, make_machine
-    from kvparity.suites.schedule import save
+    from kvparity.suites.core.adapter import load_implementation
+    from kvparity.suites.search.fuzz import generate, make_machine
+    from kvparity.suites.format.schedule import save
 
     directory.mkdir(parents=True, exist_ok=True)
     cpu = load_policy("cpu")

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from kvparity.oracle.inputs import LIMIT_ENV, MAX_DEPTH, MAX_DIGITS
 from kvparity.reports import writer
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.arrivals import L3_CATALOG
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.arrivals import L3_CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"
 CONTROL = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"

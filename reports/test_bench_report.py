@@ -11,7 +11,7 @@ import pytest
 from kvparity.reports import bench as bench_module
 from kvparity.reports.bench import SUITE, gqa_attention_table, long_context_table, ratio_table
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 
 def bench(case, variant, median, ratios=(), metric="join", **extra):

@@ -16,13 +16,15 @@ import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.impl.negative_controls import ExtractReturnsViews, TrimForgetsOffset
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.l1 import run_l1
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.l1.run import run_l1
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.schedule import CATALOG, ScheduleError, load, parse
-from kvparity.suites.shrink import first_failure
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.core.loading import load, parse
+from kvparity.suites.search.shrink import first_failure
 
 GOOD = "from kvparity.impl.batch_quantized import BatchQuantizedKVCache as Cache\n"
 BAD = "from kvparity.impl.negative_controls import MaskIgnoresLeftPadding as Cache\n"
@@ -96,7 +98,7 @@ def test_a_harness_error_aborts_git_bisect_run(history, tmp_path):
     wrapper = tmp_path / "broken_harness.py"
     wrapper.write_text(
         "import sys\n"
-        "import kvparity.suites.l1 as l1\n"
+        "import kvparity.suites.l1.run as l1\n"
         "def bug(*args, **kwargs):\n"
         "    raise KeyError('a bug in the harness, not in the cache')\n"
         "l1.check_event = bug\n"

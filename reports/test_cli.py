@@ -14,7 +14,7 @@ import pytest
 
 from kvparity.reports import cli, verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_HARNESS_ERROR, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 CONTROLS = "kvparity.impl.negative_controls"
 ONE_L1 = ["--level", "L1", "--schedule", str(CATALOG / "join-longer-joiner.json")]
@@ -35,11 +35,11 @@ def no_work(monkeypatch):
 
     import kvparity.oracle.solo
     import kvparity.reports.bench
-    import kvparity.suites.l1
-    import kvparity.suites.l2
+    import kvparity.suites.l1.run
+    import kvparity.suites.l2.run
 
-    monkeypatch.setattr(kvparity.suites.l1, "run_l1", forbidden)
-    monkeypatch.setattr(kvparity.suites.l2, "run_l2", forbidden)
+    monkeypatch.setattr(kvparity.suites.l1.run, "run_l1", forbidden)
+    monkeypatch.setattr(kvparity.suites.l2.run, "run_l2", forbidden)
     monkeypatch.setattr(kvparity.oracle.solo, "run_solo", forbidden)
     monkeypatch.setattr(kvparity.reports.bench, "run_benchmarks", forbidden)
 
@@ -224,12 +224,12 @@ def test_a_run_without_evidence_exits_125(capsys):
 
 
 def test_an_error_inside_the_harness_exits_128(monkeypatch, capsys):
-    import kvparity.suites.l1
+    import kvparity.suites.l1.run
 
     def bug(*args, **kwargs):
         raise KeyError("a bug in the harness")
 
-    monkeypatch.setattr(kvparity.suites.l1, "check_event", bug)
+    monkeypatch.setattr(kvparity.suites.l1.run, "check_event", bug)
     code = main(["check", *ONE_L1])
     out, err = outcome(capsys)
     assert code == EXIT_HARNESS_ERROR, out + err
@@ -319,7 +319,7 @@ def test_l3_bisect_shrinks_an_arrivals_schedule_that_replays(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["check", "--level", "L3", "--schedule", str(CATALOG / "join-empty.json")], "holds no schedule for L3"),
     (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "nocolon"], "expected 'package.module:factory'"),
-    (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "kvparity.suites.engines:nothing"], "has no"),
+    (["check", "--level", "L3", "--schedule", STAGGERED, "--engine", "kvparity.suites.l3.engines:nothing"], "has no"),
 ])
 def test_l3_usage_errors_exit_129(argv, message, capsys):
     assert main(argv) == EXIT_USAGE

@@ -7,8 +7,8 @@ import shutil
 
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.suites import coverage
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.search import coverage
+from kvparity.suites.format.schedule import CATALOG
 
 
 def test_the_catalog_reaches_every_cell_and_says_who_makes_each(capsys):

@@ -20,12 +20,13 @@ from kvparity.reports.expectations import (
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import DIVERGED, HELD, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.checks import CHECKS
-from kvparity.suites.evidence import EXPECTED_DIVERGENCE, FAIL
-from kvparity.suites.events import Reinsert
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.format.checks import CHECKS
+from kvparity.suites.core.evidence import EXPECTED_DIVERGENCE, FAIL
+from kvparity.suites.format.events import Reinsert
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 CONTROLS = "kvparity.impl.negative_controls"
 BF16 = f"{CONTROLS}:ExtractReturnsBfloat16"

@@ -19,10 +19,11 @@ from kvparity.reports.cli import main
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.reports.writer import summary_rows, write_report
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 CPU = load_policy("cpu")
 CONTROLS = "kvparity.impl.negative_controls"
@@ -169,7 +170,7 @@ def test_require_levels_on_the_command_line(tmp_path, capsys):
 def test_one_root_cause_at_l1_and_l2_is_one_group():
     """The filter bug seen in L1's bytes and in L2's is one group, which
     names both levels and takes its example (and bisect) from L1."""
-    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.l2.run import run_l2
 
     spec = f"{CONTROLS}:FilterSharedPaddingOffByOne"
     impl = load_implementation(spec)
@@ -189,9 +190,9 @@ def test_the_filter_bug_seen_at_l3_joins_its_group_through_the_members_the_engin
     name no member; the engine's filter calls before each divergence put them
     with the L1 group at filter. Alone (no lower level) they stay unattributed,
     and a run whose L3 divergence no filter preceded would stay apart."""
-    from kvparity.suites.arrivals import load as load_arrivals
-    from kvparity.suites.arrivals import L3_CATALOG
-    from kvparity.suites.l3 import run_l3
+    from kvparity.suites.format.arrivals import load as load_arrivals
+    from kvparity.suites.format.arrivals import L3_CATALOG
+    from kvparity.suites.l3.run import run_l3
 
     spec = f"{CONTROLS}:FilterSharedPaddingOffByOne"
     impl = load_implementation(spec)
@@ -220,7 +221,7 @@ def test_the_trim_bug_seen_only_in_l2_logits_joins_the_trim_group():
     compared; logits name no tensor, so those runs join the group of the
     member that the failing event called, or, once explain has named it,
     the member at fault (the trim of rollback-even's spec round)."""
-    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.l2.run import run_l2
 
     spec = f"{CONTROLS}:TrimSlicesOnlyPackedWords"
     impl = load_implementation(spec)
@@ -244,10 +245,10 @@ def test_one_member_seen_three_ways_is_one_group():
     """A newcomer's filter bug shows as shared padding at L1, a layout at L2
     and a forward that raises at L3 (the engine's calls put filter before it):
     one member to fix, one group, saying what each level saw first."""
-    from kvparity.suites.arrivals import L3_CATALOG
-    from kvparity.suites.arrivals import load as load_arrivals
-    from kvparity.suites.l2 import run_l2
-    from kvparity.suites.l3 import run_l3
+    from kvparity.suites.format.arrivals import L3_CATALOG
+    from kvparity.suites.format.arrivals import load as load_arrivals
+    from kvparity.suites.l2.run import run_l2
+    from kvparity.suites.l3.run import run_l3
 
     spec = f"{CONTROLS}:FilterKeepsAMarginColumn"
     impl = load_implementation(spec)
@@ -293,13 +294,13 @@ def test_a_member_declining_what_mlx_lms_engine_never_hands_is_the_engines_findi
     declines (NotImplementedError), which is a refusal only where the engine
     handed what mlx-lm's own engine would. Here it is the engine's finding:
     a FAIL naming the engine and what it handed, one group, not refused."""
-    from kvparity.suites.adapter import ForwardRaised
-    from kvparity.suites.arrivals import L3_CATALOG
-    from kvparity.suites.arrivals import load as load_arrivals
-    from kvparity.suites.l3 import run_l3
+    from kvparity.suites.core.adapter import ForwardRaised
+    from kvparity.suites.format.arrivals import L3_CATALOG
+    from kvparity.suites.format.arrivals import load as load_arrivals
+    from kvparity.suites.l3.run import run_l3
 
     result = run_l3(load_arrivals(L3_CATALOG / "chat-shared-system-prompt.json"), load_implementation(None),
-                    "kvparity.suites.l3_test_engines:keeps_stored_rows_dense")
+                    "kvparity.suites.l3.engines_for_tests:keeps_stored_rows_dense")
     judged = verdicts.judge(result, CPU)
     assert judged.verdict == FAIL and result.raised_by == ForwardRaised.ENGINE, result.reason
     assert "the engine handed merge an unquantized" in result.reason and "mlx-lm's own engine never does" in result.reason
@@ -326,8 +327,8 @@ def test_the_html_row_says_its_verdict_and_its_logits_tier_only_as_logits(tmp_pa
     gating divergences are listed before its hygiene findings."""
     import mlx.core as mx
 
-    from kvparity.suites.compare import Divergence
-    from kvparity.suites.metrics import LogitStats
+    from kvparity.suites.core.compare import Divergence
+    from kvparity.suites.core.metrics import LogitStats
 
     result = ScheduleResult("made-up", "L2", "impl", ["join", "step"])
     row = result.row("a")
@@ -408,7 +409,7 @@ def test_a_bug_seen_at_l2_alone_is_named_by_each_schedules_replay_at_l1():
     the evidence after every call: one group, extract, not the filter its
     extract event calls after it (as named before, by the last member
     called, for the files that list L1), nor the extend of a stored row."""
-    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.l2.run import run_l2
 
     impl = load_implementation("kvparity.reports.test_failures:ExtractTakesValuesOfTheLastRow")
     names = ("head-dim-128", "extract-decode-reinsert", "llama-f32-mixed", "prefix-hit-spec-rollback")
@@ -457,9 +458,9 @@ def test_an_extract_bug_seen_at_l3_through_the_store_joins_extracts_group(bug, r
     raises on the stored row follows from it: one group with L1's, naming
     extract. Before, the first passed L3 (both sides started from the same
     wrong row) and the second was a group of its own naming merge."""
-    from kvparity.suites.arrivals import L3_CATALOG
-    from kvparity.suites.arrivals import load as load_arrivals
-    from kvparity.suites.l3 import run_l3
+    from kvparity.suites.format.arrivals import L3_CATALOG
+    from kvparity.suites.format.arrivals import load as load_arrivals
+    from kvparity.suites.l3.run import run_l3
 
     impl = load_implementation(f"kvparity.reports.test_failures:{bug}")
     stored = load_arrivals(L3_CATALOG / "stored-prompt-longer.json").with_engine(prefill_batch_size=1)
@@ -499,7 +500,7 @@ def test_an_extracted_row_whose_offset_is_an_array_is_extracts_failure_at_l2():
     """mlx-lm slices a solo row by its offset, an int: a row whose offset is
     an array is no row the protocol allows, extract's FAIL naming it, where
     L2's reading of the row raised before (exit 128)."""
-    from kvparity.suites.l2 import run_l2
+    from kvparity.suites.l2.run import run_l2
 
     impl = load_implementation(f"{__name__}:ExtractCountsOneMoreInAnArray")
     result = run_l2(load(CATALOG / "extract-decode-reinsert.json"), impl)
@@ -509,7 +510,7 @@ def test_an_extracted_row_whose_offset_is_an_array_is_extracts_failure_at_l2():
 
 # -- boundary controls: a bug at one edge of a member's integers ---------------------------
 
-# The catalog's schedules that reach the value cells the controls break (suites/coverage.py VALUES).
+# The catalog's schedules that reach the value cells the controls break (suites/search/coverage.py VALUES).
 BOUNDARY_SCHEDULES = ("boundary-pads-by-one", "boundary-rows-emptied", "boundary-rollback-empties-a-row",
                       "boundary-join-stored-beside-fresh", "boundary-extend-empty-side",
                       "boundary-join-fresh-before-stored")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 SCHEDULES = ["--schedule", str(CATALOG / "rollback-uneven.json"), "--schedule", str(CATALOG / "qwen3-h64-mixed.json")]
 

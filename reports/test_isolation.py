@@ -2,7 +2,7 @@
 out-of-memory killer) or hangs in a member is that schedule run's FAIL,
 naming the schedule, event and member it died or hung in, with a report, and
 the rest of the run goes on: the ``kvparity`` executable runs ``run`` and
-``check`` in a child process with a flight recorder (``suites/flight.py``). A
+``check`` in a child process with a flight recorder (``suites/core/flight.py``). A
 signal from outside that ends the child is no crash: the run is
 interrupted."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_HARNESS_ERROR, EXIT_INTERRUPTED
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 KVPARITY = Path(sys.executable).with_name("kvparity")  # the console script, as users run it
 CRASHING = """\
@@ -30,7 +30,7 @@ LEAVES = CATALOG / "leave-longest.json"  # filter runs at its event #2
 STAYS = CATALOG / "join-empty.json"  # no filter
 # The kvparity executable, on a machine whose count of out-of-memory kills
 # rises while its child runs: the child's SIGKILL is then the OOM killer's.
-OOM_KILLING = ("import itertools, sys; from kvparity.suites import processes; kills = itertools.count(); "
+OOM_KILLING = ("import itertools, sys; from kvparity.suites.core import processes; kills = itertools.count(); "
                "processes.oom_kills = lambda: next(kills); from kvparity.reports.cli import console; "
                "sys.exit(console())")
 

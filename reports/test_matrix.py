@@ -22,7 +22,7 @@ from kvparity.reports import matrix
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.reports.commands import runs
 from kvparity.reports.headless import browser, dom, overflow, screenshot
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 SCHEDULES = ["--level", "L1", *(a for name in ("bits-4", "join-empty", "leave-longest")
                                   for a in ("--schedule", str(CATALOG / f"{name}.json")))]
@@ -395,7 +395,7 @@ def test_architecture_page_colours_each_cell_by_its_outcomes(arch_rows, tmp_path
     ({"not supported": 1}, "muted"), ({"not supported": 1, "mlx-lm defect": 1}, "defect"),
 ])
 def test_an_architecture_cell_reads_pass_only_where_every_run_passed(counts, css):
-    from kvparity.suites.evidence import OUTCOMES
+    from kvparity.suites.core.evidence import OUTCOMES
 
     entry = {"cell": {o: counts.get(o, 0) for o in OUTCOMES}, "limits": []}
     assert matrix.architecture_class(entry, None) == css

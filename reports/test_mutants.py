@@ -241,7 +241,7 @@ def test_the_gate_imports_the_mutant_from_its_copy(tmp_path):
     copy = tmp_path / "copy" / "cache.py"
     copy.parent.mkdir()
     copy.write_text("from .helper import VALUE\nclass Cache:\n    value = VALUE + 1\n")
-    program = ("from kvparity.suites.adapter import resolve; cls = resolve('--impl', 'userpkg.cache:Cache'); "
+    program = ("from kvparity.suites.core.adapter import resolve; cls = resolve('--impl', 'userpkg.cache:Cache'); "
                "import userpkg.cache as c; print(cls.value, c.__file__)")
     run = subprocess.run([sys.executable, "-c", program], cwd=tmp_path / "tree", capture_output=True, text=True,
                          env={**os.environ, mutants.MUTANT_ENV: json.dumps({"userpkg.cache": str(copy)})})

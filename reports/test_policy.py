@@ -7,9 +7,9 @@ import math
 import pytest
 
 from kvparity.reports.policy import PolicyError, load_policy, round_up, tier_family
-from kvparity.suites.checks import ALWAYS, BY_HYGIENE_POLICY, BY_TIER, CHECKS, HYGIENE, MODEL_WRITTEN
-from kvparity.suites.compare import Divergence
-from kvparity.suites.levels import LEVELS
+from kvparity.suites.format.checks import ALWAYS, BY_HYGIENE_POLICY, BY_TIER, CHECKS, HYGIENE, MODEL_WRITTEN
+from kvparity.suites.core.compare import Divergence
+from kvparity.suites.format.levels import LEVELS
 
 EXACT = {"positions": 4, "bit_exact": 4, "top1_agree": 4, "max_ulp": 0, "kl_max": 0.0, "comparable": True}
 CLOSE = {"positions": 4, "bit_exact": 1, "top1_agree": 4, "max_ulp": 3, "kl_max": 2e-5, "comparable": True}

@@ -20,14 +20,15 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.reports import failures
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.reports.environment import describe
-from kvparity.suites.adapter import (
+from kvparity.suites.core.adapter import (
     HungEarlier, ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
 )
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.flight import FLIGHT
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.process_frame import FrameGarbage, FrameReader, encode
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.core.flight import FLIGHT
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.core.process_frame import FrameGarbage, FrameReader, encode
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 KVPARITY = Path(sys.executable).with_name("kvparity")
 SERVER = f"{shlex.quote(sys.executable)} -m kvparity.suites.process_server"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvparity.reports import pytest_plugin
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 CACHE = "kvparity.impl.mlx_style:MlxStyleBatchQuantizedKVCache"
 BROKEN = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"

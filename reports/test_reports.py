@@ -21,15 +21,16 @@ from kvparity.reports.expectations import EXAMPLES, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report
-from kvparity.suites.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
-from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import (
+from kvparity.suites.core.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
+from kvparity.suites.core.compare import Divergence
+from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, ScheduleResult,
 )
-from kvparity.suites.flight import FLIGHT
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.core.flight import FLIGHT
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 CPU, STRICT = load_policy("cpu"), load_policy("strict")
 # extract (everywhere) and bytes (in three schedules, none of them below) declared
@@ -553,8 +554,8 @@ def test_an_interrupted_report_leaves_nothing_and_earlier_ones_stay(results, tmp
 @pytest.mark.gqa_batched
 def test_a_conversation_run_at_l3_writes_a_record_that_validates(tmp_path):
     # Its timeline has the steps' arrivals from the prompt cache and its stores.
-    from kvparity.suites import arrivals
-    from kvparity.suites.l3 import run_l3
+    from kvparity.suites.format import arrivals
+    from kvparity.suites.l3.run import run_l3
 
     result = run_l3(arrivals.load(CATALOG / "l3" / "stored-prompt-longer.json"), load_implementation())
     verdict = judge(result, CPU)

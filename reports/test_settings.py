@@ -16,7 +16,7 @@ import pytest
 from kvparity.reports import pytest_plugin, settings
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_USAGE, main
 from kvparity.reports.writer import SCHEMA_PATH
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 BROKEN = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"

@@ -14,7 +14,7 @@ import pytest
 from kvparity.reports import shards
 from kvparity.reports.commands import runs
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 THREE_L1 = ["--level", "L1", *(a for name in ("bits-4", "join-empty", "leave-longest")
                                  for a in ("--schedule", str(CATALOG / f"{name}.json")))]

@@ -3,7 +3,7 @@ the ``kvparity`` executable, or SIGTERM to its whole process group (what
 ``timeout`` and CI runners send), ends ``run``, an L4 run, ``run --workers
 2`` and ``fuzz --workers 2`` with the interrupted status, what finished in a
 report marked interrupted, and no process and no temporary folder left
-behind (``suites/processes.py``)."""
+behind (``suites/core/processes.py``)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ import pytest
 
 from kvparity.reports.cli import EXIT_INTERRUPTED
 from kvparity.oracle.signals import signal_name
-from kvparity.suites.processes import stopping_on_signals
+from kvparity.suites.core.processes import stopping_on_signals
 from kvparity.suites.runners import L4_CATALOG
 
 KVPARITY = Path(sys.executable).with_name("kvparity")  # the console script, as users run it
@@ -145,7 +145,7 @@ def test_a_stopped_fuzz_campaign_stops_its_workers(tmp_path):
 
 
 def test_only_a_crash_signal_is_a_crash():
-    from kvparity.suites.processes import died_of_a_crash
+    from kvparity.suites.core.processes import died_of_a_crash
 
     for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
         assert died_of_a_crash(-getattr(signal, name), 3, 3), name

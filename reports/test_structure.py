@@ -3,11 +3,14 @@ a function counts as much as one at the top of a file.
 
 * No cycle between files, the tests included.
 * Between folders, the harness imports reports -> suites -> oracle, never
-  back; impl only through suites/adapter.py (which loads an implementation by
+  back; impl only through suites/core/adapter.py (which loads an implementation by
   its name). Tests may name an implementation, and drive the command line
   from suites/, so they are held to the file rule only.
 * impl/ imports only mlx, mlx-lm, numpy, the standard library and other impl
   modules: an implementation under test carries nothing of the harness.
+* Inside suites/, each module lives in a room (a subpackage) or is one of its
+  entry points, and a room imports only the rooms below it (``ROOMS``,
+  docs/layout.md).
 """
 
 import ast
@@ -21,9 +24,23 @@ ROOT = Path(kvparity.__file__).resolve().parent.parent  # the folders below, sid
 FOLDERS = ("impl", "oracle", "suites", "reports")
 # Which folders each folder's harness modules may import (besides its own).
 MAY_IMPORT = {"reports": {"suites", "oracle"}, "suites": {"oracle"}, "oracle": set(), "impl": set()}
-ADAPTER = "kvparity.suites.adapter"  # the one module that may reach impl, by name
+ADAPTER = "kvparity.suites.core.adapter"  # the one module that may reach impl, by name
 IMPL_MAY_IMPORT = {"mlx", "mlx_lm", "numpy"} | set(sys.stdlib_module_names)
 ECOSYSTEM = "kvparity.impl.ecosystem"  # adapters, each importing its published package
+# suites/'s rooms, lowest first, and the rooms each may import besides itself (docs/layout.md).
+ROOMS = {
+    "format": set(),
+    "core": {"format"},
+    "l1": {"format", "core"},
+    "l2": {"format", "core"},
+    "l3": {"format", "core"},
+    "l4": {"format", "core", "l3"},
+    "search": {"format", "core", "l1", "l2", "l3"},
+    "calibration": {"format", "core", "l2"},
+}
+# suites/'s modules outside every room: the package, which runner each level uses, and the
+# process protocol's server (``python -m kvparity.suites.process_server``). They may import any room.
+ENTRY_POINTS = {"kvparity.suites", "kvparity.suites.runners", "kvparity.suites.process_server"}
 
 
 def modules(root: Path) -> Dict[str, Path]:
@@ -155,6 +172,35 @@ def wrong_way(edges: Dict[str, Set[str]]) -> List[str]:
     return found
 
 
+def room_of(module: str) -> str:
+    """suites/'s room of a module ("" outside suites/ or for an entry point)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "suites" and parts[2] in ROOMS else ""
+
+
+def out_of_place(edges: Dict[str, Set[str]]) -> List[str]:
+    """suites/'s modules in no room that are not entry points, and imports of
+    a room from a room it may not import (or from an entry point)."""
+    found = []
+    for module, targets in sorted(edges.items()):
+        if folder_of(module) != "suites" or is_test(module):
+            continue
+        here = room_of(module)
+        if not here and module not in ENTRY_POINTS:
+            found.append(f"{module} is in no room of suites/ ({', '.join(ROOMS)}) and is no entry point")
+            continue
+        for target in sorted(targets):
+            if folder_of(target) != "suites" or not here:
+                continue
+            there = room_of(target)
+            if not there:
+                found.append(f"{module} imports {target}: a room never imports an entry point")
+            elif there != here and there not in ROOMS[here]:
+                found.append(f"{module} imports {target}: {here}/ may import only "
+                             f"{', '.join(sorted(ROOMS[here])) or 'itself'}")
+    return found
+
+
 def impl_imports_beyond_its_own(root: Path) -> List[str]:
     """Imports in impl/ of anything but mlx, mlx-lm, numpy, the standard
     library and impl's own modules; an adapter in impl/ecosystem/ imports its
@@ -189,6 +235,10 @@ def test_no_import_cycle_between_folders_and_each_imports_one_way():
         if folder_of(module) and not is_test(module):
             folders.setdefault(folder_of(module), set()).update(folder_of(t) for t in targets if folder_of(t))
     assert cycles({f: targets - {f} for f, targets in folders.items()}) == []
+
+
+def test_each_module_of_suites_is_in_its_room_and_imports_only_the_rooms_below():
+    assert out_of_place(graph(ROOT)) == []
 
 
 def test_impl_imports_nothing_of_the_harness():
@@ -236,8 +286,26 @@ def test_an_import_against_the_folders_direction_is_found(tmp_path):
     edges = graph(root)
     assert wrong_way(edges) == [
         "kvparity.oracle.o imports kvparity.suites.s: oracle/ may import only itself",
-        "kvparity.reports.r imports kvparity.impl.i: impl is reached only through kvparity.suites.adapter"]
+        "kvparity.reports.r imports kvparity.impl.i: impl is reached only through kvparity.suites.core.adapter"]
     assert cycles(edges) == [["kvparity.oracle.o", "kvparity.suites.s", "kvparity.oracle.o"]]
+
+
+def test_a_flat_module_and_an_import_up_between_rooms_are_found(tmp_path):
+    root = _tree(tmp_path, {
+        "suites/__init__.py": "",
+        "suites/format/__init__.py": "",
+        "suites/format/schedule.py": "def f():\n    from kvparity.suites.core.replay import dry_run\n",
+        "suites/core/__init__.py": "",
+        "suites/core/replay.py": "from kvparity.suites.format.schedule import f\nfrom kvparity.suites import runners\n",
+        "suites/runners.py": "from kvparity.suites.core.replay import f\n",
+        "suites/loose.py": "x = 1\n",
+        "suites/test_loose.py": "from kvparity.suites import loose\n",  # a test is in no room
+    })
+    assert out_of_place(graph(root)) == [
+        "kvparity.suites.core.replay imports kvparity.suites.runners: a room never imports an entry point",
+        "kvparity.suites.format.schedule imports kvparity.suites.core.replay: format/ may import only itself",
+        "kvparity.suites.loose is in no room of suites/ (format, core, l1, l2, l3, l4, search, calibration) and "
+        "is no entry point"]
 
 
 def test_impl_importing_the_harness_or_another_package_is_found(tmp_path):
@@ -245,9 +313,9 @@ def test_impl_importing_the_harness_or_another_package_is_found(tmp_path):
         "impl/good.py": "import json\nimport mlx.core as mx\nfrom mlx_lm.models.cache import KVCache\n"
                         "from kvparity.impl.other import X\nfrom .other import Y\n",
         "impl/other.py": "X = Y = 1\n",
-        "impl/bad.py": "def f():\n    from kvparity.suites.evidence import PASS\nimport requests\n",
+        "impl/bad.py": "def f():\n    from kvparity.suites.core.evidence import PASS\nimport requests\n",
     })
-    assert impl_imports_beyond_its_own(root) == ["impl/bad.py imports kvparity.suites.evidence",
+    assert impl_imports_beyond_its_own(root) == ["impl/bad.py imports kvparity.suites.core.evidence",
                                                  "impl/bad.py imports requests"]
 
 
@@ -256,8 +324,8 @@ def test_an_ecosystem_adapter_imports_its_package_but_never_the_harness(tmp_path
         "impl/__init__.py": "",
         "impl/ecosystem/__init__.py": "",
         "impl/ecosystem/good.py": "from mlx_vlm.models.cache import BatchQuantizedKVCache\n",
-        "impl/ecosystem/bad.py": "from mlx_vlm.models.cache import X\nfrom kvparity.suites.adapter import Y\n",
+        "impl/ecosystem/bad.py": "from mlx_vlm.models.cache import X\nfrom kvparity.suites.core.adapter import Y\n",
         "impl/ecosystem/scripts/loose.py": "from kvparity.reports.cli import main\n",  # no package: not a module
     })
     assert "kvparity.impl.ecosystem.good" in modules(root)
-    assert impl_imports_beyond_its_own(root) == ["impl/ecosystem/bad.py imports kvparity.suites.adapter"]
+    assert impl_imports_beyond_its_own(root) == ["impl/ecosystem/bad.py imports kvparity.suites.core.adapter"]

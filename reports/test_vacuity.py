@@ -15,12 +15,13 @@ import pytest
 
 from kvparity.reports import verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.adapter import REQUIRED_MEMBERS, load_implementation
-from kvparity.suites.evidence import FAIL, NOT_SUPPORTED, PASS
-from kvparity.suites.events import EVENT_KINDS
+from kvparity.suites.core.adapter import REQUIRED_MEMBERS, load_implementation
+from kvparity.suites.core.evidence import FAIL, NOT_SUPPORTED, PASS
+from kvparity.suites.format.events import EVENT_KINDS
 from kvparity.suites.runners import architecture_axis
-from kvparity.suites.levels import LEVELS
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.format.levels import LEVELS
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 CONTROLS = "kvparity.impl.negative_controls"
 
@@ -270,7 +271,7 @@ def test_an_oracle_that_differs_from_itself_is_never_judged(monkeypatch, capsys,
     differs from itself nothing can be judged: exit 125, never 0 nor 1."""
     import mlx.core as mx
 
-    from kvparity.suites import l2
+    from kvparity.suites.l2 import run as l2
 
     monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
     real, runs = l2.run_solo, []
@@ -294,7 +295,7 @@ def test_a_whole_catalog_run_that_misses_a_cell_of_the_coverage_model_cannot_jud
     # One schedule standing in for the catalog: everything it compared held,
     # but most cells of the model were never reached.
     from kvparity.reports.policy import load_policy
-    from kvparity.suites.l1 import run_l1
+    from kvparity.suites.l1.run import run_l1
 
     result = verdicts.judge(run_l1(load(CATALOG / "join-longer-joiner.json"), load_implementation()),
                             load_policy("cpu"))
@@ -307,8 +308,8 @@ def test_a_whole_catalog_run_that_misses_a_cell_of_the_coverage_model_cannot_jud
 def test_a_schedule_built_in_memory_is_judged_and_reaches_no_cell():
     # A generated schedule has no file to read its cells from; it still gets its verdict.
     from kvparity.reports.policy import load_policy
-    from kvparity.suites.l1 import run_l1
-    from kvparity.suites.schedule import parse
+    from kvparity.suites.l1.run import run_l1
+    from kvparity.suites.core.loading import parse
 
     doc = load(CATALOG / "join-empty.json").to_json()
     result = run_l1(parse(doc, source="<generated L1>"), load_implementation())

@@ -19,15 +19,15 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import BIT_EXACT, DIVERGED as TIER_DIVERGED, GATE, Policy
-from kvparity.suites import coverage as coverage_model
-from kvparity.suites.adapter import REQUIRED_MEMBERS
-from kvparity.suites.checks import CHECKS, LOGITS
-from kvparity.suites.evidence import (
+from kvparity.suites.search import coverage as coverage_model
+from kvparity.suites.core.adapter import REQUIRED_MEMBERS
+from kvparity.suites.format.checks import CHECKS, LOGITS
+from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,
     ORACLE_NONDETERMINISTIC, OUTCOMES, PASS, REFUSED, RowResult, ScheduleResult,
 )
-from kvparity.suites.levels import L1, LEVELS, Level
-from kvparity.suites.schedule import load
+from kvparity.suites.format.levels import L1, LEVELS, Level
+from kvparity.suites.core.loading import load
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE, EXIT_CANNOT_JUDGE = 0, 1, 129, 125
 EXIT_INTERRUPTED = 130

@@ -27,13 +27,13 @@ from kvparity.reports import failures as failures_of, html, junit
 from kvparity.reports.environment import flatten, split_environment
 from kvparity.reports.policy import GATE, Policy, TIER_FAMILIES, tier_family
 from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict, RunVerdict, ScheduleVerdict
-from kvparity.suites.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
-from kvparity.suites.checks import ALIAS, CHECKS, HYGIENE_CHECKS
-from kvparity.suites.compare import Divergence
-from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS
-from kvparity.suites.levels import L1
-from kvparity.suites.processes import signals_deferred
-from kvparity.suites.server_process import SERVER_LOGS
+from kvparity.suites.core.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
+from kvparity.suites.format.checks import ALIAS, CHECKS, HYGIENE_CHECKS
+from kvparity.suites.core.compare import Divergence
+from kvparity.suites.core.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS
+from kvparity.suites.format.levels import L1
+from kvparity.suites.core.processes import signals_deferred
+from kvparity.suites.l4.server_process import SERVER_LOGS
 
 SCHEMA = "kvparity.report/2"
 SCHEMA_PATH = Path(files(__package__) / "schema" / "report.schema.json")  # package data

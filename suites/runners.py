@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SMOLLM2, is_model_path, load_model, zoo_models
-from kvparity.suites import arrivals, l1, l2, l3, l4
-from kvparity.suites.selection import select_for_model
-from kvparity.suites.evidence import NOT_SUPPORTED, ScheduleResult
-from kvparity.suites.levels import L1, L2, L3, L4
-from kvparity.suites.schedule import CATALOG, REAL_CATALOG, ScheduleError, catalog_paths, parse, read_document
+from kvparity.suites.format import arrivals
+from kvparity.suites.l1 import run as l1
+from kvparity.suites.l2 import run as l2
+from kvparity.suites.l3 import run as l3
+from kvparity.suites.l4 import run as l4
+from kvparity.suites.search.selection import select_for_model
+from kvparity.suites.core.evidence import NOT_SUPPORTED, ScheduleResult
+from kvparity.suites.format.levels import L1, L2, L3, L4
+from kvparity.suites.format.schedule import CATALOG, REAL_CATALOG, catalog_paths, read_document
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.core.loading import parse
 
 # A label for the progress line and a run: implementation -> ScheduleResult.
 Run = Tuple[str, Callable]
@@ -52,7 +58,7 @@ class RunOptions:
 
     @property
     def model_directory(self) -> bool:
-        """A model directory is asked for: its catalog is the smallest set that covers it (``suites/selection.py``)."""
+        """A model directory is asked for: its catalog is the smallest set that covers it (``suites/search/selection.py``)."""
         return bool(self.model) and is_model_path(self.model) and Path(self.model).is_dir()
 
 

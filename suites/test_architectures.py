@@ -16,16 +16,17 @@ from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import load_model
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_OK, EXIT_USAGE
-from kvparity.suites import arrivals
-from kvparity.suites.checks import BYTES, QUANTIZED
-from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, PASS
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.l3 import run_l3
+from kvparity.suites.format import arrivals
+from kvparity.suites.format.checks import BYTES, QUANTIZED
+from kvparity.suites.core.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, PASS
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.l3.run import run_l3
 from kvparity.suites.runners import RUNNERS, RunOptions, architecture_axis, model_set
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 HYBRID, KEYS_WIDER, SLIDING = "qwen3_5", "deepseek_v2", "gemma3_text"
-TEST_ENGINES = "kvparity.suites.l3_test_engines"
+TEST_ENGINES = "kvparity.suites.l3.engines_for_tests"
 L3_CATALOG = CATALOG / "l3"
 
 

@@ -10,8 +10,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.oracle.arrays import digest, owned_arrays
-from kvparity.suites import arrivals
-from kvparity.suites.schedule import CATALOG, ScheduleError, load, memory_limit, save
+from kvparity.suites.format import arrivals
+from kvparity.suites.format.schedule import CATALOG, memory_limit, save
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.core.loading import load
 
 
 def solo(length, bits=4, group_size=64, heads=2, head_dim=64, dtype=mx.bfloat16, seed=0):

@@ -33,10 +33,11 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 from kvparity.oracle.models import ModelUnavailable, load_model, random_model_for
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.campaign import Campaign, run_campaign
-from kvparity.suites.fuzz import generate, make_machine
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import catalog_paths, load
+from kvparity.suites.search.campaign import Campaign, run_campaign
+from kvparity.suites.search.fuzz import generate, make_machine
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import catalog_paths
+from kvparity.suites.core.loading import load
 
 # pytest-benchmark turns itself off in a pytest-xdist worker (it reads the
 # same variable), and a timing would share the cores with the other workers.

@@ -16,12 +16,12 @@ import pytest
 
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.campaign import (
+from kvparity.suites.search.campaign import (
     REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database, fallible,
     database_key, open_database, replace_dead, run_campaign,
 )
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import ScheduleFailed, found_in
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.search.fuzz import ScheduleFailed, found_in
 
 CONTROL = "kvparity.impl.negative_controls:TrimForgetsOffset"
 REFERENCE = "kvparity.impl.batch_quantized:BatchQuantizedKVCache"

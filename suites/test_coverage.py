@@ -2,7 +2,7 @@
 
 An implementation without optional capabilities runs only the catalog
 schedules whose ``needs`` is empty; the rest are "not supported". Every cell
-of the coverage model (``suites/coverage.py``) must still be reached by one
+of the coverage model (``suites/search/coverage.py``) must still be reached by one
 of those at L1, and every model family by one of those at L2, or a bug that
 only that cell or family reveals survives the whole catalog.
 
@@ -15,9 +15,10 @@ from functools import lru_cache
 
 import pytest
 
-from kvparity.suites import coverage
-from kvparity.suites.coverage import cells_of, family_of, meets, missing, name, paths_of, requirements
-from kvparity.suites.schedule import BITS, CATALOG, REAL_CATALOG, catalog_paths, load
+from kvparity.suites.search import coverage
+from kvparity.suites.search.coverage import cells_of, family_of, meets, missing, name, paths_of, requirements
+from kvparity.suites.format.schedule import BITS, CATALOG, REAL_CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 # The schedules that test per-row rollback itself: they keep needing it.
 PER_ROW_ROLLBACK_SET = (
@@ -295,7 +296,7 @@ def test_lengths_around_quantized_kv_start(tmp_path):
 def test_a_model_row_rolls_back_only_what_it_generated(tmp_path):
     """At L1 a trim may go into the prompt (a row emptied); at L2 the prompt
     is the model's input, and the schedule is refused before anything runs."""
-    from kvparity.suites.replay import ScheduleError
+    from kvparity.suites.format.errors import ScheduleError
 
     requests = {"a": {"prompt_len": 2}}
     events = [{"join": ["a"]}, {"step": 1}, {"trim": 3}]

@@ -3,10 +3,12 @@ asks the event what it names and how it gets smaller, never its kind's name."""
 
 import pytest
 
-from kvparity.suites.events import KINDS, Event, Join, Step, Trim, parse_event
-from kvparity.suites.replay import ScheduleError, Replay
-from kvparity.suites.schedule import CATALOG, load, parse
-from kvparity.suites.shrink import Shrinker
+from kvparity.suites.format.events import KINDS, Event, Join, Step, Trim, parse_event
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.core.replay import Replay
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load, parse
+from kvparity.suites.search.shrink import Shrinker
 
 # One event of every kind, as a file holds it.
 EVERY_KIND = [

@@ -22,9 +22,9 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.plan import CachePlan, LayerPlan
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
-from kvparity.suites import l4
+from kvparity.suites.l4 import run as l4
 from kvparity.suites.runners import L4_CATALOG
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 # The published configs' fields, at fewer layers and narrower widths (what decides the cache kept).
 RECURRENT_GEMMA = {  # Griffin: two recurrent blocks, then local attention in a RotatingKVCache

@@ -7,13 +7,14 @@ import pytest
 
 from kvparity.impl import negative_controls
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.suites.adapter import Implementation, MemberRaised, load_implementation
-from kvparity.suites.arrivals import parse as parse_arrivals
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.l3 import explain, run_l3
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import Implementation, MemberRaised, load_implementation
+from kvparity.suites.format.arrivals import parse as parse_arrivals
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.l3.run import explain, run_l3
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 CONTROLS = "kvparity.impl.negative_controls"
 SENSITIVE = negative_controls.SUBCLASS_SENSITIVE

@@ -2,10 +2,11 @@
 
 import pytest
 
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import NOT_SUPPORTED, PASS
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import NOT_SUPPORTED, PASS
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 PATHS = catalog_paths("L1")
 # The walks of every path over three layers at head_dim 256 and 512 take a

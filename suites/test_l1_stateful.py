@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, Phase, settings
 
 from kvparity.impl import negative_controls
 from kvparity.impl.minimal import MinimalBatchQuantizedKVCache
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import YOUNG_THRESHOLD, ConversationMachine, fewer_collections, generate, make_machine
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.search.fuzz import YOUNG_THRESHOLD, ConversationMachine, fewer_collections, generate, make_machine
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.core.loading import load
 
 def fuzz_settings(examples, steps=10, **overrides):
     return settings(

@@ -5,10 +5,11 @@ policy of whatever device the suite happens to run on."""
 
 import pytest
 
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import FAIL
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 PATHS = catalog_paths("L2")
 

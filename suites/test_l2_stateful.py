@@ -8,11 +8,11 @@ import os
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.fuzz import ConversationMachine, generate, make_machine
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.schedule import load
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.search.fuzz import ConversationMachine, generate, make_machine
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.core.loading import load
 
 EXAMPLES = int(os.environ.get("KVPARITY_L2_FUZZ_EXAMPLES", "30"))
 

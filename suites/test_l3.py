@@ -14,21 +14,21 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.checks import CHECKS, EXTRACT
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.format.checks import CHECKS, EXTRACT
 from kvparity.oracle import generation
 from kvparity.oracle.mlx_lm_versions import first_write_breaks
-from kvparity.suites.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
-from kvparity.suites.arrivals import catalog_paths, load, parse
-from kvparity.suites.schedule import ScheduleError
-from kvparity.suites.arrivals_strategy import (arrival_documents, check_document, conversation_documents,
+from kvparity.suites.core.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, ORACLE_CANNOT_RUN, PASS, REFUSED
+from kvparity.suites.format.arrivals import catalog_paths, load, parse
+from kvparity.suites.format.errors import ScheduleError
+from kvparity.suites.search.arrivals_strategy import (arrival_documents, check_document, conversation_documents,
                                                no_idle_arrivals)
-from kvparity.suites.engines import EngineError, load_engine_factory, quantized_row_class
-from kvparity.suites.l3 import FROM_STORE, explain, prefill_modes, run_l3
+from kvparity.suites.l3.engines import EngineError, load_engine_factory, quantized_row_class
+from kvparity.suites.l3.run import FROM_STORE, explain, prefill_modes, run_l3
 
 PATHS = catalog_paths()
 CONVERSATIONS = [p for p in PATHS if load(p).conversation]
-TEST_ENGINES = "kvparity.suites.l3_test_engines"
+TEST_ENGINES = "kvparity.suites.l3.engines_for_tests"
 CONTROLS = "kvparity.impl.negative_controls"
 
 

@@ -1,4 +1,4 @@
-"""L3 through mlx-vlm's own engine (``suites/engine_mlx_vlm.py``): its
+"""L3 through mlx-vlm's own engine (``suites/l3/engine_mlx_vlm.py``): its
 ``BatchGenerator(kv_bits)`` serving random mlx-lm models with its own
 quantized batch cache. Marked ``matrix``: they run where mlx-vlm is
 installed (``python -m pytest -m matrix suites/test_l3_mlx_vlm.py`` in the
@@ -13,14 +13,14 @@ pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed here")
 from kvparity.reports.expectations import load_expectations  # noqa: E402
 from kvparity.reports.policy import load_policy  # noqa: E402
 from kvparity.reports.verdicts import judge  # noqa: E402
-from kvparity.suites.adapter import load_implementation  # noqa: E402
-from kvparity.suites.arrivals import catalog_paths, load  # noqa: E402
-from kvparity.suites.evidence import EXPECTED_DIVERGENCE, FAIL, NOT_SUPPORTED, PASS  # noqa: E402
-from kvparity.suites.l3 import explain, run_l3  # noqa: E402
+from kvparity.suites.core.adapter import load_implementation  # noqa: E402
+from kvparity.suites.format.arrivals import catalog_paths, load  # noqa: E402
+from kvparity.suites.core.evidence import EXPECTED_DIVERGENCE, FAIL, NOT_SUPPORTED, PASS  # noqa: E402
+from kvparity.suites.l3.run import explain, run_l3  # noqa: E402
 
 pytestmark = pytest.mark.matrix
 
-ENGINE = "kvparity.suites.engine_mlx_vlm:batch_generator"
+ENGINE = "kvparity.suites.l3.engine_mlx_vlm:batch_generator"
 ADAPTER = "kvparity.impl.ecosystem.mlx_vlm_cache:BatchQuantizedKVCache"
 DEEP_EXPECTATIONS = (Path(__file__).resolve().parent.parent / "reports" / "examples" / "matrix" / "mlx-vlm-0.7.10"
                      / "engine-3layers-expectations.json")

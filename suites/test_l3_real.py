@@ -4,9 +4,9 @@ request run alone through generate_step."""
 
 import pytest
 
-from kvparity.suites.arrivals import L3_REAL_CATALOG, catalog_paths, load
-from kvparity.suites.evidence import PASS
-from kvparity.suites.l3 import explain, prefill_modes, run_l3
+from kvparity.suites.format.arrivals import L3_REAL_CATALOG, catalog_paths, load
+from kvparity.suites.core.evidence import PASS
+from kvparity.suites.l3.run import explain, prefill_modes, run_l3
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]
 PATHS = catalog_paths(L3_REAL_CATALOG)

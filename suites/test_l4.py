@@ -18,14 +18,14 @@ from kvparity.reports.cli import main
 from kvparity.reports.documents import load_checked
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.reports.writer import SCHEMA_PATH
-from kvparity.suites import l4
-from kvparity.suites.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
-from kvparity.suites.engines import EngineRequest
-from kvparity.suites.l4 import (
+from kvparity.suites.l4 import run as l4
+from kvparity.suites.format.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
+from kvparity.suites.l3.engines import EngineRequest
+from kvparity.suites.l4.run import (
     Answer, Dialect, Sent, ask, asked_of, conversations, diff, joined, precision_of, read_answer, read_stream,
     text_diff, timing_of, unlike_alone,
 )
-from kvparity.suites.levels import L4
+from kvparity.suites.format.levels import L4
 from kvparity.suites.runners import L4_CATALOG, RUNNERS, RunOptions, model_set
 
 BURST = str(L4_CATALOG / "burst.json")

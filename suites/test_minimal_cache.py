@@ -6,7 +6,7 @@ slow tests."""
 import pytest
 
 from kvparity.reports.cli import EXIT_OK, main
-from kvparity.suites.coverage import requirements, values_asked
+from kvparity.suites.search.coverage import requirements, values_asked
 
 MINIMAL = "kvparity.impl.minimal:MinimalBatchQuantizedKVCache"
 

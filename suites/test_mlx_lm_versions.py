@@ -19,14 +19,15 @@ from kvparity.oracle.mlx_lm_versions import (
 from kvparity.oracle.probes import MLX_LM_OPS, ProbeShapes, probe_notes, probe_table, run_probes
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, judge, verdict_of_run
-from kvparity.suites import engines
-from kvparity.suites.adapter import load_implementation
-from kvparity.suites.arrivals import catalog_paths as arrivals_paths
-from kvparity.suites.arrivals import load as load_arrivals
-from kvparity.suites.evidence import MLX_LM_DEFECT, PASS, ScheduleResult
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.l3 import run_l3
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.l3 import engines
+from kvparity.suites.core.adapter import load_implementation
+from kvparity.suites.format.arrivals import catalog_paths as arrivals_paths
+from kvparity.suites.format.arrivals import load as load_arrivals
+from kvparity.suites.core.evidence import MLX_LM_DEFECT, PASS, ScheduleResult
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.l3.run import run_l3
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 
 def attention_of_mlx_lm_0_31_3(queries, q_keys, q_values, scale, mask: Optional[mx.array], group_size=64, bits=8,

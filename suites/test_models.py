@@ -308,7 +308,7 @@ from kvparity.oracle.twin import TwinError, shrink  # noqa: E402
 from kvparity.oracle.zoo import PUBLISHED_DIR  # noqa: E402
 from kvparity.reports.cli import main  # noqa: E402
 from kvparity.reports.verdicts import EXIT_OK, EXIT_USAGE  # noqa: E402
-from kvparity.suites.schedule import CATALOG  # noqa: E402
+from kvparity.suites.format.schedule import CATALOG  # noqa: E402
 
 
 def _quantized_dir(tmp_path, bits=4, group_size=64):

@@ -10,11 +10,12 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.impl import negative_controls
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.suites.adapter import Implementation, load_implementation
-from kvparity.suites.checks import CHECKS, HYGIENE_CHECKS
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.core.adapter import Implementation, load_implementation
+from kvparity.suites.format.checks import CHECKS, HYGIENE_CHECKS
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_broken_variant_is_caught(variant, catalog, judged):
                 break
     assert failed, f"{variant.__name__} survived the whole L1 catalog"
     checks = {d.check for r in failed for d in r.divergences}
-    assert checks <= set(CHECKS), f"checks not declared in suites/checks.py: {sorted(checks - set(CHECKS))}"
+    assert checks <= set(CHECKS), f"checks not declared in suites/format/checks.py: {sorted(checks - set(CHECKS))}"
     assert variant.caught_by in checks, (
         f"{variant.__name__} was caught, but by {sorted(checks)}, not {variant.caught_by!r}"
     )

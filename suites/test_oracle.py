@@ -8,15 +8,16 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kvparity.oracle.models import load_model
-from kvparity.suites.compare import first_difference
+from kvparity.suites.core.compare import first_difference
 from kvparity.oracle.generation import GENERATION_FILE, cached_generate_alone, generate_alone, generation_key
 from kvparity.oracle.solo import greedy, log_probs, prompt_tokens, run_solo
 from kvparity.oracle.trace import TraceError, load_trace, save_trace
 from kvparity.oracle.arrays import Reading, digest, owned_arrays
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import LayerShape, SyntheticKV
-from kvparity.suites.l1_solo import SoloStates, layer_parts
-from kvparity.suites.schedule import Request, parse
+from kvparity.suites.l1.solo import SoloStates, layer_parts
+from kvparity.suites.format.schedule import Request
+from kvparity.suites.core.loading import parse
 
 TOKENS = 10
 
@@ -102,7 +103,7 @@ def test_trace_round_trip_and_tamper_detection(tmp_path):
 
 
 def test_l3_generations_are_cached_by_content_and_recomputed_when_damaged(tmp_path, monkeypatch):
-    from kvparity.suites.engines import EngineRequest
+    from kvparity.suites.l3.engines import EngineRequest
 
     monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
     model = load_model("llama-h64-bf16")
@@ -136,8 +137,9 @@ def test_l3_generations_are_cached_by_content_and_recomputed_when_damaged(tmp_pa
 def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation, gate):
     """A second run of a schedule reuses the stored solo traces instead of
     recomputing them; a changed request gets a new key."""
-    from kvparity.suites import l2
-    from kvparity.suites.schedule import CATALOG, load
+    from kvparity.suites.l2 import run as l2
+    from kvparity.suites.format.schedule import CATALOG
+    from kvparity.suites.core.loading import load
 
     monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
     schedule = load(CATALOG / "rollback-uneven.json")
@@ -161,9 +163,10 @@ def test_solo_runs_are_cached_by_content(tmp_path, monkeypatch, implementation, 
 def test_an_oracle_that_cannot_run_is_never_a_pass_nor_a_failure(monkeypatch, implementation, judged):
     """mlx-lm's own solo path raising (as it does for some shapes on CUDA)
     is "oracle cannot run", naming the error; the cache is not blamed."""
-    from kvparity.suites import l2
-    from kvparity.suites.evidence import ORACLE_CANNOT_RUN
-    from kvparity.suites.schedule import CATALOG, load
+    from kvparity.suites.l2 import run as l2
+    from kvparity.suites.core.evidence import ORACLE_CANNOT_RUN
+    from kvparity.suites.format.schedule import CATALOG
+    from kvparity.suites.core.loading import load
 
     def no_kernel(*args, **kwargs):
         raise ValueError("No implementation for problem shape")
@@ -202,9 +205,10 @@ def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(m
     outcome is "oracle nondeterministic" with the request, call, tensor,
     flat index and both values; no row fails, none passes (under the strictest
     policy too)."""
-    from kvparity.suites import l2
-    from kvparity.suites.evidence import ORACLE_NONDETERMINISTIC, OUTCOMES
-    from kvparity.suites.schedule import CATALOG, load
+    from kvparity.suites.l2 import run as l2
+    from kvparity.suites.core.evidence import ORACLE_NONDETERMINISTIC, OUTCOMES
+    from kvparity.suites.format.schedule import CATALOG
+    from kvparity.suites.core.loading import load
 
     assert ORACLE_NONDETERMINISTIC in OUTCOMES
     runs = _flaky_solo(monkeypatch, l2)
@@ -223,9 +227,10 @@ def test_an_oracle_that_differs_from_itself_is_reported_where_and_never_blamed(m
 def test_the_oracle_cache_does_not_hide_nondeterminism(tmp_path, monkeypatch, implementation, gate):
     """A stored solo trace is compared with a fresh second run, never with
     itself; a trace found to differ is dropped from the cache."""
-    from kvparity.suites import l2
-    from kvparity.suites.evidence import ORACLE_NONDETERMINISTIC
-    from kvparity.suites.schedule import CATALOG, load
+    from kvparity.suites.l2 import run as l2
+    from kvparity.suites.core.evidence import ORACLE_NONDETERMINISTIC
+    from kvparity.suites.format.schedule import CATALOG
+    from kvparity.suites.core.loading import load
 
     monkeypatch.setenv("KVPARITY_ORACLE_CACHE", str(tmp_path))
     schedule = load(CATALOG / "join-empty.json")
@@ -253,8 +258,9 @@ def test_the_oracle_cache_does_not_hide_nondeterminism(tmp_path, monkeypatch, im
 
 @pytest.mark.gqa_batched
 def test_the_oracle_runs_once_on_the_cpu_and_twice_when_asked(monkeypatch, implementation, gate):
-    from kvparity.suites import l2
-    from kvparity.suites.schedule import CATALOG, load
+    from kvparity.suites.l2 import run as l2
+    from kvparity.suites.format.schedule import CATALOG
+    from kvparity.suites.core.loading import load
 
     assert mx.default_device().type == mx.DeviceType.cpu and not l2.repeat_oracle_default()
     real, runs = l2.run_solo, []

@@ -23,7 +23,7 @@ MODEL = "llama-h64-bf16"
 
 
 def schedule_of(prompt_len):
-    from kvparity.suites.schedule import parse
+    from kvparity.suites.core.loading import parse
 
     return parse({
         "name": f"writers-{prompt_len}",

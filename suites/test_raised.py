@@ -11,9 +11,10 @@ from mlx_lm.models import llama
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.oracle.models import load_model
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_HARNESS_ERROR, main
-from kvparity.suites.adapter import Implementation, detect_capabilities
-from kvparity.suites.l1 import run_l1
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.core.adapter import Implementation, detect_capabilities
+from kvparity.suites.l1.run import run_l1
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 L2_SCHEDULE = CATALOG / "join-longer-joiner.json"
 L3_SCHEDULE = CATALOG / "l3" / "staggered.json"
@@ -80,9 +81,9 @@ def test_raising_on_the_solo_path_too_means_the_oracle_cannot_run(capsys, monkey
 
 
 @pytest.mark.parametrize("level, schedule, harness_part", [
-    ("L1", CATALOG / "join-longer-joiner.json", "kvparity.suites.l1_checks.check_mask"),
-    ("L2", L2_SCHEDULE, "kvparity.suites.l2.compare_caches"),
-    ("L3", L3_SCHEDULE, "kvparity.suites.l3.compare_request"),
+    ("L1", CATALOG / "join-longer-joiner.json", "kvparity.suites.l1.checks.check_mask"),
+    ("L2", L2_SCHEDULE, "kvparity.suites.l2.run.compare_caches"),
+    ("L3", L3_SCHEDULE, "kvparity.suites.l3.run.compare_request"),
 ])
 @pytest.mark.gqa_batched
 def test_only_a_bug_of_kvparity_itself_exits_128(capsys, monkeypatch, level, schedule, harness_part):

@@ -3,8 +3,9 @@ uneven rollback and preemption, bit-exact against solo mlx-lm runs."""
 
 import pytest
 
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.schedule import REAL_CATALOG, catalog_paths, load
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.format.schedule import REAL_CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 PATHS = catalog_paths("L2", REAL_CATALOG)
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]

@@ -1,9 +1,9 @@
 """One runner per level, and the real model's special case said once."""
 
-from kvparity.suites import arrivals
+from kvparity.suites.format import arrivals
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
-from kvparity.suites.levels import LEVELS
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.levels import LEVELS
+from kvparity.suites.format.schedule import CATALOG
 
 
 def test_every_level_has_one_runner():

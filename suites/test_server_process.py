@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import kvparity
-from kvparity.suites.processes import stopping_on_signals
-from kvparity.suites.server_process import (AttachedServer, LaunchedServer, ServerDied, ServerGarbage,
+from kvparity.suites.core.processes import stopping_on_signals
+from kvparity.suites.l4.server_process import (AttachedServer, LaunchedServer, ServerDied, ServerGarbage,
                                             ServerNeverReady, ServerProblem, ServerUsageError, command_line, free_port,
                                             loopback_url)
 
@@ -78,8 +78,8 @@ FAKE_SERVER = textwrap.dedent('''
 SIGNALLED = textwrap.dedent('''
     import signal, sys, time
     from pathlib import Path
-    from kvparity.suites.processes import stopping_on_signals
-    from kvparity.suites.server_process import LaunchedServer
+    from kvparity.suites.core.processes import stopping_on_signals
+    from kvparity.suites.l4.server_process import LaunchedServer
 
     template, model, log, pidfile = sys.argv[1:5]
     # As at a terminal: a background job may start with SIGINT ignored.

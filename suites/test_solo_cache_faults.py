@@ -19,7 +19,8 @@ import pytest
 from kvparity.oracle.generation import GENERATION_FILE
 from kvparity.oracle.sealed import LEDGER, SEAL, Unproven, seal, verify
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 # Every test runs L2 and L3 on a grouped-query model.
 pytestmark = pytest.mark.gqa_batched

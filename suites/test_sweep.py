@@ -35,7 +35,7 @@ from kvparity.oracle.zoo import (
 )
 from kvparity.reports.cli import EXIT_HARNESS_ERROR
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.suites.schedule import CATALOG
+from kvparity.suites.format.schedule import CATALOG
 
 MODULES = mlx_lm_modules()
 ARCHITECTURES = architecture_modules()

@@ -8,9 +8,10 @@ import mlx.core as mx
 import pytest
 
 from kvparity.oracle.models import load_model
-from kvparity.suites.evidence import FAIL, PASS
-from kvparity.suites.l2 import run_l2
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.core.evidence import FAIL, PASS
+from kvparity.suites.l2.run import run_l2
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 
 class Perturbed:

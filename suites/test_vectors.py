@@ -1,4 +1,4 @@
-"""Conformance vectors (``suites/vectors.py``): exported byte for byte the
+"""Conformance vectors (``suites/l1/vectors.py``): exported byte for byte the
 same every time, held against the current oracle, and read by a cache in
 another language (impl/node/, its own ``node --test``)."""
 
@@ -17,9 +17,10 @@ from kvparity.impl.negative_controls import MaskIgnoresLeftPadding
 from kvparity.oracle import tensor_file
 from kvparity.oracle.gguf import sha256_file
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites import vectors
-from kvparity.suites.adapter import Implementation
-from kvparity.suites.schedule import CATALOG, load
+from kvparity.suites.l1 import vectors
+from kvparity.suites.core.adapter import Implementation
+from kvparity.suites.format.schedule import CATALOG
+from kvparity.suites.core.loading import load
 
 # Small schedules that between them join, prefill padded, decode, verify, roll back, leave, extract and reinsert.
 FEW = [str(CATALOG / name) for name in ("bits-3.json", "batched-prefill.json", "extract-decode-reinsert.json")]
@@ -198,7 +199,7 @@ def test_the_node_quantization_is_mlxs_bit_for_bit():
 def test_the_node_cache_through_the_process_protocol(level, monkeypatch, capsys):
     """kvparity check on the Node cache as a process: it passes, and its bug
     control fails with one root cause, extract (needs the process protocol)."""
-    pytest.importorskip("kvparity.suites.process_cache", reason="the process protocol (--impl exec:) is not here")
+    pytest.importorskip("kvparity.suites.core.process_cache", reason="the process protocol (--impl exec:) is not here")
     impl = f"exec:{shlex.quote(NODE)} {shlex.quote(str(NODE_DIR / 'cache.mjs'))}"
     schedules = [a for f in FEW[1:] for a in ("--schedule", f)]
     assert main(["check", "--level", level, *schedules, "--impl", impl]) == EXIT_OK, capsys.readouterr().out

@@ -22,10 +22,10 @@ from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
-from kvparity.suites.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
-from kvparity.suites.engines import EngineError, load_engine_factory
-from kvparity.suites.l4 import REQUEST_TIMEOUT, RUN_TIMEOUT
-from kvparity.suites.levels import L2, L3, L4, LEVELS
+from kvparity.suites.core.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
+from kvparity.suites.l3.engines import EngineError, load_engine_factory
+from kvparity.suites.l4.run import REQUEST_TIMEOUT, RUN_TIMEOUT
+from kvparity.suites.format.levels import L2, L3, L4, LEVELS
 from kvparity.suites.runners import RunOptions, model_set
 
 
@@ -143,8 +143,8 @@ def server_options(command):
 
 def server_of(args):
     """L4's server from the command line, checked before anything runs; None without one."""
-    from kvparity.suites.l4 import FIRST, ServerUnderTest
-    from kvparity.suites.server_process import ServerUsageError, command_line, loopback_url
+    from kvparity.suites.l4.run import FIRST, ServerUnderTest
+    from kvparity.suites.l4.server_process import ServerUsageError, command_line, loopback_url
 
     command, url = getattr(args, "server", None), getattr(args, "url", None)
     if command is None and url is None:
@@ -337,7 +337,8 @@ def load_model(name):
 def check_weights_fit(directory: Path):
     """Refuse a model directory whose weights alone exceed the memory limit, before loading them."""
     from kvparity.oracle.model_path import read_config, weights_size
-    from kvparity.suites.schedule import ScheduleError, gib, memory_limit
+    from kvparity.suites.format.errors import ScheduleError
+    from kvparity.suites.format.schedule import gib, memory_limit
 
     try:
         size = weights_size(directory, read_config(directory))

@@ -12,13 +12,13 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
-from kvparity.suites import arrivals
-from kvparity.suites.levels import CACHE_LEVELS, L1, L3
+from kvparity.suites.format import arrivals
+from kvparity.suites.format.levels import CACHE_LEVELS, L1, L3
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
-from kvparity.suites.schedule import atomic_write_json
-from kvparity.suites.adapter import READING_MEMBERS
-from kvparity.suites.checks import RAISED
-from kvparity.suites.shrink import ArrivalShrinker, Shrinker, exposure, first_failure
+from kvparity.suites.format.schedule import atomic_write_json
+from kvparity.suites.core.adapter import READING_MEMBERS
+from kvparity.suites.format.checks import RAISED
+from kvparity.suites.search.shrink import ArrivalShrinker, Shrinker, exposure, first_failure
 
 NAME = "bisect"
 HELP = "find the first breaking event of a schedule and shrink it"

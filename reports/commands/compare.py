@@ -4,9 +4,9 @@ from kvparity.oracle.golden import GoldenError, check_same_machine, load_traces,
 from kvparity.reports import verdicts
 from kvparity.reports.commands.base import CannotRun, UsageError, policy
 from kvparity.reports.commands.runs import print_summary
-from kvparity.suites.evidence import ScheduleResult
-from kvparity.suites.l2 import compare_traces
-from kvparity.suites.levels import L2
+from kvparity.suites.core.evidence import ScheduleResult
+from kvparity.suites.l2.run import compare_traces
+from kvparity.suites.format.levels import L2
 
 NAME = "compare"
 HELP = "compare a candidate trace directory with a golden one"

@@ -11,9 +11,10 @@ from tabulate import tabulate
 
 from kvparity.reports.commands.base import UsageError
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
-from kvparity.suites import coverage
-from kvparity.suites.levels import L1
-from kvparity.suites.schedule import CATALOG, catalog_paths, load
+from kvparity.suites.search import coverage
+from kvparity.suites.format.levels import L1
+from kvparity.suites.format.schedule import CATALOG, catalog_paths
+from kvparity.suites.core.loading import load
 
 NAME = "coverage"
 HELP = "which cells of the coverage model the catalog (or your schedules) reaches: paths x settings and boundary values"

@@ -19,15 +19,16 @@ from kvparity.reports.commands.runs import member_timeout_option, report_written
 from kvparity.reports.environment import describe
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.reports.writer import write_report
-from kvparity.suites.campaign import (
+from kvparity.suites.search.campaign import (
     LEVELS, Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign,
 )
-from kvparity.suites.evidence import FAILURES, crashed
-from kvparity.suites.flight import MEMBER_TIMEOUT_S
-from kvparity.suites.levels import L1
+from kvparity.suites.core.evidence import FAILURES, crashed
+from kvparity.suites.core.flight import MEMBER_TIMEOUT_S
+from kvparity.suites.format.levels import L1
 from kvparity.suites.runners import RUNNERS, RunOptions
-from kvparity.suites.schedule import atomic_write_json, parse
-from kvparity.suites.shrink import shrunk_found
+from kvparity.suites.format.schedule import atomic_write_json
+from kvparity.suites.core.loading import parse
+from kvparity.suites.search.shrink import shrunk_found
 
 NAME = "fuzz"
 HELP = "run generated schedules for minutes on several processes; shrink and report what fails"

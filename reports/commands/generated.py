@@ -1,6 +1,6 @@
 """The generated budget of ``kvparity run`` and ``kvparity check``: after
-the catalog, the generated-schedule state machine (``suites/fuzz.py``) on
-one worker process of a fuzz campaign (``suites/campaign.py``),
+the catalog, the generated-schedule state machine (``suites/search/fuzz.py``) on
+one worker process of a fuzz campaign (``suites/search/campaign.py``),
 derandomized: its seed is made of kvparity's version, the level and the
 budget, so every commit a bisection judges gets the same schedules.
 
@@ -23,14 +23,15 @@ from kvparity import __version__
 from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.reports import settings, verdicts
 from kvparity.reports.commands.base import CannotRun, UsageError, writable_directory
-from kvparity.suites import coverage
-from kvparity.suites.campaign import Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign
-from kvparity.suites.evidence import FAILURES, crashed
-from kvparity.suites.flight import MEMBER_TIMEOUT_S
-from kvparity.suites.levels import L1
+from kvparity.suites.search import coverage
+from kvparity.suites.search.campaign import Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign
+from kvparity.suites.core.evidence import FAILURES, crashed
+from kvparity.suites.core.flight import MEMBER_TIMEOUT_S
+from kvparity.suites.format.levels import L1
 from kvparity.suites.runners import RUNNERS, RunOptions
-from kvparity.suites.schedule import atomic_write_json, parse
-from kvparity.suites.shrink import shrunk_found
+from kvparity.suites.format.schedule import atomic_write_json
+from kvparity.suites.core.loading import parse
+from kvparity.suites.search.shrink import shrunk_found
 
 LEVEL = L1  # generated schedules are judged where every protocol call is: cache bytes
 DEFAULT_GENERATED = settings.GENERATED

@@ -8,7 +8,7 @@ from kvparity.reports import records, settings, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
 from kvparity.reports.commands.runs import print_summary, report_written, require_levels_option, required_levels
 from kvparity.reports.writer import write_report
-from kvparity.suites.server_process import SERVER_LOGS
+from kvparity.suites.l4.server_process import SERVER_LOGS
 
 NAME = "merge"
 HELP = "merge the report directories of kvparity check --shard K/N into one report and one exit status"

@@ -21,8 +21,8 @@ from kvparity.reports.mutants import (
     match_equivalents, mutants_of, outcome_counts, report, sample, vouched_for,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
-from kvparity.suites.levels import CACHE_LEVELS, L1
-from kvparity.suites.schedule import atomic_write_json
+from kvparity.suites.format.levels import CACHE_LEVELS, L1
+from kvparity.suites.format.schedule import atomic_write_json
 
 NAME = "mutate"
 HELP = "mutation testing: the lines of your cache that the gate does not constrain"

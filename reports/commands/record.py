@@ -7,8 +7,8 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.runs import select
 from kvparity.reports.verdicts import EXIT_OK
-from kvparity.suites import l2
-from kvparity.suites.levels import L2
+from kvparity.suites.l2 import run as l2
+from kvparity.suites.format.levels import L2
 from kvparity.suites.runners import RUNNERS, RunOptions
 
 NAME = "record"

@@ -2,7 +2,7 @@
 
 from kvparity.reports.commands.base import RUN_SETTINGS, common_options, expectations_option
 from kvparity.reports.commands.runs import member_timeout_option, print_summary, select_and_run
-from kvparity.suites.checks import HYGIENE, HYGIENE_CHECKS
+from kvparity.suites.format.checks import HYGIENE, HYGIENE_CHECKS
 
 NAME = "replay"
 HELP = "replay one schedule file and show each row's first divergences"

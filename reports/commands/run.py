@@ -22,8 +22,8 @@ from kvparity.reports.commands.runs import (
     shard_option, write_run_report, write_untrusted_report,
 )
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_USAGE
-from kvparity.suites.flight import STATE_ENV
-from kvparity.suites.processes import STOP_GRACE_S, become_subreaper, die_with_parent, sweep
+from kvparity.suites.core.flight import STATE_ENV
+from kvparity.suites.core.processes import STOP_GRACE_S, become_subreaper, die_with_parent, sweep
 
 NAME = "run"
 HELP = "run the schedule catalog and write a report"

@@ -21,13 +21,13 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
-from kvparity.suites import l4
-from kvparity.suites.adapter import Implementation
-from kvparity.suites.evidence import FAILURES, PASS, crashed
-from kvparity.suites.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
-from kvparity.suites.levels import L3, L4, LEVELS
-from kvparity.suites.processes import stop_signal
-from kvparity.suites.server_process import ServerNeverReady
+from kvparity.suites.l4 import run as l4
+from kvparity.suites.core.adapter import Implementation
+from kvparity.suites.core.evidence import FAILURES, PASS, crashed
+from kvparity.suites.core.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
+from kvparity.suites.format.levels import L3, L4, LEVELS
+from kvparity.suites.core.processes import stop_signal
+from kvparity.suites.l4.server_process import ServerNeverReady
 from kvparity.suites.runners import RUNNERS, RunOptions, load_schedule
 
 
@@ -181,7 +181,7 @@ class RunInterrupted(KeyboardInterrupt):
 def run_all(runs, implementation, policy, progress=None, expectations=None, exit_first=False):
     """Run and judge each planned schedule (with ``exit_first``, up to the
     first that fails). In an isolated child (the
-    ``kvparity`` command's, ``suites/flight.py``) the runs an earlier child
+    ``kvparity`` command's, ``suites/core/flight.py``) the runs an earlier child
     finished are taken as it kept them, the one it died in is that run's
     FAIL, a member that hung in one is not called again (the runs that
     call it are not judged), and each run this one finishes is kept. A signal raises

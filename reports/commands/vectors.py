@@ -1,7 +1,7 @@
 """``kvparity vectors``: the L1 catalog as conformance vectors any test
 runner reads (``export``), and a directory of them held against the current
 oracle (``check``). The format is docs/vectors.md's and
-reports/schema/vectors.schema.json's; the vectors are ``suites/vectors.py``'s."""
+reports/schema/vectors.schema.json's; the vectors are ``suites/l1/vectors.py``'s."""
 
 import time
 from pathlib import Path
@@ -9,7 +9,7 @@ from pathlib import Path
 from kvparity.reports.commands.base import UsageError, writable_directory
 from kvparity.reports.commands.runs import Progress
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK
-from kvparity.suites import vectors
+from kvparity.suites.l1 import vectors
 
 NAME = "vectors"
 HELP = "export the L1 catalog as conformance vectors (safetensors + JSON) any test runner reads, or check a set"

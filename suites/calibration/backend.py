@@ -12,10 +12,10 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvparity.suites import l2
-from kvparity.suites.adapter import patched
-from kvparity.suites.evidence import OracleFailed
-from kvparity.suites.levels import L2
+from kvparity.suites.l2 import run as l2
+from kvparity.suites.core.adapter import patched
+from kvparity.suites.core.evidence import OracleFailed
+from kvparity.suites.format.levels import L2
 
 # What the backend may print instead of raising.
 BACKEND_WARNINGS = ("TMA", "No implementation", "error", "Error")

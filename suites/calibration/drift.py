@@ -13,9 +13,9 @@ import numpy as np
 
 from kvparity.oracle.arrays import raw
 from kvparity.oracle.solo import log_probs
-from kvparity.suites.l2 import ModelBackend
-from kvparity.suites.metrics import kl_divergence
-from kvparity.suites.replay import Replay
+from kvparity.suites.l2.run import ModelBackend
+from kvparity.suites.core.metrics import kl_divergence
+from kvparity.suites.core.replay import Replay
 
 
 def ordered(x: mx.array) -> Optional[np.ndarray]:

@@ -71,7 +71,7 @@ import mlx.core as mx
 
 from kvparity.oracle.machine import machine
 from kvparity.oracle.models import RANDOM_MODELS, axis_variants
-from kvparity.suites.adapter import load_implementation
+from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.calibration import survey as surveys
 from kvparity.suites.calibration import sweep as sweeps
 from kvparity.suites.calibration.proposal import propose

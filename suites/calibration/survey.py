@@ -17,10 +17,11 @@ from kvparity.suites.calibration.backend import (
     READS, backend_warnings, captured_stderr, error_text, reads, schedule_doc, solo_traces,
 )
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
-from kvparity.suites.evidence import MLX_LM_DEFECT, OracleNondeterministic
-from kvparity.suites.l2 import fit_to_model, model_for, run_l2
-from kvparity.suites.levels import L2
-from kvparity.suites.schedule import catalog_paths, load, parse
+from kvparity.suites.core.evidence import MLX_LM_DEFECT, OracleNondeterministic
+from kvparity.suites.l2.run import fit_to_model, model_for, run_l2
+from kvparity.suites.format.levels import L2
+from kvparity.suites.format.schedule import catalog_paths
+from kvparity.suites.core.loading import load, parse
 
 
 def kernel_survey() -> List[dict]:

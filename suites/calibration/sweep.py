@@ -11,12 +11,12 @@ import numpy as np
 from kvparity.oracle.arrays import digest
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import greedy
-from kvparity.suites.adapter import load_implementation
+from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.calibration.backend import (
     backend_warnings, captured_stderr, error_text, reading, schedule_doc, solo_traces,
 )
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
-from kvparity.suites.schedule import parse
+from kvparity.suites.core.loading import parse
 
 CONTROLS = (
     "kvparity.impl.negative_controls:RopeOffsetIgnoresLeftPadding",
