@@ -26,6 +26,7 @@ from kvparity.suites.l1 import run as l1
 from kvparity.suites.l2 import run as l2
 from kvparity.suites.l3 import run as l3
 from kvparity.suites.l4 import run as l4
+from kvparity.suites.l4.server import ServerUnderTest
 from kvparity.suites.search.selection import select_for_model
 from kvparity.suites.core.evidence import NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.format.levels import L1, L2, L3, L4
@@ -44,7 +45,7 @@ class RunOptions:
     repeat_oracle: Optional[bool] = None  # L2: None for the device's default
     use_cache: bool = True  # L2: reuse stored solo traces (bisect's variants do not)
     models: Tuple[str, ...] = ()  # the architecture axis's models (see ``model_set``)
-    server: Optional[l4.ServerUnderTest] = None  # L4: the server under test
+    server: Optional[ServerUnderTest] = None  # L4: the server under test
 
     @property
     def real_model(self) -> bool:

@@ -22,7 +22,7 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.plan import CachePlan, LayerPlan
 from kvparity.reports.cli import main
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK
-from kvparity.suites.l4 import run as l4
+from kvparity.suites.l4 import server as l4_server
 from kvparity.suites.runners import L4_CATALOG
 from kvparity.suites.format.schedule import CATALOG
 
@@ -179,8 +179,8 @@ def test_a_config_json_is_served_at_l4_from_any_path(tmp_path, monkeypatch, caps
     written(user, "helium", HELIUM)
     monkeypatch.chdir(user)
     for given, out in (("helium.json", "out-relative"), (str(user / "helium.json"), str(tmp_path / "out-absolute"))):
-        monkeypatch.setattr(l4, "_MODEL_ROOT", None)  # each run in a process of its own, as the command is
-        monkeypatch.setattr(l4, "_MODEL_DIRS", {})
+        monkeypatch.setattr(l4_server, "_MODEL_ROOT", None)  # each run in a process of its own, as the command is
+        monkeypatch.setattr(l4_server, "_MODEL_DIRS", {})
         args = ["run", "--level", "L4", "--model", given, "--schedule", str(L4_CATALOG / "burst.json"),
                 "--server", MLX_LM, "--out", out]
         assert main(args) == EXIT_OK, capsys.readouterr()

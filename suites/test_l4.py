@@ -18,13 +18,12 @@ from kvparity.reports.cli import main
 from kvparity.reports.documents import load_checked
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
 from kvparity.reports.writer import SCHEMA_PATH
-from kvparity.suites.l4 import run as l4
+from kvparity.suites.l4 import server as l4_server
 from kvparity.suites.format.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
 from kvparity.suites.l3.engines import EngineRequest
-from kvparity.suites.l4.run import (
-    Answer, Dialect, Sent, ask, asked_of, conversations, diff, joined, precision_of, read_answer, read_stream,
-    text_diff, timing_of, unlike_alone,
-)
+from kvparity.suites.l4.client import Answer, Dialect, Sent, ask, asked_of, joined, read_answer, read_stream
+from kvparity.suites.l4.traffic import conversations, timing_of, unread_prompt
+from kvparity.suites.l4.comparisons import diff, precision_of, text_diff, unlike_alone
 from kvparity.suites.format.levels import L4
 from kvparity.suites.runners import L4_CATALOG, RUNNERS, RunOptions, model_set
 
@@ -61,8 +60,8 @@ def servers_running(tmp_path_factory, tmp_path, monkeypatch):
     runs at the same moment is not taken for one left behind."""
     root = tmp_path_factory.mktemp("models")
     monkeypatch.chdir(root)
-    monkeypatch.setattr(l4, "_MODEL_ROOT", None)
-    monkeypatch.setattr(l4, "_MODEL_DIRS", {})
+    monkeypatch.setattr(l4_server, "_MODEL_ROOT", None)
+    monkeypatch.setattr(l4_server, "_MODEL_DIRS", {})
     return lambda: serving(root) + serving(tmp_path)
 
 
@@ -249,12 +248,12 @@ class Words:
 def test_a_prompt_the_model_s_tokenizer_does_not_read_back_is_named_with_why():
     a = Sent(EngineRequest("a", (3, 9), arrival=0, max_tokens=1, bits=None, group_size=64, quantized_kv_start=None,
                            prefill_step_size=2048), "t3 t9", "completions", 0)
-    assert l4.unread_prompt([a], Words(), 16) == ""
-    nothing = l4.unread_prompt([a], Words(encode=lambda text: []), 16)
+    assert unread_prompt([a], Words(), 16) == ""
+    nothing = unread_prompt([a], Words(encode=lambda text: []), 16)
     assert "request 'a'" in nothing and "'t3 t9'" in nothing and "makes no tokens of it" in nothing
-    assert "makes token 9 of it, outside the model's 8" in l4.unread_prompt([a], Words(), 8)
-    assert "read back as another text, 't3t9'" in l4.unread_prompt([a], Words(decode=lambda ids: "t3t9"), 16)
-    assert "makes no tokens" in l4.unread_prompt([replace(a, request=replace(a.request, prompt=()))], Words(), 16)
+    assert "makes token 9 of it, outside the model's 8" in unread_prompt([a], Words(), 8)
+    assert "read back as another text, 't3t9'" in unread_prompt([a], Words(decode=lambda ids: "t3t9"), 16)
+    assert "makes no tokens" in unread_prompt([replace(a, request=replace(a.request, prompt=()))], Words(), 16)
 
 
 @pytest.mark.slow  # two servers on a small model
@@ -350,7 +349,7 @@ def test_mlx_lm_server_passes_l4_dense_and_with_kv_bits(servers_running, kv, off
 def test_the_l4_catalog_runs_on_every_architecture_of_the_axis():
     """--models all: each catalog file on its own model, then on every
     architecture of the zoo, each a run of its own named by its model."""
-    options = RunOptions(models=model_set("all"), server=l4.ServerUnderTest("serve {model} {port}"))
+    options = RunOptions(models=model_set("all"), server=l4_server.ServerUnderTest("serve {model} {port}"))
     runner = RUNNERS[L4]
     for schedule in runner.catalog(options):
         labels = [label for label, _ in runner.runs(schedule, options)]

@@ -15,7 +15,8 @@ import pytest
 
 from kvparity.reports.cli import EXIT_BROKEN, main
 from kvparity.suites.l3.engines import EngineRequest
-from kvparity.suites.l4.run import Dialect, Sent, Visit, ask, traffic
+from kvparity.suites.l4.client import Dialect, Sent, ask
+from kvparity.suites.l4.traffic import Visit, traffic
 from kvparity.suites.runners import L4_CATALOG
 
 # argv: MODE PORT. Modes: drip (streams an event every 20 ms and never ends; a whole answer never comes),

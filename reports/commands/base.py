@@ -24,7 +24,8 @@ from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.core.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
 from kvparity.suites.l3.engines import EngineError, load_engine_factory
-from kvparity.suites.l4.run import REQUEST_TIMEOUT, RUN_TIMEOUT
+from kvparity.suites.l4.client import REQUEST_TIMEOUT
+from kvparity.suites.l4.server import RUN_TIMEOUT
 from kvparity.suites.format.levels import L2, L3, L4, LEVELS
 from kvparity.suites.runners import RunOptions, model_set
 
@@ -143,7 +144,7 @@ def server_options(command):
 
 def server_of(args):
     """L4's server from the command line, checked before anything runs; None without one."""
-    from kvparity.suites.l4.run import FIRST, ServerUnderTest
+    from kvparity.suites.l4.server import FIRST, ServerUnderTest
     from kvparity.suites.l4.server_process import ServerUsageError, command_line, loopback_url
 
     command, url = getattr(args, "server", None), getattr(args, "url", None)

@@ -21,7 +21,7 @@ from kvparity.reports.commands.base import (
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
 from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
-from kvparity.suites.l4 import run as l4
+from kvparity.suites.l4.server import release_model_dirs
 from kvparity.suites.core.adapter import Implementation
 from kvparity.suites.core.evidence import FAILURES, PASS, crashed
 from kvparity.suites.core.flight import FLIGHT, MEMBER_TIMEOUT_S, IsolatedState
@@ -267,7 +267,7 @@ def select_and_run(args, files, shard=None):
     try:
         return _select_and_run(args, files, shard)
     finally:
-        l4.release_model_dirs()  # the servers' model directories: the run is done with them
+        release_model_dirs()  # the servers' model directories: the run is done with them
 
 
 def _select_and_run(args, files, shard):
