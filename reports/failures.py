@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
 from kvparity.reports.verdicts import ScheduleVerdict
-from kvparity.suites.core.adapter import APPLIES_WHAT_RECORDED, WRITE, ForwardRaised
+from kvparity.suites.core.members import APPLIES_WHAT_RECORDED, WRITE
+from kvparity.suites.core.raised import ForwardRaised
 from kvparity.suites.format.checks import OUTPUT_CHECKS
 from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.evidence import FAIL, REFUSED, died

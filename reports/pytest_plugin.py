@@ -202,7 +202,8 @@ def implementation(pytestconfig, record_testsuite_property):
     once MLX's default device has passed its known-answer check."""
     from kvparity.oracle.known_answer import checked
     from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE
-    from kvparity.suites.core.adapter import ImplementationError, load_implementation
+    from kvparity.suites.core.raised import ImplementationError
+    from kvparity.suites.core.adapter import load_implementation
 
     spec = setting(pytestconfig, "impl")
     if spec is None:

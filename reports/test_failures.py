@@ -294,7 +294,7 @@ def test_a_member_declining_what_mlx_lms_engine_never_hands_is_the_engines_findi
     declines (NotImplementedError), which is a refusal only where the engine
     handed what mlx-lm's own engine would. Here it is the engine's finding:
     a FAIL naming the engine and what it handed, one group, not refused."""
-    from kvparity.suites.core.adapter import ForwardRaised
+    from kvparity.suites.core.raised import ForwardRaised
     from kvparity.suites.format.arrivals import L3_CATALOG
     from kvparity.suites.format.arrivals import load as load_arrivals
     from kvparity.suites.l3.run import run_l3

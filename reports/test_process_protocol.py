@@ -20,9 +20,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.reports import failures
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_OK, main
 from kvparity.reports.environment import describe
-from kvparity.suites.core.adapter import (
-    HungEarlier, ImplementationError, ImplementationUnavailable, MemberRaised, load_implementation,
-)
+from kvparity.suites.core.raised import HungEarlier, ImplementationError, ImplementationUnavailable, MemberRaised
+from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.core.evidence import FAIL, PASS
 from kvparity.suites.core.flight import FLIGHT
 from kvparity.suites.l1.run import run_l1

@@ -21,7 +21,8 @@ from kvparity.reports.expectations import EXAMPLES, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
 from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report
-from kvparity.suites.core.adapter import REQUIRED_MEMBERS, Implementation, detect_capabilities, load_implementation
+from kvparity.suites.core.members import REQUIRED_MEMBERS
+from kvparity.suites.core.adapter import Implementation, detect_capabilities, load_implementation
 from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,

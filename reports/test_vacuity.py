@@ -15,7 +15,8 @@ import pytest
 
 from kvparity.reports import verdicts
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
-from kvparity.suites.core.adapter import REQUIRED_MEMBERS, load_implementation
+from kvparity.suites.core.members import REQUIRED_MEMBERS
+from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.core.evidence import FAIL, NOT_SUPPORTED, PASS
 from kvparity.suites.format.events import EVENT_KINDS
 from kvparity.suites.runners import architecture_axis

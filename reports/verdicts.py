@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from kvparity.reports.expectations import UNEXPECTEDLY_PASSING
 from kvparity.reports.policy import BIT_EXACT, DIVERGED as TIER_DIVERGED, GATE, Policy
 from kvparity.suites.search import coverage as coverage_model
-from kvparity.suites.core.adapter import REQUIRED_MEMBERS
+from kvparity.suites.core.members import REQUIRED_MEMBERS
 from kvparity.suites.format.checks import CHECKS, LOGITS
 from kvparity.suites.core.evidence import (
     EXPECTED_DIVERGENCE, FAIL, FAILURES, MLX_LM_DEFECT, NO_EVIDENCE, NOT_JUDGED, NOT_SUPPORTED, ORACLE_CANNOT_RUN,

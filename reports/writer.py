@@ -27,7 +27,7 @@ from kvparity.reports import failures as failures_of, html, junit
 from kvparity.reports.environment import flatten, split_environment
 from kvparity.reports.policy import GATE, Policy, TIER_FAMILIES, tier_family
 from kvparity.reports.verdicts import CHECK_STATES, EXIT_OK, STATUS, RowVerdict, RunVerdict, ScheduleVerdict
-from kvparity.suites.core.adapter import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
+from kvparity.suites.core.members import OPTIONAL_MEMBERS, REQUIRED_MEMBERS
 from kvparity.suites.format.checks import ALIAS, CHECKS, HYGIENE_CHECKS
 from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.evidence import FAIL, MLX_LM_DEFECT, OUTCOMES, PASS

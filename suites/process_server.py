@@ -21,7 +21,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvparity.oracle.quantization import BITS, DTYPES, GROUP_SIZES
-from kvparity.suites.core.adapter import ImplementationError, load_implementation
+from kvparity.suites.core.raised import ImplementationError
+from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.core.process_cache import TRIPLE, triple_tensors
 from kvparity.suites.core.process_frame import PROTOCOL, FrameReader, encode, write_all
 

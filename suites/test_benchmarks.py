@@ -33,7 +33,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_pr
 from kvparity.oracle.models import ModelUnavailable, load_model, random_model_for
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.search.campaign import Campaign, run_campaign
+from kvparity.suites.search.campaign import Campaign
+from kvparity.suites.search.supervisor import run_campaign
 from kvparity.suites.search.fuzz import generate, make_machine
 from kvparity.suites.l1.run import run_l1
 from kvparity.suites.format.schedule import catalog_paths

@@ -16,10 +16,9 @@ import pytest
 
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import judge
-from kvparity.suites.search.campaign import (
-    REDIS_PREFIX, Campaign, CampaignResult, DatabaseError, DatabaseUnavailable, Tally, check_database, fallible,
-    database_key, open_database, replace_dead, run_campaign,
-)
+from kvparity.suites.search.database import REDIS_PREFIX, DatabaseError, DatabaseUnavailable, check_database, fallible, database_key, open_database
+from kvparity.suites.search.campaign import Campaign, CampaignResult, Tally
+from kvparity.suites.search.supervisor import replace_dead, run_campaign
 from kvparity.suites.core.evidence import FAIL, PASS
 from kvparity.suites.search.fuzz import ScheduleFailed, found_in
 

@@ -7,7 +7,8 @@ import pytest
 
 from kvparity.impl import negative_controls
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.suites.core.adapter import Implementation, MemberRaised, load_implementation
+from kvparity.suites.core.adapter import Implementation, load_implementation
+from kvparity.suites.core.raised import MemberRaised
 from kvparity.suites.format.arrivals import parse as parse_arrivals
 from kvparity.suites.core.evidence import FAIL, PASS
 from kvparity.suites.l1.run import run_l1

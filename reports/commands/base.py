@@ -22,7 +22,8 @@ from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
-from kvparity.suites.core.adapter import ImplementationError, ImplementationUnavailable, load_implementation, split_spec
+from kvparity.suites.core.raised import ImplementationError, ImplementationUnavailable
+from kvparity.suites.core.adapter import load_implementation, split_spec
 from kvparity.suites.l3.engines import EngineError, load_engine_factory
 from kvparity.suites.l4.client import REQUEST_TIMEOUT
 from kvparity.suites.l4.server import RUN_TIMEOUT

@@ -16,7 +16,7 @@ from kvparity.suites.format import arrivals
 from kvparity.suites.format.levels import CACHE_LEVELS, L1, L3
 from kvparity.suites.runners import RUNNERS, is_arrivals, load_schedule
 from kvparity.suites.format.schedule import atomic_write_json
-from kvparity.suites.core.adapter import READING_MEMBERS
+from kvparity.suites.core.members import READING_MEMBERS
 from kvparity.suites.format.checks import RAISED
 from kvparity.suites.search.shrink import ArrivalShrinker, Shrinker, exposure, first_failure
 

@@ -19,9 +19,9 @@ from kvparity.reports.commands.runs import member_timeout_option, report_written
 from kvparity.reports.environment import describe
 from kvparity.reports.verdicts import EXIT_OK
 from kvparity.reports.writer import write_report
-from kvparity.suites.search.campaign import (
-    LEVELS, Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign,
-)
+from kvparity.suites.search.campaign import LEVELS, Campaign
+from kvparity.suites.search.database import DatabaseError, DatabaseUnavailable, check_database
+from kvparity.suites.search.supervisor import run_campaign
 from kvparity.suites.core.evidence import FAILURES, crashed
 from kvparity.suites.core.flight import MEMBER_TIMEOUT_S
 from kvparity.suites.format.levels import L1

@@ -24,7 +24,9 @@ from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.reports import settings, verdicts
 from kvparity.reports.commands.base import CannotRun, UsageError, writable_directory
 from kvparity.suites.search import coverage
-from kvparity.suites.search.campaign import Campaign, DatabaseError, DatabaseUnavailable, check_database, run_campaign
+from kvparity.suites.search.campaign import Campaign
+from kvparity.suites.search.database import DatabaseError, DatabaseUnavailable, check_database
+from kvparity.suites.search.supervisor import run_campaign
 from kvparity.suites.core.evidence import FAILURES, crashed
 from kvparity.suites.core.flight import MEMBER_TIMEOUT_S
 from kvparity.suites.format.levels import L1

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Part, Reading, raw_many
-from kvparity.suites.core.adapter import READING_MEMBERS
+from kvparity.suites.core.members import READING_MEMBERS
 from kvparity.suites.format.checks import BYTES, LAYOUT, LEFT_PADDING
 
 TRIPLE = ("packed", "scales", "biases")

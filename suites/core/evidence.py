@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from kvparity.suites.core.adapter import ForwardRaised, HungEarlier, MemberRaised
+from kvparity.suites.core.raised import ForwardRaised, HungEarlier, MemberRaised
 from kvparity.suites.format.checks import RAISED
 from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.flight import FLIGHT, MemberHung, ProcessDied

@@ -4,7 +4,7 @@ says what the schedule needs of an implementation and which calls each
 request makes. A file that cannot happen is a ``ScheduleError`` naming the
 file, the event and the reason, before anything runs."""
 
-from kvparity.suites.core.replay import dry_run
+from kvparity.suites.core.dry_run import dry_run
 from kvparity.suites.format.schedule import Schedule, parse_fields, read_document, reject
 
 

@@ -7,7 +7,7 @@ each generated, and the calls each request sees. It makes every protocol
 call on the implementation's batch, one batch per layer. What a token *is*
 comes from a backend:
 
-* the dry run (here): no cache at all; it refuses what cannot happen and
+* the dry run (``core/dry_run.py``): no cache at all; it refuses what cannot happen and
   records the calls and the optional capabilities a schedule needs;
 * synthetic keys and values (L1, ``suites/l1/run.py``);
 * a model (L2, ``suites/l2/run.py``).
@@ -30,11 +30,8 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvparity.oracle.prompt_store import MODEL_KEY, fetch_nearest
-from kvparity.suites.core.adapter import HungEarlier, MemberRaised, consuming, returned_as_expected
+from kvparity.suites.core.raised import consuming, returned_as_expected
 from kvparity.suites.core.compare import in_words, row_in_words, rows_in_words
-from kvparity.suites.core.flight import FLIGHT
-from kvparity.suites.core.evidence import (NOT_SUPPORTED, ORACLE_CANNOT_RUN, REFUSED, OracleFailed, ScheduleResult,
-                                      note_not_judged, note_raised)
 from kvparity.suites.format.errors import ScheduleError
 from kvparity.suites.format.levels import L2
 from kvparity.suites.format.schedule import ScheduledCall
@@ -475,150 +472,3 @@ class Replay:
 
         found = [e for e in self.entries if e.store == store and shared(e) > 0]
         return max(reversed(found), key=shared, default=None)
-
-
-
-# -- the dry run: no cache, only the bookkeeping ----------------------------------------
-
-
-class _Counted:
-    """A solo row in the dry run: only its length, converted by mlx-lm's
-    rule (``offset >= quantized_kv_start`` after every call)."""
-
-    def __init__(self, start: int, length: int = 0, quantized: bool = False):
-        self.start, self.offset, self.quantized = start, 0, quantized
-        self.layers = [NoRow()]
-        self.append(length)
-
-    def append(self, n: int):
-        self.offset += n
-        self.quantized = self.quantized or self.offset >= self.start
-
-    def trim(self, n: int):
-        self.offset -= n
-
-
-class NoRow:
-    """Stands in for a quantized row (solo, or extracted into a store): it holds no bytes."""
-
-    nbytes = offset = 0
-    keys = values = None
-    bits = None  # a quantized layer's row: it merges into the batch under test
-
-    def is_trimmable(self):
-        return True
-
-    def trim(self, n):
-        return n
-
-
-class _NoBatch:
-    """Stands in for the implementation's batch: every protocol call is a no-op."""
-
-    @classmethod
-    def merge(cls, rows):
-        return cls()
-
-    def extract(self, i):
-        return NoRow()
-
-    def is_trimmable(self):
-        return True
-
-    def __getattr__(self, member):
-        return lambda *args, **kwargs: None
-
-
-class _DryRun:
-    class implementation:  # every capability, so the replay records what is needed
-        batch_class = _NoBatch
-        supports = staticmethod(lambda capability: True)
-
-    def __init__(self, schedule):
-        self.schedule = schedule
-
-    def begin(self, event):
-        pass
-
-    def watch(self, member, caches):
-        pass
-
-    def prefill(self, rid, j):
-        request = self.schedule.requests[rid]
-        return _Counted(request.quantized_kv_start, request.prompt_len)
-
-    def batched_prefill(self, rids, starts):
-        return [_NoBatch()]
-
-    def resume(self, rid, caches):
-        return _Counted(0, quantized=True)
-
-    def prefill_from(self, rid, cache, rest, j):
-        solo = _Counted(self.schedule.requests[rid].quantized_kv_start, quantized=cache is not None)
-        solo.append(len(rest))
-        return solo
-
-    def forward(self, layers, rows, n, calls):
-        pass
-
-    def append_alone(self, rid, solo, n, j):
-        solo.append(n)
-
-    def untrimmable(self):
-        return ""
-
-
-def dry_backend(schedule):
-    """A backend with no cache: the replay does its bookkeeping only."""
-    return _DryRun(schedule)
-
-
-def dry_run(schedule):
-    """Walk the schedule without a cache: (capabilities needed, calls per
-    request, every call in order as (request, index)). Raises ScheduleError
-    for anything that cannot happen."""
-    replay = Replay(schedule, dry_backend(schedule))
-    replay.run()
-    return tuple(sorted(replay.needs)), replay.calls, replay.order
-
-
-# --- the event loop every level's run shares ---------------------------------
-
-
-def drive(result: ScheduleResult, replay: Replay, events, check) -> bool:
-    """Apply ``events`` through ``replay``, calling ``check(event)`` after
-    each; stop at what the implementation refuses or cannot do. Returns
-    False once the run stopped. Anything else that raises is the harness's
-    own failure and propagates."""
-    trail = getattr(replay.backend.implementation, "trail", None)  # the members called, in order
-    for event in events:
-        label = event.label
-        FLIGHT.event(label, event.index, replay.running() or list(replay.schedule.requests))
-        mark = len(trail) if trail is not None else 0
-        try:
-            try:
-                replay.apply(event)
-            finally:  # what the event called, not what the checks call after it
-                if trail is not None:
-                    result.called[event.index] = trail[mark:]
-            check(event)
-        except NotSupported as error:
-            result.stop(NOT_SUPPORTED, f"event {label}: {error}")
-            return False
-        except MemberRaised as raised:
-            result.raised_by = raised.member
-            if raised.capability:
-                result.stop(NOT_SUPPORTED, f"event {label}: {raised.member} is not implemented "
-                                           f"({raised.capability})")
-            elif raised.refused:
-                result.stop(REFUSED, f"event {label}: required member {raised.member} refused: {raised.error}")
-            else:
-                note_raised(result, event.index, label, raised, replay.running() or list(replay.schedule.requests))
-            return False
-        except OracleFailed as error:
-            result.stop(ORACLE_CANNOT_RUN, f"event {label}: {error}")
-            return False
-        except HungEarlier as skipped:
-            note_not_judged(result, label, skipped)
-            return False
-    return True

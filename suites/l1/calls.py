@@ -34,7 +34,7 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvparity.oracle.arrays import Part
-from kvparity.suites.core.adapter import WRITE
+from kvparity.suites.core.members import WRITE
 from kvparity.suites.format.checks import (BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, OFFSET, PAD, QUANTIZED, RAISED,
                                     TRIMMED)
 from kvparity.suites.core.compare import (TRIPLE, Divergence, compare_later, in_words, left_padding_divergence,

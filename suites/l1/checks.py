@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
-from kvparity.suites.core.adapter import LazyArrayFailed, MemberRaised, consuming
+from kvparity.suites.core.raised import LazyArrayFailed, MemberRaised, consuming
 from kvparity.suites.format.checks import (ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
                                     QUANTIZED, SHARED_PADDING, SOURCE, STORED)
 from kvparity.suites.core.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,

@@ -34,14 +34,17 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvparity.oracle.arrays import arrays_in, handles, owned_arrays, start_evaluating
 from kvparity.oracle.solo_cache import SoloCache
 from kvparity.oracle.synthetic import SyntheticKV
-from kvparity.suites.core.adapter import WRITE, Implementation, MemberRaised, consuming
+from kvparity.suites.core.members import WRITE
+from kvparity.suites.core.adapter import Implementation
+from kvparity.suites.core.raised import MemberRaised, consuming
 from kvparity.suites.core.compare import rows_in_words
 from kvparity.suites.core.evidence import NOT_JUDGED, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1.calls import CallChecks
 from kvparity.suites.l1.checks import EventChecks, check_event
 from kvparity.suites.l1.solo import SOLO_STATES, SoloCaches, prefilled_from
 from kvparity.suites.format.levels import L1
-from kvparity.suites.core.replay import Replay, drive
+from kvparity.suites.core.replay import Replay
+from kvparity.suites.core.event_loop import drive
 
 
 class SyntheticBackend:

@@ -33,7 +33,8 @@ from kvparity.oracle import tensor_file
 from kvparity.oracle.atomic import AtomicDirectory
 from kvparity.oracle.gguf import sha256_file
 from kvparity.oracle.machine import machine, package_version
-from kvparity.suites.core.adapter import REFERENCE, WRITE, Implementation, detect_capabilities, load_implementation
+from kvparity.suites.core.adapter import REFERENCE, Implementation, detect_capabilities, load_implementation
+from kvparity.suites.core.members import WRITE
 from kvparity.suites.core.compare import TRIPLE
 from kvparity.suites.l1.run import L1Run
 from kvparity.suites.l1.checks import MASK_WIDTHS, expected_mask

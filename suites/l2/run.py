@@ -36,7 +36,8 @@ from kvparity.oracle.models import load_model, random_model_for
 from kvparity.oracle.solo import SoloCall, SoloRequest, SoloTrace, greedy, layer_bytes, run_solo, run_solos
 from kvparity.oracle.sealed import drop_entry
 from kvparity.oracle.trace import cached_solo, oracle_cache, request_key
-from kvparity.suites.core.adapter import Implementation, forward_of
+from kvparity.suites.core.adapter import Implementation
+from kvparity.suites.core.raised import forward_of
 from kvparity.suites.core.compare import (
     TRIPLE, Divergence, compare_named, first_difference, in_words, left_padding_divergence, state_triples,
 )
@@ -47,7 +48,8 @@ from kvparity.suites.core.evidence import (
 )
 from kvparity.suites.format.levels import L2
 from kvparity.suites.core.metrics import LogitStats
-from kvparity.suites.core.replay import Replay, drive
+from kvparity.suites.core.replay import Replay
+from kvparity.suites.core.event_loop import drive
 from kvparity.suites.core.loading import parse
 from kvparity.suites.core.stored import check_entries, check_fetch, entry_name
 

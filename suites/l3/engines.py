@@ -66,7 +66,8 @@ from kvparity.oracle.generation import (
 )
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, installed_batch_generator_defect
 from kvparity.oracle.plan import fresh_rows, plan_for
-from kvparity.suites.core.adapter import ImplementationError, calls_made, resolve
+from kvparity.suites.core.raised import ImplementationError
+from kvparity.suites.core.adapter import calls_made, resolve
 from kvparity.suites.format.arrivals import EngineSettings
 
 DEFAULT_ENGINE = "kvparity.suites.l3.engines:mlx_lm_batch_generator"

@@ -41,10 +41,9 @@ from kvparity.oracle.generation import (
 from kvparity.oracle.mlx_lm_versions import MlxLmDefectFound, defect_for_model, first_write_defect
 from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import prompt_tokens
-from kvparity.suites.core.adapter import (
-    RESHAPING_MEMBERS, WRITE, ForwardRaised, HungEarlier, MemberRaised, calls_made, handed_unlike_mlx_lm, in_forward,
-    layer_of,
-)
+from kvparity.suites.core.members import RESHAPING_MEMBERS, WRITE
+from kvparity.suites.core.raised import ForwardRaised, HungEarlier, MemberRaised, handed_unlike_mlx_lm, in_forward, layer_of
+from kvparity.suites.core.adapter import calls_made
 from kvparity.suites.format.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.format.checks import CHECKS, EXTRACT, LENGTH, LOGPROBS, MASK, OUTPUT_CHECKS, QUANTIZED, TOKENS
 from kvparity.suites.core.compare import Divergence, a_triple, compare_named, first_difference, in_words

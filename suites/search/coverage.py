@@ -34,7 +34,8 @@ from kvparity.oracle.models import RANDOM_MODELS, SMOLLM2, random_model
 from kvparity.suites.format.events import Reinsert
 from kvparity.suites.l2.run import model_for
 from kvparity.suites.format.levels import L1
-from kvparity.suites.core.replay import NoRow, Replay, dry_backend
+from kvparity.suites.core.dry_run import NoRow, dry_backend
+from kvparity.suites.core.replay import Replay
 from kvparity.suites.format.schedule import BITS, DTYPES, GROUP_SIZES
 
 HEAD_DIMS = (64, 96, 128, 256, 512)  # 256: Gemma, Qwen3-Next; 512: Gemma 4's global layers

@@ -34,7 +34,8 @@ from kvparity.suites.core.evidence import FAILURES
 from kvparity.suites.core.flight import FLIGHT
 from kvparity.suites.l1.run import L1Run, run_l1
 from kvparity.suites.format.levels import L1, L2
-from kvparity.suites.core.replay import Replay, dry_backend
+from kvparity.suites.core.replay import Replay
+from kvparity.suites.core.dry_run import dry_backend
 from kvparity.suites.search.coverage import HEAD_DIMS, reached
 from kvparity.suites.format.events import (
     BatchedJoin, Extract, Join, JoinStored, Leave, Reinsert, Rollback, SoloStep, SpecRound, Step, Store, Trim,

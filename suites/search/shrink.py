@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from kvparity.suites.format import arrivals
-from kvparity.suites.core.adapter import RESHAPING_MEMBERS, WRITE
+from kvparity.suites.core.members import RESHAPING_MEMBERS, WRITE
 from kvparity.suites.core.evidence import FAIL, PASS
 from kvparity.suites.format.events import parse_event
-from kvparity.suites.core.replay import Replay, dry_backend
+from kvparity.suites.core.replay import Replay
+from kvparity.suites.core.dry_run import dry_backend
 from kvparity.suites.format.errors import ScheduleError
 from kvparity.suites.core.loading import parse
 
