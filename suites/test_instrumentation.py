@@ -13,7 +13,8 @@ from kvparity.suites.format.arrivals import parse as parse_arrivals
 from kvparity.suites.core.evidence import FAIL, PASS
 from kvparity.suites.l1.run import run_l1
 from kvparity.suites.l2.run import run_l2
-from kvparity.suites.l3.run import explain, run_l3
+from kvparity.suites.l3.judging import explain
+from kvparity.suites.l3.run import run_l3
 from kvparity.suites.format.schedule import CATALOG, catalog_paths
 from kvparity.suites.core.loading import load
 

@@ -24,7 +24,9 @@ from kvparity.suites.format.errors import ScheduleError
 from kvparity.suites.search.arrivals_strategy import (arrival_documents, check_document, conversation_documents,
                                                no_idle_arrivals)
 from kvparity.suites.l3.engines import EngineError, load_engine_factory, quantized_row_class
-from kvparity.suites.l3.run import FROM_STORE, explain, prefill_modes, run_l3
+from kvparity.suites.l3.trail import FROM_STORE
+from kvparity.suites.l3.judging import explain
+from kvparity.suites.l3.run import prefill_modes, run_l3
 
 PATHS = catalog_paths()
 CONVERSATIONS = [p for p in PATHS if load(p).conversation]

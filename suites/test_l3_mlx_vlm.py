@@ -16,7 +16,8 @@ from kvparity.reports.verdicts import judge  # noqa: E402
 from kvparity.suites.core.adapter import load_implementation  # noqa: E402
 from kvparity.suites.format.arrivals import catalog_paths, load  # noqa: E402
 from kvparity.suites.core.evidence import EXPECTED_DIVERGENCE, FAIL, NOT_SUPPORTED, PASS  # noqa: E402
-from kvparity.suites.l3.run import explain, run_l3  # noqa: E402
+from kvparity.suites.l3.judging import explain
+from kvparity.suites.l3.run import run_l3
 
 pytestmark = pytest.mark.matrix
 

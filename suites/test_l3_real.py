@@ -6,7 +6,8 @@ import pytest
 
 from kvparity.suites.format.arrivals import L3_REAL_CATALOG, catalog_paths, load
 from kvparity.suites.core.evidence import PASS
-from kvparity.suites.l3.run import explain, prefill_modes, run_l3
+from kvparity.suites.l3.judging import explain
+from kvparity.suites.l3.run import prefill_modes, run_l3
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("smollm2")]
 PATHS = catalog_paths(L3_REAL_CATALOG)

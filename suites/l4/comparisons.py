@@ -17,7 +17,7 @@ from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.evidence import ScheduleResult
 from kvparity.suites.format.checks import ALONE, KV_APPLIED, LENGTH, LOGPROBS, TEXT, TOKENS
 from kvparity.suites.format.levels import L4, LEVELS
-from kvparity.suites.l3.run import SERVE_LABEL
+from kvparity.suites.l3.trail import SERVE_LABEL
 from kvparity.suites.l4.client import Answer, Sent
 from kvparity.suites.l4.server import ServerUnderTest
 from kvparity.suites.l4.server_process import ServerDied, ServerProblem

@@ -49,7 +49,7 @@ from kvparity.suites.core.evidence import FAIL, MLX_LM_DEFECT, NOT_SUPPORTED, Sc
 from kvparity.suites.format.arrivals import ArrivalSchedule, check_fits
 from kvparity.suites.format.checks import RAISED
 from kvparity.suites.format.levels import L4
-from kvparity.suites.l3.run import SERVE, SERVE_LABEL
+from kvparity.suites.l3.trail import SERVE, SERVE_LABEL
 from kvparity.suites.l4.client import Dialect, prompt_of
 from kvparity.suites.l4.comparisons import SoloRuns, precision_of, compare, _kind
 from kvparity.suites.l4.server import ServerUnderTest, model_dir, load_defect, serve_alone, serve

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.suites.format.arrivals import parse
 from kvparity.suites.core.evidence import PASS
-from kvparity.suites.l3.run import explain, run_l3
+from kvparity.suites.l3.judging import explain
+from kvparity.suites.l3.run import run_l3
 from kvparity.suites.format.schedule import atomic_write_json
 
 # (model, bits, group_size) that mlx-lm's solo path can run (see the L3 catalog README).
