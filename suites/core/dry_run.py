@@ -2,7 +2,6 @@
 refuses what cannot happen and records the calls each request makes and the
 optional capabilities the schedule needs; the coverage model watches it."""
 
-
 from kvparity.suites.core.replay import Replay
 
 
