@@ -21,7 +21,7 @@ from kvparity.reports.documents import check_schema
 from kvparity.reports.expectations import Declaration, Expectations
 from kvparity.reports.policy import Policy
 from kvparity.reports.verdicts import ScheduleVerdict, judge
-from kvparity.reports.writer import SCHEMA, SCHEMA_PATH
+from kvparity.reports.report_json import SCHEMA, SCHEMA_PATH
 from kvparity.suites.core.compare import Divergence
 from kvparity.suites.core.evidence import RowResult, ScheduleResult
 from kvparity.suites.format.schedule import CATALOG

@@ -19,7 +19,8 @@ from kvparity.reports.expectations import (
 )
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import DIVERGED, HELD, judge, verdict_of_run
-from kvparity.reports.writer import SCHEMA_PATH, build_record, write_report
+from kvparity.reports.report_json import SCHEMA_PATH, build_record
+from kvparity.reports.writer import write_report
 from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.format.checks import CHECKS
 from kvparity.suites.core.evidence import EXPECTED_DIVERGENCE, FAIL

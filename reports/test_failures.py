@@ -18,7 +18,8 @@ from kvparity.reports import failures, verdicts
 from kvparity.reports.cli import main
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.reports.writer import summary_rows, write_report
+from kvparity.reports.markdown import summary_rows
+from kvparity.reports.writer import write_report
 from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.core.evidence import FAIL, NOT_SUPPORTED, ScheduleResult
 from kvparity.suites.l1.run import run_l1

@@ -18,7 +18,7 @@ from kvparity.reports.commands.base import UsageError
 from kvparity.reports.commands.generated import DEFAULT_GENERATED, budget_of, seed_of
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK, judge
-from kvparity.reports.writer import SCHEMA_PATH
+from kvparity.reports.report_json import SCHEMA_PATH
 from kvparity.suites.search.campaign import Campaign
 from kvparity.suites.search.workers import fixed_rounds, prepare
 from kvparity.suites.core.evidence import FAIL

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from kvparity.oracle.models import available_models
-from kvparity.reports import matrix
+from kvparity.reports import matrix, matrix_page
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.reports.commands import runs
 from kvparity.reports.headless import browser, dom, overflow, screenshot
@@ -222,10 +222,10 @@ def test_rows_are_named_by_package_and_version_and_no_evidence_is_not_green(rows
     _, doc, out = render(rows, tmp_path)
     names = {row["implementation"]: row["name"] for row in doc["rows"]}
     assert names[REFERENCE] == "kvparity BatchQuantizedKVCache " + doc["rows"][0]["version"], names
-    assert matrix.outcome_class({"pass": 75, "no evidence": 42}, None) == "noevidence"
-    assert matrix.outcome_class({"pass": 75, "FAIL": 1, "no evidence": 42}, None) == "FAIL"
-    assert matrix.outcome_class({"pass": 3}, None) == "pass"
-    assert matrix.outcome_class({"pass": 3, "not supported": 1}, None) == "partial"
+    assert matrix_page.outcome_class({"pass": 75, "no evidence": 42}, None) == "noevidence"
+    assert matrix_page.outcome_class({"pass": 75, "FAIL": 1, "no evidence": 42}, None) == "FAIL"
+    assert matrix_page.outcome_class({"pass": 3}, None) == "pass"
+    assert matrix_page.outcome_class({"pass": 3, "not supported": 1}, None) == "partial"
 
 
 def test_a_page_links_only_what_is_there(rows, tmp_path, capsys):
@@ -398,8 +398,8 @@ def test_an_architecture_cell_reads_pass_only_where_every_run_passed(counts, css
     from kvparity.suites.core.evidence import OUTCOMES
 
     entry = {"cell": {o: counts.get(o, 0) for o in OUTCOMES}, "limits": []}
-    assert matrix.architecture_class(entry, None) == css
-    assert matrix.architecture_class(None, None) == "nothing" and matrix.architecture_class(entry, CANNOT) == "cannot"
+    assert matrix_page.architecture_class(entry, None) == css
+    assert matrix_page.architecture_class(None, None) == "nothing" and matrix_page.architecture_class(entry, CANNOT) == "cannot"
 
 
 @pytest.mark.gqa_batched
@@ -422,7 +422,7 @@ def test_a_tampered_verdict_is_judged_again_from_its_evidence(arch_rows, tmp_pat
 @pytest.mark.gqa_batched
 def test_the_run_report_shows_the_architecture_axis(arch_rows):
     """report.md and report.html: a table of model x outcome counts with
-    mlx-lm's limits, from the same code as the matrix's (writer.architectures)."""
+    mlx-lm's limits, from the same code as the matrix's (report_json.architectures)."""
     (report,) = (arch_rows / "reference").glob("*/report.md")
     markdown = report.read_text()
     table = markdown.split("## Architectures")[1].split("\n## ")[0]

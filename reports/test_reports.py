@@ -20,7 +20,9 @@ from kvparity.reports.headless import browser, dom, overflow, screenshot
 from kvparity.reports.expectations import EXAMPLES, load_expectations
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, judge, verdict_of_run
-from kvparity.reports.writer import SCHEMA, SCHEMA_PATH, build_record, logit_rows, summary_rows, write_report
+from kvparity.reports.report_json import SCHEMA, SCHEMA_PATH, build_record
+from kvparity.reports.markdown import logit_rows, summary_rows
+from kvparity.reports.writer import write_report
 from kvparity.suites.core.members import REQUIRED_MEMBERS
 from kvparity.suites.core.adapter import Implementation, detect_capabilities, load_implementation
 from kvparity.suites.core.compare import Divergence

@@ -15,7 +15,7 @@ import pytest
 
 from kvparity.reports import pytest_plugin, settings
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_USAGE, main
-from kvparity.reports.writer import SCHEMA_PATH
+from kvparity.reports.report_json import SCHEMA_PATH
 from kvparity.suites.format.schedule import CATALOG
 
 BROKEN = "kvparity.impl.negative_controls:MaskIgnoresLeftPadding"

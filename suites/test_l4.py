@@ -17,7 +17,7 @@ from kvparity.oracle.models import zoo_models
 from kvparity.reports.cli import main
 from kvparity.reports.documents import load_checked
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE
-from kvparity.reports.writer import SCHEMA_PATH
+from kvparity.reports.report_json import SCHEMA_PATH
 from kvparity.suites.l4 import server as l4_server
 from kvparity.suites.format.checks import ALONE, KV_APPLIED, LOGPROBS, TEXT, TOKENS
 from kvparity.suites.l3.engines import EngineRequest

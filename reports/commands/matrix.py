@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from kvparity.oracle.atomic import OUTPUT_ROOT
-from kvparity.reports import matrix
+from kvparity.reports import matrix, matrix_page
 from kvparity.reports.commands.base import CannotRun, UsageError, new_path
 
 NAME = "matrix"
@@ -53,7 +53,7 @@ def handle(args):
         rows = matrix.gather(args.directories)
     except matrix.MatrixError as error:
         raise UsageError(str(error))
-    path, doc = matrix.write_matrix(rows, args.out, gate=args.gate, report_links=not args.no_report_links)
+    path, doc = matrix_page.write_matrix(rows, args.out, gate=args.gate, report_links=not args.no_report_links)
     for row in doc["rows"]:
         state = (f"cannot install: {row['cannot_install']['reason']}" if row["cannot_install"]
                  else f"{row['headline']} (exit {row['exit_status']})")

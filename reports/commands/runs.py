@@ -20,7 +20,8 @@ from kvparity.reports.commands.base import (
 )
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
-from kvparity.reports.writer import ReportUnwritten, check_rows, declaration_rows, summary_rows, write_report
+from kvparity.reports.writer import ReportUnwritten, write_report
+from kvparity.reports.markdown import check_rows, declaration_rows, summary_rows
 from kvparity.suites.l4.server import release_model_dirs
 from kvparity.suites.core.adapter import Implementation
 from kvparity.suites.core.evidence import FAILURES, PASS, crashed
