@@ -18,7 +18,7 @@ from kvparity.reports.verdicts import STATUS
 from kvparity.suites.format.checks import CHECKS, HYGIENE, HYGIENE_CHECKS, PARITY
 from kvparity.suites.core.evidence import OUTCOMES, STOPS
 from kvparity.suites.format.levels import LEVELS, SCHEDULE_LEVELS
-from kvparity.suites.l1.vectors import LAYOUTS, RECORDED, SELECTED, WHOLE
+from kvparity.suites.l1.recorder import LAYOUTS, RECORDED, SELECTED, WHOLE
 
 SCHEMAS = Path(__file__).parent / "schema"
 
