@@ -10,10 +10,14 @@ import numpy as np
 
 from kvparity.oracle.arrays import Reading, describe_shared, owned_arrays, shared_memory_later
 from kvparity.suites.core.raised import LazyArrayFailed, MemberRaised, consuming
-from kvparity.suites.format.checks import (ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, MASK, NBYTES, OFFSET, PAD,
-                                    QUANTIZED, SHARED_PADDING, SOURCE, STORED)
-from kvparity.suites.core.compare import (TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence,
-                                     size_is_odd, state_triples, triple_job)
+from kvparity.suites.format.checks import (
+    ALIAS, BYTES, CHECKS, EXTRACT, LAYOUT, LEFT_PADDING, NBYTES, OFFSET, PAD, QUANTIZED, SHARED_PADDING,
+    SOURCE, STORED,
+)
+from kvparity.suites.core.compare import (
+    TRIPLE, Divergence, a_triple, compare_later, in_words, left_padding_divergence, size_is_odd, state_triples,
+    triple_job,
+)
 from kvparity.suites.format.events import FROM_A_STORE
 from kvparity.suites.core.flight import FLIGHT
 from kvparity.suites.core.evidence import ScheduleResult
@@ -21,7 +25,9 @@ from kvparity.suites.l1.solo import SoloCaches, layer_parts, triples_of
 from kvparity.suites.core.replay import Replay
 from kvparity.suites.core.stored import check_entries, check_fetch, entry_name
 
-MASK_WIDTHS = (1, 3)
+from kvparity.suites.l1.masks import check_mask
+
+
 BEFORE_CALLS = -1  # Divergence.call of evidence on what an event's first call was handed
 
 
@@ -421,72 +427,6 @@ def check_sources(replay: Replay, backend, checks: EventChecks, event, batch_kno
             checks.later(lambda shared=shared: _note_alias(checks, at, rows, shared(),
                                                            dict(event=label, tensor="merge", member="merge"),
                                                            "source buffer"))
-
-
-def check_mask(batch, rows, size, pads, checks: EventChecks, event, named):
-    label = event.label
-    for N in MASK_WIDTHS:
-        mask = _boolean_mask_later(checks.reading, batch.make_mask(N, return_array=True), len(rows), N, size + N)
-        checks.later(lambda N=N, mask=mask: _note_mask(checks, rows, size, pads, label, event.index, N, mask(),
-                                                       named))
-
-
-def expected_mask(pads, size: int, N: int) -> np.ndarray:
-    """What ``make_mask(N)`` must give, as booleans [rows, N, size + N]: row
-    i may see column c for query q when c >= pads[i] and c <= size + q."""
-    columns = np.arange(size + N)[None, :]
-    queries = np.arange(N)[:, None]
-    return (columns[None] >= np.array(pads, dtype=np.int64)[:, None, None]) & (columns <= size + queries)
-
-
-def _note_mask(checks, rows, size, pads, label, at, N, mask, named):
-    expected_rows = expected_mask(pads, size, N)
-    equal = None if mask is None else (mask == expected_rows).all(axis=(1, 2))
-    for i, rid in enumerate(rows):
-        expected = expected_rows[i]
-        found = []
-        if mask is None or not equal[i]:
-            got = None if mask is None else mask[i]
-            index = None
-            if got is not None and got.shape == expected.shape:
-                index = int(np.flatnonzero(got != expected)[0])
-            found.append(Divergence(
-                MASK, label, rid, tensor=f"make_mask({N})", index=index,
-                expected=None if index is None else bool(expected.reshape(-1)[index]),
-                actual=None if index is None else bool(got.reshape(-1)[index]),
-                detail=f"row has {pads[i]} pad columns of {size}", **named))
-        checks.result.note(at, MASK, [rid], 1, found)
-
-
-def _boolean_mask_later(reading: Reading, mask, B, N, S):
-    """A function giving the mask as bool [B, N, S] once ``reading`` was
-    evaluated (its bits are taken now): None means attend everywhere,
-    "causal" means causal, additive masks attend where they are 0."""
-    if mask is None:
-        return lambda: np.ones((B, N, S), dtype=bool)
-    if isinstance(mask, str):
-        if mask != "causal":
-            return lambda: None
-        columns, queries = np.arange(S)[None, :], np.arange(N)[:, None]
-        return lambda: np.broadcast_to(columns <= S - N + queries, (B, N, S))
-    if not isinstance(mask, mx.array):
-        return lambda: None
-    boolean = mask.dtype == mx.bool_
-    ticket = reading.take([mask if boolean else mask.astype(mx.float32)])
-
-    def answer():
-        reading.evaluate()
-        (bits,) = reading[ticket]
-        # Boolean masks attend where true; additive ones where they are 0.
-        value = bits.astype(bool) if boolean else bits.view(np.float32) == 0
-        if value.ndim == 4:  # [B, heads, N, S]: one mask for every head
-            value = value[:, 0]
-        try:
-            return np.broadcast_to(value, (B, N, S))
-        except ValueError:
-            return None
-
-    return answer
 
 
 def _parts(reading: Reading, triple, index, known=None):

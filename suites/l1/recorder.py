@@ -14,7 +14,7 @@ from kvparity.suites.core.adapter import REFERENCE, Implementation, detect_capab
 from kvparity.suites.core.members import WRITE
 from kvparity.suites.core.compare import TRIPLE
 from kvparity.suites.l1.run import L1Run
-from kvparity.suites.l1.checks import MASK_WIDTHS, expected_mask
+from kvparity.suites.l1.masks import MASK_WIDTHS, expected_mask
 
 
 FORMAT = "kvparity-vectors"
