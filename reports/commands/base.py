@@ -297,7 +297,7 @@ def check_engine(spec):
 
 
 def check_model_name(name, what="--model"):
-    """A name load_model knows: one of ``available_models`` or a random
+    """A name oracle.models.load_model knows: one of ``available_models`` or a random
     model's variant (``-mha``, ``-3layers``); or a model directory or a
     config.json, loaded here (once a process) so that one mlx-lm cannot
     read is refused before any work; ``what`` names where it was given."""
@@ -326,7 +326,7 @@ def check_model_name(name, what="--model"):
                          "directory or config.json by path)")
 
 
-def load_model(name):
+def load_model_or_refuse(name):
     """A model by name or path: an unknown name or a path mlx-lm cannot read
     is a usage error, one that cannot be fetched here cannot be judged."""
     check_model_name(name)
@@ -353,7 +353,7 @@ def check_weights_fit(directory: Path):
 
 
 def model_or_default(name):
-    return load_model(name or DEFAULT_MODEL)
+    return load_model_or_refuse(name or DEFAULT_MODEL)
 
 
 def use_device(name):

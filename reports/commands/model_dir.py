@@ -1,7 +1,7 @@
 """``kvparity model-dir``: a kvparity model written as a local model directory a server loads."""
 
 from kvparity.oracle.model_dir import write_model_dir
-from kvparity.reports.commands.base import check_model_name, load_model, new_path
+from kvparity.reports.commands.base import check_model_name, load_model_or_refuse, new_path
 from kvparity.reports.verdicts import EXIT_OK
 
 NAME = "model-dir"
@@ -25,6 +25,6 @@ def arguments(command):
 def handle(args):
     check_model_name(args.name, "NAME")
     new_path(args.directory, "DIR")
-    path = write_model_dir(load_model(args.name), args.directory)
+    path = write_model_dir(load_model_or_refuse(args.name), args.directory)
     print(f"{args.name}: {path}")
     return EXIT_OK

@@ -10,7 +10,7 @@ from tabulate import tabulate
 from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import available_models
 from kvparity.oracle.zoo import PublishedIndex, architecture_modules, known_configs, mlx_lm_modules
-from kvparity.reports.commands.base import CannotRun, check_model_name, load_model
+from kvparity.reports.commands.base import CannotRun, check_model_name, load_model_or_refuse
 from kvparity.reports.verdicts import EXIT_OK
 
 NAME = "models"
@@ -38,7 +38,7 @@ NOTHING_TO_JUDGE = "nothing-to-judge"  # what "solo_kv_bits" says where the mode
 
 
 def model_record(name: str) -> dict:
-    loaded = load_model(name)
+    loaded = load_model_or_refuse(name)
     why = loaded.plan.nothing_to_judge()  # the model's own fact, before any limit of mlx-lm's
     limit = None if why else defect_for_model(loaded)
     return {

@@ -3,7 +3,7 @@
 from kvparity.oracle import solo
 from kvparity.oracle.golden import GoldenError, write_golden
 from kvparity.reports.commands.base import (
-    UsageError, check_impl_spec, common_options, implementation, load_model, new_path, policy, use_device,
+    UsageError, check_impl_spec, common_options, implementation, load_model_or_refuse, new_path, policy, use_device,
 )
 from kvparity.reports.commands.runs import select
 from kvparity.reports.verdicts import EXIT_OK
@@ -34,7 +34,7 @@ def fitted(args, selected):
     runner, options = RUNNERS[L2], RunOptions(model=args.model)  # --engine here is a flag, not an L3 engine
     out = []
     for _, schedule in selected:
-        model = load_model(runner.model_name(schedule, options))
+        model = load_model_or_refuse(runner.model_name(schedule, options))
         schedule, unfit = runner.fit(schedule, model)
         if unfit:
             raise UsageError(unfit)

@@ -15,8 +15,8 @@ from kvparity.reports import failures, settings, shards, verdicts
 from kvparity.reports.commands import generated
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    judges_a_server_only, load_model, model_or_default, policy, print_configuration, run_options, seconds, server_of,
-    use_device,
+    judges_a_server_only, load_model_or_refuse, model_or_default, policy, print_configuration, run_options, seconds,
+    server_of, use_device,
 )
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
@@ -129,7 +129,7 @@ def plan(args, selected, options=None, own_files=True):
         runner = RUNNERS[level]
         name = runner.model_name(schedule, options)
         if name is not None and own_files:
-            unfit = runner.unfit(schedule, load_model(name))
+            unfit = runner.unfit(schedule, load_model_or_refuse(name))
             if unfit:
                 raise UsageError(unfit)
         runs += runner.runs(schedule, options)  # a run that does not fit is "not supported" there
@@ -161,7 +161,7 @@ def refuse_nothing_to_judge(selected, options):
     that itself leaves nothing to judge (``CachePlan.nothing_to_judge``):
     one line, cannot run here, before any schedule runs."""
     for name in dict.fromkeys(RUNNERS[level].model_name(s, options) for level, s in selected):
-        why = name and load_model(name).plan.nothing_to_judge()
+        why = name and load_model_or_refuse(name).plan.nothing_to_judge()
         if why:
             raise CannotRun(f"{name}: {why}")
 

@@ -90,7 +90,7 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
 
 
-def solo_traces(model, schedule, twice=False):
+def fresh_solo_traces(model, schedule, twice=False):
     """L2's solo traces, never from the oracle cache; with ``twice`` a second
     run must equal the first byte for byte (else ``OracleNondeterministic``)."""
     return l2.solo_traces(schedule, model, use_cache=False, repeat=twice)

@@ -14,7 +14,7 @@ from kvparity.oracle.mlx_lm_versions import defect_for_model
 from kvparity.oracle.models import RANDOM_MODELS, load_model
 from kvparity.oracle.quantization import BITS, GROUP_SIZES
 from kvparity.suites.calibration.backend import (
-    READS, backend_warnings, captured_stderr, error_text, reads, schedule_doc, solo_traces,
+    READS, backend_warnings, captured_stderr, error_text, reads, schedule_doc, fresh_solo_traces,
 )
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
 from kvparity.suites.core.evidence import MLX_LM_DEFECT, OracleNondeterministic
@@ -108,7 +108,7 @@ def _oracle_twice(model, schedule, entry) -> bool:
     """mlx-lm's solo path twice on ``schedule``: ``entry["oracle"]`` says how
     it went (``ok``, ``nondeterministic`` or ``raised``, with the detail)."""
     try:
-        solo_traces(model, schedule, twice=True)
+        fresh_solo_traces(model, schedule, twice=True)
         entry["oracle"] = "ok"
     except OracleNondeterministic as error:
         entry["oracle"], entry["detail"] = "nondeterministic", str(error)
@@ -123,7 +123,7 @@ def _survey_setting(model, implementation, bits, group_size, entry):
         return
     schedule = parse(_small_batch_doc(model, bits, group_size))
     try:
-        traces = solo_traces(model, schedule)
+        traces = fresh_solo_traces(model, schedule)
     except Exception as error:
         entry["oracle"], entry["detail"] = "raised (batch-survey prompts)", error_text(error)
         return

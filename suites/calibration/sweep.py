@@ -13,7 +13,7 @@ from kvparity.oracle.models import load_model
 from kvparity.oracle.solo import greedy
 from kvparity.suites.core.adapter import load_implementation
 from kvparity.suites.calibration.backend import (
-    backend_warnings, captured_stderr, error_text, reading, schedule_doc, solo_traces,
+    backend_warnings, captured_stderr, error_text, reading, schedule_doc, fresh_solo_traces,
 )
 from kvparity.suites.calibration.drift import batched_positions, batched_rows, summarize
 from kvparity.suites.core.loading import parse
@@ -56,7 +56,7 @@ def _sweep(model_name, bits, group_size, implementation, batch_sizes, deadline, 
         schedule = parse(sweep_doc(model, bits, group_size, B, seed))
         try:
             with captured_stderr() as err:
-                traces = solo_traces(model, schedule)
+                traces = fresh_solo_traces(model, schedule)
                 rows = batched_rows(model, implementation, schedule, traces)
         except Exception as error:
             errors.append({"B": B, "error": error_text(error)})
@@ -118,7 +118,7 @@ def _compositions(model_name, bits, group_size, implementation, n, deadline, see
             break
         schedule = parse(doc)
         try:
-            traces = solo_traces(model, schedule)
+            traces = fresh_solo_traces(model, schedule)
             rows = batched_rows(model, implementation, schedule, traces)
         except Exception as error:
             errors.append({"kind": kind, "error": error_text(error)})
@@ -183,7 +183,7 @@ def _control(model, model_name, bits, group_size, implementation, batch_sizes, d
         schedule = parse(doc)
         width = max(r["prompt_len"] for r in doc["requests"].values())
         try:
-            traces = solo_traces(model, schedule)
+            traces = fresh_solo_traces(model, schedule)
             rows = batched_rows(model, implementation, schedule, traces)
         except Exception as error:
             errors.append({"B": B, "error": error_text(error)})
