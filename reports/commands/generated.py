@@ -23,6 +23,7 @@ from kvparity import __version__
 from kvparity.oracle.atomic import FOUND_DIR
 from kvparity.reports import settings, verdicts
 from kvparity.reports.commands.base import CannotRun, UsageError, writable_directory
+from kvparity.suites.core.members import CAPABILITIES
 from kvparity.suites.search import coverage
 from kvparity.suites.search.campaign import Campaign
 from kvparity.suites.search.database import DatabaseError, DatabaseUnavailable, check_database
@@ -111,15 +112,13 @@ def run_generated(args, implementation, policy, declared, budget: int, database=
             member_timeout=getattr(args, "member_timeout", MEMBER_TIMEOUT_S),
         )
         result = run_campaign(campaign)
-    # The catalog's model: paths at settings, then the value cells of what the search draws for this cache
-    drawn = [c for c in ("per_row_rollback",) if implementation.supports(c)]
-    asked = len(coverage.requirements()) + len(coverage.values_asked(drawn))
-    unmet = coverage.missing(result.cells) + coverage.missing_values(result.values, drawn)
+    # The catalog's model, with the value cells of the capabilities the search draws for this cache
+    found = coverage.met(result.cells, result.values, [c for c in CAPABILITIES if implementation.supports(c)])
     record = {
         "level": LEVEL, "budget": budget, "seed": seed, "database": database,
         "schedules": result.schedules, "rows": dict(sum((t.rows for t in result.tallies.values()), Counter())),
         "rows_passed": result.rows_passed,
-        "cells": {"requirements": asked, "reached": asked - len(unmet)},
+        "cells": {"requirements": found["requirements"], "reached": found["reached"]},
         "digest": result.digest,
         "failures": [], "lost": result.lost + result.database_lost, "interrupted": result.interrupted,
     }

@@ -448,6 +448,14 @@ def judged(schedules) -> dict:
         cells += found
         values.update(found_values)
         capabilities.update(schedule.needs)
+    return met(cells, values, capabilities)
+
+
+def met(cells: Iterable[Cell], values: Iterable[str], capabilities: Iterable[str]) -> dict:
+    """The model against what was reached (path cells, value cells by
+    name): its requirements (paths x settings, then the value cells asked of
+    ``capabilities``), how many were reached, and the names of those not."""
+    capabilities = set(capabilities)
     asked = len(requirements()) + len(values_asked(capabilities))
     unmet = missing(cells) + missing_values(values, capabilities)
     return {"requirements": asked, "reached": asked - len(unmet), "missing": unmet}
