@@ -43,7 +43,7 @@ def internal_error() -> int:
 
 def main(argv=None) -> int:
     try:  # a harness that cannot import itself is its own failure, never the commit's
-        from kvparity.reports.commands.base import CannotRun, UsageError, configure
+        from kvparity.reports.commands.base import CannotRun, UsageError, settings_of
         from kvparity.reports.commands.parser import build_parser
         from kvparity.reports.settings import SettingsError
         from kvparity.suites.core.flight import STATE_ENV, remove_if_orphaned
@@ -62,8 +62,7 @@ def main(argv=None) -> int:
     try:
         # SIGTERM and SIGHUP stop a run as Ctrl-C does: through every finally and with exit.
         with stopping_on_signals():
-            configure(args, args.reads_settings, args.requires_settings)
-            return args.func(args)
+            return args.func(args, settings_of(args))
     except CannotRun as error:
         print(f"kvparity: cannot judge here: {error}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kvparity.oracle.models import SCHEDULE_DTYPES, random_model
+from kvparity.reports.settings import Settings
 from kvparity.reports.verdicts import ScheduleVerdict
 from kvparity.suites.core.members import APPLIES_WHAT_RECORDED, WRITE
 from kvparity.suites.core.raised import ForwardRaised
@@ -421,10 +422,10 @@ def _shown(path: str) -> str:
         return path
 
 
-def options_of(args) -> Dict[str, str]:
-    """The options of a run that its bisect needs, from the parsed command line."""
+def options_of(settings: Settings) -> Dict[str, str]:
+    """The options of a run that its bisect needs (name -> value)."""
     names = ("impl", "model", "policy", "expectations", "engine", "device")
-    return {name.replace("_", "-"): getattr(args, name, None) for name in names}
+    return {name: getattr(settings, name) for name in names}
 
 
 def lines(groups: List[FailureGroup]) -> List[str]:

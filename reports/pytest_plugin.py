@@ -21,7 +21,6 @@ The plugin loads in every pytest run where kvparity is installed: the
 harness (and MLX with it) is imported only when a kvparity fixture runs.
 """
 
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -64,7 +63,7 @@ DEFAULT_EXAMPLES = 300  # generated L1 schedules
 
 # The settings pytest takes as --kvparity-NAME, declared in reports/settings.py.
 SETTINGS = {name: s for name, s in settings.SETTINGS.items() if s.plugin}
-CONFIGURATION = pytest.StashKey[settings.Configuration]()
+SETTINGS_KEY = pytest.StashKey[settings.Settings]()
 
 
 def pytest_addoption(parser):
@@ -78,34 +77,26 @@ def pytest_configure(config):
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     try:  # bad settings are refused before anything is collected
-        config.stash[CONFIGURATION] = settings.resolve(
+        config.stash[SETTINGS_KEY] = settings.Settings.of(settings.resolve(
             {name: config.getoption(s.dest) for name, s in SETTINGS.items()}, SETTINGS,
-            start=config.invocation_params.dir)
+            start=config.invocation_params.dir))
     except settings.SettingsError as error:
         raise pytest.UsageError(str(error)) from None
-    levels(config)
-    if setting(config, "schedules") is not None:
+    if settings_of(config).schedules is not None:
         config.stash[THEIR_SCHEDULES] = their_schedules(config)
 
 
-def configuration(config) -> settings.Configuration:
-    return config.stash[CONFIGURATION]
-
-
-def setting(config, name: str):
-    """A setting's value (``settings.resolve``): the command line, [tool.kvparity], or None."""
-    return configuration(config)[name]
+def settings_of(config) -> settings.Settings:
+    """The run's settings, resolved once (``pytest_configure``): the command line, [tool.kvparity],
+    the environment, or the default."""
+    return config.stash[SETTINGS_KEY]
 
 
 def pytest_report_header(config):
     """What is under test and where each setting came from, where kvparity is configured."""
-    if CONFIGURATION in config.stash and setting(config, "impl") is not None:
-        return [f"kvparity {line}" for line in configuration(config).lines()]
+    if SETTINGS_KEY in config.stash and settings_of(config).impl is not None:
+        return [f"kvparity {line}" for line in settings_of(config).configuration.lines()]
     return None
-
-
-def levels(config):
-    return settings.levels_of(setting(config, "levels"))
 
 
 def in_package(path: Path) -> bool:
@@ -125,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark kvparity's tests, deselect the gate's suites of levels not chosen,
     and skip the gqa_batched ones where the installed mlx-lm is defective."""
     skip_defective_gqa(items)
-    chosen = levels(config)
+    chosen = settings_of(config).levels
     kept, dropped = [], []
     for item in items:
         path = Path(str(item.path))
@@ -167,8 +158,8 @@ def their_schedules(config) -> list:
     from kvparity.suites.format.errors import ScheduleError
     from kvparity.suites.runners import RUNNERS, load_schedule
 
-    chosen, cases = levels(config), []
-    for folder in (Path(v) for v in setting(config, "schedules").split(",")):
+    chosen, cases = settings_of(config).levels, []
+    for folder in (Path(v) for v in settings_of(config).schedules.split(",")):
         paths = sorted(folder.glob("*.json"))
         if not paths:
             raise pytest.UsageError(f"--kvparity-schedules {folder}: no schedule files (*.json) there")
@@ -205,11 +196,12 @@ def implementation(pytestconfig, record_testsuite_property):
     from kvparity.suites.core.raised import ImplementationError
     from kvparity.suites.core.adapter import load_implementation
 
-    spec = setting(pytestconfig, "impl")
+    chosen = settings_of(pytestconfig)
+    spec = chosen.impl
     if spec is None:
-        pytest.exit(f"kvparity: {settings.no_implementation(configuration(pytestconfig), '--kvparity-impl')}",
+        pytest.exit(f"kvparity: {settings.no_implementation(chosen.configuration, '--kvparity-impl')}",
                     returncode=4)
-    for name, value in configuration(pytestconfig).values.items():  # junit's <properties>
+    for name, value in chosen.configuration.values.items():  # junit's <properties>
         record_testsuite_property(f"kvparity.{name}", value.value if value.value is not None else "(default)")
         record_testsuite_property(f"kvparity.{name}.from", value.source)
     answer = checked()
@@ -228,7 +220,7 @@ def implementation(pytestconfig, record_testsuite_property):
 @pytest.fixture(scope="session")
 def engine(pytestconfig) -> Optional[str]:
     """L3's engine, ``package.module:factory``; None for mlx-lm's BatchGenerator."""
-    return setting(pytestconfig, "engine")
+    return settings_of(pytestconfig).engine
 
 
 @pytest.fixture(scope="session")
@@ -236,7 +228,7 @@ def policy(pytestconfig):
     from kvparity.reports.policy import PolicyError, load_policy
 
     try:  # as on the command line: by default, the backend's
-        return load_policy(setting(pytestconfig, "policy"))
+        return load_policy(settings_of(pytestconfig).policy)
     except PolicyError as error:
         pytest.exit(str(error), returncode=4)
 
@@ -245,7 +237,7 @@ def policy(pytestconfig):
 def expectations(pytestconfig):
     from kvparity.reports.expectations import ExpectationsError, load_expectations
 
-    path = setting(pytestconfig, "expectations")
+    path = settings_of(pytestconfig).expectations
     try:
         return None if path is None else load_expectations(path)
     except ExpectationsError as error:
@@ -254,10 +246,14 @@ def expectations(pytestconfig):
 
 @pytest.fixture(scope="session")
 def generated_examples(pytestconfig) -> int:
-    """How many L1 schedules the generator runs (KVPARITY_FUZZ_EXAMPLES if no setting gives it)."""
-    value = setting(pytestconfig, "examples") or os.environ.get("KVPARITY_FUZZ_EXAMPLES", str(DEFAULT_EXAMPLES))
+    """How many L1 schedules the generator runs (the examples setting: its option, the table, or
+    KVPARITY_FUZZ_EXAMPLES)."""
+    chosen = settings_of(pytestconfig)
+    value = chosen.examples or str(DEFAULT_EXAMPLES)
     if not value.isdigit() or int(value) < 1:
-        raise pytest.UsageError(f"--kvparity-examples {value!r}: expected a positive integer")
+        source = chosen.source("examples")
+        where = "--kvparity-examples" if source == settings.COMMAND_LINE else f"examples (from {source})"
+        raise pytest.UsageError(f"{where} {value!r}: expected a positive integer")
     return int(value)
 
 

@@ -3,8 +3,11 @@ every entry point: the ``kvparity`` commands and the pytest plugin.
 
 Each setting comes from the command line, else from ``[tool.kvparity]`` in
 the repository's pyproject.toml (the nearest one from the current directory
-upward, as pytest looks for its rootdir), else its default. A resolved value
-remembers where it came from, and every run says so: console, report, junit.
+upward, as pytest looks for its rootdir), else from its environment variable
+where it has one, else its default. A resolved value remembers where it came
+from, and every run says so: console, report, junit. ``Settings`` is what a
+command was asked to do, resolved once and immutable: what every part of a
+run reads.
 
 The implementation under test has no default: with none given, a command
 that needs one refuses (a usage error), naming both ways to give it.
@@ -14,12 +17,17 @@ A relative path in the file is read from the file's folder; on the command
 line, from the current directory.
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 
 from kvparity.oracle.inputs import read_toml
 from kvparity.suites.format.levels import CACHE_LEVELS, LEVELS
+
+if TYPE_CHECKING:  # a run's modules: the pytest plugin reads these settings without importing them
+    from kvparity.suites.l4.server import ServerUnderTest
+    from kvparity.suites.runners import RunOptions
 
 COMMAND_LINE = "command line"
 DEFAULT = "default"
@@ -46,6 +54,7 @@ class Setting:
     kind: str = TEXT  # how a value is read from the file: TEXT, LIST, PATH, PATHS or COUNT
     option: Optional[str] = None  # the kvparity commands' option; None: the plugin's alone
     plugin: bool = True  # the pytest plugin reads it, as --kvparity-NAME
+    environment: Optional[str] = None  # the variable read where neither the command line nor the file gives it
 
     @property
     def dest(self) -> str:  # pytest's dest; the commands' is the option's
@@ -70,7 +79,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("equivalents", "FILE", "kvparity mutate: the mutants of the cache no caller can observe, each with "
             "its reason (TOML)", "none", PATH, "--equivalents", plugin=False),
     Setting("schedules", "DIR[,DIR]", "folders of your own schedule files, run at their levels", "none", PATHS),
-    Setting("examples", "N", "generated L1 schedules", "300, or KVPARITY_FUZZ_EXAMPLES", COUNT),
+    Setting("examples", "N", "generated L1 schedules", "300", COUNT, environment="KVPARITY_FUZZ_EXAMPLES"),
     Setting("generated", "N", "generated L1 schedules kvparity run and check run after the catalog (0: none)",
             str(GENERATED), COUNT, "--generated", plugin=False),
     Setting("generated_database", "DIR", "a Hypothesis example database kept between runs: its saved failures "
@@ -81,7 +90,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 @dataclass(frozen=True)
 class Value:
     value: Optional[str]  # None: the default
-    source: str  # COMMAND_LINE, the pyproject.toml's path, or DEFAULT
+    source: str  # COMMAND_LINE, the pyproject.toml's path, "environment NAME", or DEFAULT
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,14 @@ def resolve(given: Mapping[str, Optional[str]], names=None, start=None) -> Confi
     if "levels" in table:
         check_levels(table["levels"].value, table["levels"].source)
     values = {name: Value(str(given[name]), COMMAND_LINE) if given.get(name) is not None
-              else table.get(name, Value(None, DEFAULT)) for name in names}
+              else table.get(name) or from_environment(SETTINGS[name]) for name in names}
     return Configuration(values, pyproject)
+
+
+def from_environment(setting: Setting) -> Value:
+    """The setting's environment variable, where it has one and it is set; else the default."""
+    value = os.environ.get(setting.environment, "").strip() if setting.environment else ""
+    return Value(value, f"environment {setting.environment}") if value else Value(None, DEFAULT)
 
 
 def no_implementation(configuration: Configuration, option="--impl") -> str:
@@ -195,3 +210,75 @@ def no_implementation(configuration: Configuration, option="--impl") -> str:
              else f"{configuration.pyproject} has no {TABLE} impl")
     return (f"no implementation under test ({where}): name it with {option} package.module:factory, "
             f"or in pyproject.toml as {TABLE} impl = \"package.module:factory\"; {REFERENCE_HINT}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one command was asked to do, resolved once before it starts
+    (``kvparity.reports.commands.base.settings_of``: the command line, else
+    ``[tool.kvparity]``, else the default; the server's options checked),
+    and never changed after. Levels, runners, reports and the action read
+    it; only the command handlers read the parsed command line. A field a
+    command has no option for keeps its default."""
+
+    configuration: Optional[Configuration] = None  # where each table setting came from; None: the command reads none
+    impl: Optional[str] = None
+    levels: Tuple[str, ...] = CACHE_LEVELS
+    levels_said: str = ALL_LEVELS  # the levels as given, for what a message repeats
+    required_levels: Tuple[str, ...] = ()  # --require-levels, each among ``levels``
+    engine: Optional[str] = None
+    model: Optional[str] = None
+    models: Tuple[str, ...] = ()  # the architecture axis (--models); none where a model is forced
+    device: Optional[str] = None
+    on_device: bool = False  # the command runs on an MLX device it checks (it has --device)
+    policy: Optional[str] = None
+    expectations: Optional[str] = None
+    equivalents: Optional[str] = None
+    generated: Optional[str] = None  # as given: ``budget_of`` reads it as a count
+    generated_database: Optional[str] = None
+    repeat_oracle: Optional[bool] = None  # None: on where the device is a GPU
+    server: Optional["ServerUnderTest"] = None  # L4: the server under test
+    out: Optional[str] = None  # --out: the report directory (run, check, fuzz), a file (bisect, mutate)
+    shard: Optional[str] = None  # --shard K/N as given
+    exit_first: bool = False
+    member_timeout: Optional[float] = None  # None: the command sets no limit
+    argv: Tuple[str, ...] = ()  # the command line as given: a run on workers hands it on
+
+    examples: Optional[str] = None  # the pytest plugin's: generated L1 schedules
+    schedules: Optional[str] = None  # the pytest plugin's: folders of the user's schedule files
+
+    @classmethod
+    def of(cls, configuration: Optional[Configuration], **own) -> "Settings":
+        """The table settings as ``configuration`` resolved them (each its
+        field of the same name; ``levels`` as level names; None: none),
+        beside a command's ``own`` fields."""
+        table = {} if configuration is None else {name: configuration[name] for name in configuration.values}
+        if "levels" in table:
+            said = table.pop("levels")
+            table.update(levels=levels_of(said), levels_said=said or ALL_LEVELS)
+        return cls(configuration=configuration, **{**table, **own})
+
+    @property
+    def level(self) -> str:
+        """The one level of a command that runs one (replay, bisect, fuzz)."""
+        return self.levels[0]
+
+    def reads(self, name: str) -> bool:
+        """The command reads the table setting ``name``."""
+        return self.configuration is not None and name in self.configuration.values
+
+    def source(self, name: str) -> str:
+        """Where the table setting ``name`` came from."""
+        return self.configuration.source(name) if self.reads(name) else COMMAND_LINE
+
+    @property
+    def judges_a_server_only(self) -> bool:
+        """Every level the command runs judges the server given (L4): no class is under test."""
+        return self.server is not None and all(LEVELS[name].needs_server for name in self.levels)
+
+    def run_options(self, use_cache: bool = True) -> "RunOptions":
+        """What each level's runner is told (``suites.runners``)."""
+        from kvparity.suites.runners import RunOptions
+
+        return RunOptions(model=self.model, engine=self.engine, repeat_oracle=self.repeat_oracle,
+                          use_cache=use_cache, models=self.models, server=self.server)

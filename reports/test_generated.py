@@ -2,7 +2,6 @@
 derandomized, on by default, off with 0, and able to fail on bugs the
 catalog misses, each failure joining the catalog's group of its member."""
 
-import argparse
 import json
 import queue
 import time
@@ -11,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
-from kvparity.reports import settings
 from kvparity.reports.cli import main
 from kvparity.reports.documents import check_schema
-from kvparity.reports.commands.base import UsageError
+from kvparity.reports.commands.base import UsageError, settings_of
+from kvparity.reports.commands.parser import build_parser
 from kvparity.reports.commands.generated import DEFAULT_GENERATED, budget_of, seed_of
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK, judge
@@ -64,13 +63,13 @@ class FilterSharedPaddingFromTwo(BatchQuantizedKVCache):
 
 
 def args_of(tmp_path, monkeypatch, **given):
-    """A check's arguments after settings are resolved from the command line
-    ``given`` and a pyproject.toml in ``tmp_path``."""
+    """A check's settings as resolved from the command line ``given`` (option -> value) and a
+    pyproject.toml in ``tmp_path``."""
     monkeypatch.chdir(tmp_path)
-    names = ("levels", "generated")
-    configuration = settings.resolve({"levels": given.get("level"), "generated": given.get("generated")}, names)
-    return argparse.Namespace(level=configuration["levels"], generated=configuration["generated"],
-                              shard=given.get("shard"), configuration=configuration)
+    argv = ["check", "--impl", "kvparity.impl.batch_quantized:BatchQuantizedKVCache"]
+    for option, value in given.items():
+        argv.append(f"--{option}={value}")
+    return settings_of(build_parser().parse_args(argv))
 
 
 def test_the_budget_is_on_by_default_off_with_0_and_read_from_the_table(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ gate runs), the gate's exit status read as an outcome (a real child process
 per stage, a hang killed by the timeout), the campaign's exit status, the
 mutated module imported from its copy, and ``check --exit-first``."""
 
-import argparse
 import json
 import os
 import subprocess
@@ -206,10 +205,9 @@ def test_a_stop_ends_the_running_gates_and_judges_nothing(plus, tmp_path):
 
 
 def campaign_status(judged, listed=(), regions=()):
-    args = argparse.Namespace(workers=1, equivalents=None)
     entries = [mutants.Equivalent(m.path, m.line, m.operator, m.now, "a test's", "entry") for m in listed]
     entries += [mutants.Equivalent(path, first, "", "", "a test's", "region", last) for path, first, last in regions]
-    return summary(judged, mutants.Listing(tuple(entries)), 1.0, args, Path.cwd())
+    return summary(judged, mutants.Listing(tuple(entries)), 1.0, 1, None, Path.cwd())
 
 
 def test_the_campaigns_exit_status(found, plus, capsys):

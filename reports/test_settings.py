@@ -1,10 +1,13 @@
 """One configuration for every entry point (reports/settings.py): the
 command line, else [tool.kvparity] of the nearest pyproject.toml, else the
-default, each value with where it came from; no command gates the
+environment or the default, each value with where it came from, resolved
+once into an immutable ``Settings``; no command gates the
 reference unless a setting names it; what is under test is printed, reported
 and in junit."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,6 +18,8 @@ import pytest
 
 from kvparity.reports import pytest_plugin, settings
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_USAGE, main
+from kvparity.reports.commands.base import UsageError, settings_of
+from kvparity.reports.commands.parser import build_parser
 from kvparity.reports.report_json import SCHEMA_PATH
 from kvparity.suites.format.schedule import CATALOG
 
@@ -139,3 +144,52 @@ def test_commands_that_read_no_setting_do_not_read_the_file(tmp_path, monkeypatc
     assert main(["merge", "empty", "--out", "merged"]) == EXIT_USAGE  # nothing to merge: its own refusal
     err = capsys.readouterr().err
     assert "pyproject.toml" not in err and "empty" in err, err
+
+
+# -- one immutable object, resolved once -----------------------------------------------------
+
+
+def settings_for(folder: Path, monkeypatch, *argv) -> settings.Settings:
+    """What ``kvparity ARGV`` run in ``folder`` resolves before its handler starts."""
+    monkeypatch.chdir(folder)
+    return settings_of(build_parser().parse_args(list(argv)))
+
+
+def test_each_declared_setting_is_a_field_of_the_one_settings_object():
+    held = {field.name for field in dataclasses.fields(settings.Settings)}
+    assert set(settings.SETTINGS) - {"levels"} <= held and {"levels", "levels_said"} <= held
+
+
+def test_the_settings_are_resolved_once_and_never_change(tmp_path, monkeypatch):
+    repository(tmp_path, f'impl = "{BROKEN}"\nlevels = "L1"\ngenerated = 7\n')
+    chosen = settings_for(tmp_path, monkeypatch, "check", "--require-levels", "L1", "--member-timeout", "5")
+    assert (chosen.impl, chosen.levels, chosen.generated, chosen.required_levels) == (BROKEN, ("L1",), "7", ("L1",))
+    assert (chosen.source("impl"), chosen.member_timeout) == (str(tmp_path / "pyproject.toml"), 5.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chosen.impl = REFERENCE
+    # A command's own choice of one level, and the options a command does not have, keep their defaults.
+    bisect = settings_for(tmp_path, monkeypatch, "bisect", "found.json", "--level", "L2")
+    assert (bisect.levels, bisect.level, bisect.generated, bisect.server) == (("L2",), "L2", None, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--level", "L2", "--require-levels", "L1"], "--require-levels L1: --level L2 does not run L1"),
+    (["check", "--models", "nope"], "--models 'nope': nope is not"),
+    (["run", "--level", "L4", "--url", "http://127.0.0.1:1", "--server", "x {model} {port}"], "give one"),
+    (["run", "--level", "L4", "--server", "python {model} {port}", "--quantized-kv-start", "soon"],
+     "--quantized-kv-start soon: expected a token index"),
+])
+def test_a_setting_that_cannot_be_used_is_refused_before_the_handler(tmp_path, monkeypatch, argv, message):
+    repository(tmp_path, f'impl = "{REFERENCE}"\n')
+    with pytest.raises(UsageError, match=re.escape(message)):
+        settings_for(tmp_path, monkeypatch, *argv)
+
+
+def test_the_environment_gives_a_setting_below_the_command_line_and_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPARITY_FUZZ_EXAMPLES", "12")
+    monkeypatch.chdir(tmp_path)
+    found = settings.resolve({}, ("examples",))
+    assert (found["examples"], found.source("examples")) == ("12", "environment KVPARITY_FUZZ_EXAMPLES")
+    assert settings.resolve({"examples": "3"}, ("examples",))["examples"] == "3"
+    repository(tmp_path, "examples = 5\n")
+    assert settings.resolve({}, ("examples",))["examples"] == "5"

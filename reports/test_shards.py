@@ -6,13 +6,13 @@ version runs three L1 schedules; the whole catalog at every level is slow.
 """
 
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
 from kvparity.reports import shards
 from kvparity.reports.commands import runs
+from kvparity.reports.settings import Settings
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.suites.format.schedule import CATALOG
 
@@ -153,8 +153,8 @@ def test_shares_are_deterministic_and_balanced_by_measured_cost():
 
 
 def test_the_cost_table_covers_the_catalog():
-    args = Namespace(level="all", model=None, engine=None, repeat_oracle=None)
-    labels = [label for label, _ in runs.plan(args, runs.select(args))]
+    every_level = Settings()
+    labels = [label for label, _ in runs.plan(every_level, runs.select(every_level))]
     assert set(labels) <= set(shards.load_costs())
 
 

@@ -11,6 +11,10 @@ a function counts as much as one at the top of a file.
 * Inside suites/, each module lives in a room (a subpackage) or is one of its
   entry points, and a room imports only the rooms below it (``ROOMS``,
   docs/layout.md).
+* Only the command handlers read the parsed command line: a function that
+  reads a parameter ``args`` as a namespace is a command's ``handle`` or the
+  one resolver of the settings (``NAMESPACE_READERS``); the rest reads the
+  immutable ``reports.settings.Settings``.
 """
 
 import ast
@@ -41,6 +45,10 @@ ROOMS = {
 # suites/'s modules outside every room: the package, which runner each level uses, and the
 # process protocol's server (``python -m kvparity.suites.process_server``). They may import any room.
 ENTRY_POINTS = {"kvparity.suites", "kvparity.suites.runners", "kvparity.suites.process_server"}
+# The functions that read the parsed command line (besides each command's ``handle``).
+NAMESPACE_READERS = {"kvparity.reports.commands.base.settings_of"}
+COMMANDS = "kvparity.reports.commands."
+MAPPING_METHODS = {"get", "items", "keys", "values"}  # an ``args`` that is a dict (an event's) reads these
 
 
 def modules(root: Path) -> Dict[str, Path]:
@@ -222,6 +230,35 @@ def impl_imports_beyond_its_own(root: Path) -> List[str]:
 # --- the repository ----------------------------------------------------------------------
 
 
+def namespace_readers(root: Path) -> List[str]:
+    """Each function of the harness, outside the command handlers and
+    ``NAMESPACE_READERS``, that reads a parameter ``args`` as a namespace:
+    ``args.NAME``, ``getattr(args, ...)`` or ``vars(args)``."""
+    found = []
+    for module, path in modules(root).items():
+        if is_test(module) or folder_of(module) in (None, "impl"):  # impl/ is under test, not the harness
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if "args" not in [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]:
+                continue
+            name = f"{module}.{node.name}"
+            if name in NAMESPACE_READERS or (module.startswith(COMMANDS) and node.name == "handle"):
+                continue
+            if any(reads_namespace(inner) for inner in ast.walk(node)):
+                found.append(f"{name} reads the parsed command line (args): only a command's handle does")
+    return found
+
+
+def reads_namespace(node) -> bool:
+    is_args = lambda n: isinstance(n, ast.Name) and n.id == "args"  # noqa: E731
+    if isinstance(node, ast.Attribute) and is_args(node.value):
+        return node.attr not in MAPPING_METHODS
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars")
+            and bool(node.args) and is_args(node.args[0]))
+
+
 def test_no_import_cycle_between_files():
     found = cycles(graph(ROOT))
     assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
@@ -239,6 +276,10 @@ def test_no_import_cycle_between_folders_and_each_imports_one_way():
 
 def test_each_module_of_suites_is_in_its_room_and_imports_only_the_rooms_below():
     assert out_of_place(graph(ROOT)) == []
+
+
+def test_only_the_command_handlers_read_the_parsed_command_line():
+    assert namespace_readers(ROOT) == []
 
 
 def test_impl_imports_nothing_of_the_harness():
@@ -329,3 +370,19 @@ def test_an_ecosystem_adapter_imports_its_package_but_never_the_harness(tmp_path
     })
     assert "kvparity.impl.ecosystem.good" in modules(root)
     assert impl_imports_beyond_its_own(root) == ["impl/ecosystem/bad.py imports kvparity.suites.core.adapter"]
+
+
+def test_a_function_reading_the_command_line_beside_the_handlers_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "reports/__init__.py": "",
+        "reports/commands/__init__.py": "",
+        "reports/commands/run.py": "def handle(args, settings):\n    return helper(args)\n\n"
+                                   "def helper(args):\n    return args.impl\n",
+        "reports/commands/base.py": "def settings_of(args):\n    return vars(args)\n",
+        "reports/runs.py": "def select(args, files):\n    return getattr(args, 'level', None)\n",
+        "suites/__init__.py": "",
+        "suites/events.py": "def ids_of(where, args):\n    return args.get('ids')\n",  # an event's arguments
+    })
+    assert namespace_readers(root) == [
+        "kvparity.reports.commands.run.helper reads the parsed command line (args): only a command's handle does",
+        "kvparity.reports.runs.select reads the parsed command line (args): only a command's handle does"]

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from kvparity.oracle.models import (
 )
 from kvparity.oracle.models import load_model as load_registry_model
 from kvparity.reports import git_bisect, settings
+from kvparity.reports.settings import Settings
 from kvparity.reports.expectations import ExpectationsError, load_expectations
 from kvparity.reports.policy import PolicyError, load_policy
 from kvparity.suites.core.raised import ImplementationError, ImplementationUnavailable
@@ -28,7 +30,7 @@ from kvparity.suites.l3.engines import EngineError, load_engine_factory
 from kvparity.suites.l4.client import REQUEST_TIMEOUT
 from kvparity.suites.l4.server import RUN_TIMEOUT
 from kvparity.suites.format.levels import L2, L3, L4, LEVELS
-from kvparity.suites.runners import RunOptions, model_set
+from kvparity.suites.runners import model_set
 
 
 class CannotRun(Exception):
@@ -81,7 +83,7 @@ def common_options(command, levels=(*LEVELS, "all"), default_level=None):
     """--impl, --level, --repeat-oracle, --engine, --model, --device and
     --policy, as far as the command's levels use them. Without a
     ``default_level``, --level is the ``levels`` setting (checked in
-    ``configure``); with one, the command's own choice of one level."""
+    ``settings_of``); with one, the command's own choice of one level."""
     command.add_argument("--impl", metavar="MODULE:FACTORY", help=IMPL_HELP)
     if levels and default_level is None:
         command.add_argument("--level", metavar="LEVELS", help=LEVELS_HELP)
@@ -143,17 +145,18 @@ def server_options(command):
                        "answers them all, one at a time; without it, a fresh server per conversation")
 
 
-def server_of(args):
-    """L4's server from the command line, checked before anything runs; None without one."""
+def server_of(given):
+    """L4's server from its options (``given``: the option's dest -> value), checked before anything runs;
+    None without one."""
     from kvparity.suites.l4.server import FIRST, ServerUnderTest
     from kvparity.suites.l4.server_process import ServerUsageError, command_line, loopback_url
 
-    command, url = getattr(args, "server", None), getattr(args, "url", None)
+    command, url = given.get("server"), given.get("url")
     if command is None and url is None:
         return None
     if command is not None and url is not None:
         raise UsageError("--server and --url: give one (a server kvparity starts, or one you run)")
-    off = getattr(args, "prompt_cache_off", "")
+    off = given.get("prompt_cache_off", "")
     if off and url is not None:
         raise UsageError("--prompt-cache-off: with --server only (a server you run keeps the flags it was started with)")
     try:
@@ -163,7 +166,7 @@ def server_of(args):
             url = loopback_url(url)
     except ServerUsageError as error:
         raise UsageError(str(error))
-    start = args.quantized_kv_start
+    start = given["quantized_kv_start"]
     if start == FIRST:
         start = None
     elif not start.isdigit():
@@ -171,20 +174,13 @@ def server_of(args):
     else:
         start = int(start)
     for name in ("kv_bits", "kv_group_size", "prefill_step_size", "concurrency"):
-        value = getattr(args, name)
+        value = given[name]
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: expected 1 or more")
-    return ServerUnderTest(command, url, args.kv_bits, args.kv_group_size, start, args.prefill_step_size,
-                           args.concurrency, args.ready_timeout, args.request_timeout, args.run_timeout,
-                           prompt_cache_off=off.strip(),
-                           models_under=Path(getattr(args, "out", None) or OUTPUT_ROOT))
-
-
-def judges_a_server_only(args) -> bool:
-    """Every level the command runs judges the server given (L4): no class is under test."""
-    given = getattr(args, "server", None) or getattr(args, "url", None)
-    return bool(given) and all(LEVELS[name].needs_server for name in settings.levels_of(args.level)
-                               if name in LEVELS)
+    return ServerUnderTest(command, url, given["kv_bits"], given["kv_group_size"], start, given["prefill_step_size"],
+                           given["concurrency"], given["ready_timeout"], given["request_timeout"],
+                           given["run_timeout"], prompt_cache_off=off.strip(),
+                           models_under=Path(given.get("out") or OUTPUT_ROOT))
 
 
 def expectations_option(command):
@@ -193,18 +189,10 @@ def expectations_option(command):
                          "gate; every other check still gates (see docs/levels-and-checks.md)")
 
 
-def run_options(args, use_cache=True) -> RunOptions:
-    return RunOptions(model=args.model, engine=getattr(args, "engine", None),
-                      repeat_oracle=getattr(args, "repeat_oracle", None), use_cache=use_cache,
-                      models=models_of(args), server=server_of(args))
-
-
-def models_of(args):
-    """The run's architecture axis (``--models``); none where a model is forced."""
-    if args.model or not hasattr(args, "models"):
-        return ()
+def models_of(given: str):
+    """The architecture axis (``--models``) as model names."""
     try:
-        return model_set(args.models)
+        return model_set(given)
     except ValueError as error:
         raise UsageError(str(error))
 
@@ -217,39 +205,63 @@ def dest_of(name: str) -> str:
     return settings.SETTINGS[name].option.lstrip("-").replace("-", "_")
 
 
-def configure(args, names, required=()):
-    """Resolve the settings a command reads (``settings.resolve``) into
-    ``args``, where the rest of the command reads them, and keep the
-    Configuration as ``args.configuration`` for what the run prints and
-    writes. A required setting missing everywhere is a usage error."""
-    if not names:  # a command that reads none (merge, matrix) does not read the file either
-        return None
-    try:
-        configuration = settings.resolve({n: getattr(args, dest_of(n), None) for n in names}, names)
+def settings_of(args) -> Settings:
+    """The command's settings, resolved once before its handler runs: each
+    table setting it reads (``args.reads_settings``) from the command line,
+    else [tool.kvparity], else the environment or the default
+    (``settings.resolve``), and its own options beside them, each checked. A
+    required setting missing everywhere is a usage error. With the
+    handlers, the one reader of the parsed command line."""
+    given, names = vars(args), args.reads_settings
+    try:  # a command that reads none (merge, matrix) does not read the file either
+        configuration = settings.resolve({n: given.get(dest_of(n)) for n in names}, names) if names else None
     except settings.SettingsError as error:
         raise UsageError(str(error))
-    for name in names:
-        setattr(args, dest_of(name), configuration[name])
-    if "levels" in names and args.level is None:
-        args.level = settings.ALL_LEVELS
-    args.configuration = configuration
-    if "impl" in required and args.impl is None and not judges_a_server_only(args):
+    own = {}
+    if "levels" not in names and "level" in given:  # a command's own choice of one level (bisect, fuzz)
+        own.update(levels=(given["level"],), levels_said=given["level"])
+    chosen = Settings.of(configuration, **own)
+    chosen = replace(
+        chosen,
+        required_levels=required_levels(given.get("require_levels"),
+                                        chosen.levels_said if "level" in given else None),
+        models=models_of(given["models"]) if "models" in given and not chosen.model else (),
+        on_device="device" in given, repeat_oracle=given.get("repeat_oracle"),
+        server=server_of(given) if "server" in given else None, out=given.get("out"), shard=given.get("shard"),
+        exit_first=bool(given.get("exit_first")), member_timeout=given.get("member_timeout"),
+        argv=tuple(given.get("argv", ())),
+    )
+    if "impl" in args.requires_settings and chosen.impl is None and not chosen.judges_a_server_only:
         raise UsageError(settings.no_implementation(configuration))
-    return configuration
+    return chosen
 
 
-def print_configuration(args, out=None, **resolved):
+def required_levels(given, levels_said) -> tuple:
+    """--require-levels as level names, each among those --level runs
+    (``levels_said``; None where the command has no --level); a usage error
+    otherwise (before any work)."""
+    if given is None:
+        return ()
+    named = tuple(v.strip() for v in given.split(",") if v.strip())
+    unknown = [v for v in named if v not in LEVELS]
+    if unknown or not named:
+        raise UsageError(f"--require-levels {given!r}: expected some of {', '.join(LEVELS)}")
+    outside = [v for v in named if levels_said is not None and v not in settings.levels_of(levels_said)]
+    if outside:
+        raise UsageError(f"--require-levels {given}: --level {levels_said} does not run {', '.join(outside)}")
+    return named
+
+
+def print_configuration(chosen: Settings, out=None, **resolved):
     """What is under test and where each setting came from, before the verdict."""
-    configuration = getattr(args, "configuration", None)
-    if configuration is not None:
-        lines = configuration.lines(resolved)
-        server = server_of(args) if hasattr(args, "server") else None
-        if server is not None:  # L4: the server is under test (and a class, where one is named too)
-            lines.insert(0, f"server under test: {server.name}")
-            if judges_a_server_only(args):
+    if chosen.configuration is not None:
+        lines = chosen.configuration.lines(resolved)
+        if chosen.server is not None:  # L4: the server is under test (and a class, where one is named too)
+            lines.insert(0, f"server under test: {chosen.server.name}")
+            if chosen.judges_a_server_only:
                 lines = [line for line in lines if not line.startswith("under test:")]
         print("\n".join(lines), file=out or sys.stdout)
-    if hasattr(args, "device"):  # the command runs on a device use_device checked
+    if chosen.on_device:  # the command runs on a device use_device checked
         print(f"device: {known_answer.checked().summary}", file=out or sys.stdout)
 
 
@@ -375,16 +387,17 @@ def use_device(name):
     raise DeviceUntrusted(why)
 
 
-def policy(args):
+def policy(chosen: Settings):
+    """The policy the settings name, checked whole before anything runs."""
     try:
-        return load_policy(getattr(args, "policy", None))
+        return load_policy(chosen.policy)
     except PolicyError as error:
         raise UsageError(str(error))
 
 
-def expectations(args):
+def expectations(chosen: Settings):
     """The --expectations file, checked whole before anything runs; None without one."""
-    path = getattr(args, "expectations", None)
+    path = chosen.expectations
     if path is None:
         return None
     try:

@@ -46,15 +46,15 @@ def benchmarks(directory, quick, impl):
     return None
 
 
-def handle(args):
-    check_impl_spec(args.impl)
-    writable_directory(args.out, "--out")
-    implementation(args.impl)  # refuse an unusable one before minutes of benchmarks
-    print_configuration(args)
-    report = ReportDirectory(args.out)
+def handle(args, settings):
+    check_impl_spec(settings.impl)
+    writable_directory(settings.out, "--out")
+    implementation(settings.impl)  # refuse an unusable one before minutes of benchmarks
+    print_configuration(settings)
+    report = ReportDirectory(settings.out)
     try:
         with report as directory:
-            failed = benchmarks(directory, args.quick, args.impl)
+            failed = benchmarks(directory, args.quick, settings.impl)
     except bench.BenchmarkFailed as error:  # nothing measured: no directory is left behind
         print(f"kvparity: {error}", file=sys.stderr)
         return EXIT_BROKEN

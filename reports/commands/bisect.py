@@ -8,7 +8,7 @@ from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports import failures, verdicts
 from kvparity.reports.commands.base import (
     RUN_SETTINGS, UsageError, check_engine, check_impl_spec, check_model_name, common_options, expectations,
-    expectations_option, implementation, policy, print_configuration, run_options, use_device, writable_directory,
+    expectations_option, implementation, policy, print_configuration, use_device, writable_directory,
 )
 from kvparity.reports.commands.runs import plan
 from kvparity.reports.verdicts import EXIT_BROKEN
@@ -41,32 +41,34 @@ def arguments(command):
                          f"(default: {OUTPUT_ROOT / 'bisect' / 'NAME-min.json'})")
 
 
-def level_of(args, schedule):
-    """The level to bisect at: an arrivals schedule only at L3, an event
-    schedule only at a level it declares."""
-    level = L3 if is_arrivals(schedule) else args.level
-    if level == L3 and args.level != L3:
-        raise UsageError(f"{args.schedule}: an arrivals schedule: bisect it with --level L3")
+def level_of(asked: str, path: str, schedule):
+    """The level to bisect the schedule file ``path`` at (``asked``: --level):
+    an arrivals schedule only at L3, an event schedule only at a level it
+    declares."""
+    level = L3 if is_arrivals(schedule) else asked
+    if level == L3 and asked != L3:
+        raise UsageError(f"{path}: an arrivals schedule: bisect it with --level L3")
     if level != L3 and level not in schedule.levels:
-        raise UsageError(f"{args.schedule}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
+        raise UsageError(f"{path}: not an {level} schedule (levels: {', '.join(schedule.levels)})")
     return level
 
 
-def with_prefill_batch_size(args, schedule):
-    """The arrivals schedule with --prefill-batch-size written into its engine
-    block, so that the minimal schedule written holds it too."""
-    size = args.prefill_batch_size
+def with_prefill_batch_size(size, path: str, schedule):
+    """The arrivals schedule (from ``path``) with --prefill-batch-size
+    ``size`` written into its engine block, so that the minimal schedule
+    written holds it too."""
     if size is None:
         return schedule
     if not is_arrivals(schedule) or size < 1:
         raise UsageError(f"--prefill-batch-size {size}: a number of 1 or more, for an arrivals schedule (L3)")
     doc = copy.deepcopy(schedule.doc)
     doc.setdefault("engine", {})["prefill_batch_size"] = size
-    return arrivals.parse(doc, source=args.schedule)
+    return arrivals.parse(doc, source=path)
 
 
-def output_path(args, schedule) -> Path:
-    out = Path(args.out or OUTPUT_ROOT / "bisect" / f"{schedule.name}-min.json")
+def output_path(given, schedule) -> Path:
+    """Where the minimal schedule goes: ``given`` (--out), else under the output folder."""
+    out = Path(given or OUTPUT_ROOT / "bisect" / f"{schedule.name}-min.json")
     if out.exists() and not out.is_file():
         raise UsageError(f"--out {out}: not a file")
     writable_directory(out.parent, "--out")
@@ -91,21 +93,21 @@ def at_fault_words(first, member: str) -> str:
     return f"{member} (the last protocol call before the first divergence: call {first.call + 1} of its event)"
 
 
-def handle(args):
-    chosen_policy, declared = policy(args), expectations(args)
-    check_impl_spec(args.impl)
-    check_model_name(args.model)
-    schedule = with_prefill_batch_size(args, load_schedule(args.schedule))
-    level = level_of(args, schedule)
-    out = output_path(args, schedule)
-    use_device(args.device)
+def handle(args, settings):
+    chosen_policy, declared = policy(settings), expectations(settings)
+    check_impl_spec(settings.impl)
+    check_model_name(settings.model)
+    schedule = with_prefill_batch_size(args.prefill_batch_size, args.schedule, load_schedule(args.schedule))
+    level = level_of(settings.level, args.schedule, schedule)
+    out = output_path(settings.out, schedule)
+    use_device(settings.device)
     if level == L3:
-        check_engine(args.engine)
-    plan(args, [(level, schedule)])  # an L2 or L3 schedule must fit its model
-    chosen = implementation(args.impl)
-    print_configuration(args, policy=chosen_policy.name)
+        check_engine(settings.engine)
+    plan(settings, [(level, schedule)])  # an L2 or L3 schedule must fit its model
+    chosen = implementation(settings.impl)
+    print_configuration(settings, policy=chosen_policy.name)
     # The variants the shrinker tries run fresh at L2: none is stored as a golden.
-    runner, options = RUNNERS[level], run_options(args, use_cache=False)
+    runner, options = RUNNERS[level], settings.run_options(use_cache=False)
     shrinker = (ArrivalShrinker if level == L3 else Shrinker)(
         lambda s: verdicts.judge(runner.run(s, chosen, options), chosen_policy, declared), schedule)
     if shrinker.first is None:
@@ -135,8 +137,8 @@ def handle(args):
     elif at_fault:
         print(f"member at fault: {at_fault}")
     replay = shlex.join(["kvparity", "replay", str(out), "--level", level]
-                        + (["--impl", args.impl] if args.impl else [])
-                        + (["--expectations", args.expectations] if args.expectations else [])
-                        + (["--engine", args.engine] if getattr(args, "engine", None) else []))
+                        + (["--impl", settings.impl] if settings.impl else [])
+                        + (["--expectations", settings.expectations] if settings.expectations else [])
+                        + (["--engine", settings.engine] if settings.engine else []))
     print(f"written to {out}; replay with: {replay}")
     return EXIT_BROKEN

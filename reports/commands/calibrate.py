@@ -25,7 +25,8 @@ def arguments(command):
                          help="seconds for the whole run (default 600); phases stop at their share of it")
     command.add_argument("--phases", default=",".join(PHASES),
                          help=f"comma-separated subset of {','.join(PHASES)} (default: all)")
-    command.add_argument("--models", help="comma-separated random models, '-mha' variants allowed (default: all)")
+    command.add_argument("--models", dest="random_models",  # not the run commands' architecture axis
+                         help="comma-separated random models, '-mha' variants allowed (default: all)")
     command.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
                          help="batch sizes of the sweep (default 1-16)")
     command.add_argument("--settings", type=int, default=6, help="how many runnable settings to sweep (default 6)")
@@ -35,12 +36,12 @@ def arguments(command):
     command.add_argument("--resume", metavar="FILE", help="a JSON file of an earlier run: keep its phases")
 
 
-def handle(args):
-    use_device(args.device)
+def handle(args, settings):
+    use_device(settings.device)
     writable_directory(Path(args.out).parent, "--out")
     try:
-        data = calibrate(args.out, device=args.device, deadline=args.deadline, phases=args.phases.split(","),
-                         models=args.models.split(",") if args.models else None,
+        data = calibrate(args.out, device=settings.device, deadline=args.deadline, phases=args.phases.split(","),
+                         models=args.random_models.split(",") if args.random_models else None,
                          batch_sizes=[int(b) for b in args.batch_sizes.split(",")], settings=args.settings,
                          compositions=args.compositions, margin=args.margin, resume=args.resume)
     except ValueError as error:

@@ -36,15 +36,16 @@ def arguments(command):
     command.add_argument("--out", metavar="DIR", help="also write a report directory under DIR")
 
 
-def handle(args):
+def handle(args, settings):
     """Like run, for scripts and git bisect: the summary and an exit status."""
-    shard = shard_of(args, writes_report=bool(args.out))
-    if shard is not None and args.exit_first:
+    shard = shard_of(settings, writes_report=bool(settings.out))
+    if shard is not None and settings.exit_first:
         raise UsageError("--exit-first and --shard: a shard's report must hold its whole share for kvparity merge")
-    if args.out:
-        writable_directory(args.out, "--out")
-    implementation, policy, results, verdict, declared, plan = select_and_run(args, args.schedule, shard)
+    if settings.out:
+        writable_directory(settings.out, "--out")
+    implementation, policy, results, verdict, declared, plan = select_and_run(settings, args.schedule, shard)
     print_summary(results, verdict, policy, quiet=True)
-    if args.out:
-        report_written(lambda: write_run_report(args, implementation, policy, results, verdict, declared, shard=plan))
+    if settings.out:
+        report_written(lambda: write_run_report(settings, implementation, policy, results, verdict, declared,
+                                                shard=plan))
     return verdict.exit_status

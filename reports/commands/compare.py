@@ -24,8 +24,8 @@ def arguments(command):
     command.add_argument("--policy", metavar="NAME|FILE", help="verdict policy (default: this backend's)")
 
 
-def handle(args):
-    chosen_policy = policy(args)
+def handle(args, settings):
+    chosen_policy = policy(settings)
     try:
         golden, candidate = read_golden(args.golden), read_golden(args.candidate)
         check_same_machine(golden, candidate)

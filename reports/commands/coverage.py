@@ -66,7 +66,7 @@ def record(files) -> dict:
     }
 
 
-def handle(args):
+def handle(args, settings):
     found = record(schedule_files(args.paths))
     if args.json:
         print(json.dumps(found, indent=1))

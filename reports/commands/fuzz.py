@@ -64,17 +64,18 @@ def arguments(command):
     member_timeout_option(command)
 
 
-def check_budget(args):
-    if args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: at least 1")
-    if args.minutes is not None and not args.minutes > 0:
-        raise UsageError(f"--minutes {args.minutes:g}: more than 0")
-    if args.examples is not None and args.examples < 1:
-        raise UsageError(f"--examples {args.examples}: at least 1")
+def check_budget(workers: int, minutes, examples):
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: at least 1")
+    if minutes is not None and not minutes > 0:
+        raise UsageError(f"--minutes {minutes:g}: more than 0")
+    if examples is not None and examples < 1:
+        raise UsageError(f"--examples {examples}: at least 1")
 
 
-def database_spec(args):
-    spec = None if args.database.lower() == "none" else args.database
+def database_spec(given: str):
+    """--database, checked before any worker starts: None for 'none'."""
+    spec = None if given.lower() == "none" else given
     try:
         check_database(spec)
     except DatabaseError as error:
@@ -93,33 +94,33 @@ def show_progress(result):
           f"passed, {failures} failure{'s' * (failures != 1)}", file=sys.stderr, flush=True)
 
 
-def handle(args):
-    check_budget(args)
-    chosen_policy = policy(args)
-    check_impl_spec(args.impl)
-    writable_directory(args.out, "--out")
-    database = database_spec(args)
-    use_device(args.device)
-    chosen = implementation(args.impl)  # refused here, before any worker starts
+def handle(args, settings):
+    check_budget(args.workers, args.minutes, args.examples)
+    chosen_policy = policy(settings)
+    check_impl_spec(settings.impl)
+    writable_directory(settings.out, "--out")
+    database = database_spec(args.database)
+    use_device(settings.device)
+    chosen = implementation(settings.impl)  # refused here, before any worker starts
     seed = args.seed if args.seed is not None else random.randrange(2**32)
-    print_configuration(args, policy=chosen_policy.name)
-    print(f"fuzz {args.level} on {chosen.spec}: {args.workers} worker(s), seed {seed}, "
+    print_configuration(settings, policy=chosen_policy.name)
+    print(f"fuzz {settings.level} on {chosen.spec}: {args.workers} worker(s), seed {seed}, "
           f"database {database or 'none'}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="kvparity-fuzz-") as found_dir:
         campaign = Campaign(
             implementation=chosen.spec, judge=functools.partial(verdicts.judge, policy=chosen_policy),
-            level=args.level, workers=args.workers, examples=args.examples,
+            level=settings.level, workers=args.workers, examples=args.examples,
             seconds=None if args.minutes is None else args.minutes * 60, database=database, seed=seed,
-            found_dir=found_dir, device=args.device, member_timeout=args.member_timeout,
+            found_dir=found_dir, device=settings.device, member_timeout=settings.member_timeout,
         )
         result = run_campaign(campaign, on_progress=show_progress)
     for lost in result.lost + result.database_lost:
         print(f"kvparity fuzz: {lost}", file=sys.stderr)
     if result.interrupted:
-        return report_interrupted(args, result, chosen, chosen_policy)
+        return report_interrupted(settings, result, chosen, chosen_policy)
     if not result.found:
         return nothing_found(result)
-    return report_failures(args, result, chosen, chosen_policy)
+    return report_failures(settings, result, chosen, chosen_policy)
 
 
 def nothing_found(result) -> int:
@@ -145,7 +146,7 @@ def campaign_section(result):
     return "Fuzz campaign", ["", "value"], rows
 
 
-def campaign_report(args, result, chosen, chosen_policy, results, run_verdict, docs, names):
+def campaign_report(settings, result, chosen, chosen_policy, results, run_verdict, docs, names):
     """The report directory of a campaign: the replayed ``results``, the
     campaign's counts, and the failing schedules ``docs``, each a replayable
     file ``found/NAME.json``."""
@@ -155,12 +156,12 @@ def campaign_report(args, result, chosen, chosen_policy, results, run_verdict, d
         for doc, name in zip(docs, names):
             atomic_write_json({**doc, "name": name}, directory / "found" / f"{name}.json")
 
-    return write_report(results, describe(chosen, model_or_default(None)), args.out, policy=chosen_policy,
+    return write_report(results, describe(chosen, model_or_default(None)), settings.out, policy=chosen_policy,
                         run_verdict=run_verdict, capabilities=chosen.capabilities, extra=found_files,
-                        sections=[campaign_section(result)], configuration=args.configuration)
+                        sections=[campaign_section(result)], configuration=settings.configuration)
 
 
-def report_interrupted(args, result, chosen, chosen_policy) -> int:
+def report_interrupted(settings, result, chosen, chosen_policy) -> int:
     """A campaign a signal stopped: its counts so far and the failures it
     found, as found (shrinking and replaying them is not done once a signal
     said stop), in a report marked interrupted; the interrupted status."""
@@ -171,14 +172,14 @@ def report_interrupted(args, result, chosen, chosen_policy) -> int:
                                "planned": result.campaign.examples}
     print(f"fuzz {result.campaign.level}: interrupted by {result.interrupted} after {result.schedules} generated "
           f"schedules ({result.rows_passed} rows passed, {len(docs)} failures found, not shrunk)")
-    report_written(lambda: campaign_report(args, result, chosen, chosen_policy, [], run_verdict, docs, names))
+    report_written(lambda: campaign_report(settings, result, chosen, chosen_policy, [], run_verdict, docs, names))
     return run_verdict.exit_status
 
 
-def report_failures(args, result, chosen, chosen_policy) -> int:
+def report_failures(settings, result, chosen, chosen_policy) -> int:
     """Shrink each distinct failure (``shrunk_found``), replay it, and write
     the schedules into a report."""
-    level, runner = args.level, RUNNERS[args.level]
+    level, runner = settings.level, RUNNERS[settings.level]
     options = RunOptions(use_cache=False)
 
     def run(schedule):
@@ -190,9 +191,10 @@ def report_failures(args, result, chosen, chosen_policy) -> int:
                for i, s in enumerate(schedules)]
     run_verdict = verdicts.verdict_of_run(results, policy=chosen_policy)
     names = [f"{s.name}-{i + 1}" if len(schedules) > 1 else s.name for i, s in enumerate(schedules)]
-    path = report_written(lambda: campaign_report(args, result, chosen, chosen_policy, results, run_verdict, docs,
-                                                  names))
-    timeout = f" --member-timeout {args.member_timeout:g}" if args.member_timeout != MEMBER_TIMEOUT_S else ""
+    path = report_written(lambda: campaign_report(settings, result, chosen, chosen_policy, results, run_verdict,
+                                                  docs, names))
+    timeout = (f" --member-timeout {settings.member_timeout:g}" if settings.member_timeout != MEMBER_TIMEOUT_S
+               else "")
     for i, (name, judged) in enumerate(zip(names, results)):
         replay = (shlex.join(["kvparity", "replay", f"{Path(path) / 'found' / name}.json", "--level", level,
                               "--impl", chosen.spec]) + (timeout if i in died_in else ""))

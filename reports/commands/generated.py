@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kvparity import __version__
 from kvparity.oracle.atomic import FOUND_DIR
-from kvparity.reports import settings, verdicts
+from kvparity.reports import verdicts
+from kvparity.reports.settings import COMMAND_LINE, GENERATED, TABLE, Settings
 from kvparity.reports.commands.base import CannotRun, UsageError, writable_directory
 from kvparity.suites.core.members import CAPABILITIES
 from kvparity.suites.search import coverage
@@ -37,7 +38,7 @@ from kvparity.suites.core.loading import parse
 from kvparity.suites.search.shrink import shrunk_found
 
 LEVEL = L1  # generated schedules are judged where every protocol call is: cache bytes
-DEFAULT_GENERATED = settings.GENERATED
+DEFAULT_GENERATED = GENERATED
 
 
 def generated_options(command):
@@ -50,34 +51,32 @@ def generated_options(command):
                          "saved are tried first, and those found are saved into it (default: none)")
 
 
-def budget_of(args, files=None) -> int:
+def budget_of(settings: Settings, files=None) -> int:
     """The number of generated schedules a command runs: 0 where it runs no
     catalog at L1 (schedule files of its own, unless --generated is given on
     the command line; a shard; levels without L1). A value that is not a
     whole number of 0 or more is a usage error, before any work."""
-    if not hasattr(args, "generated"):  # a command without the budget (replay: one file)
+    if not settings.reads("generated"):  # a command without the budget (replay: one file)
         return 0
-    value = args.generated
-    configuration = getattr(args, "configuration", None)
-    source = configuration.source("generated") if configuration is not None else settings.COMMAND_LINE
+    value, source = settings.generated, settings.source("generated")
     if value is None:
         budget = DEFAULT_GENERATED
     else:
         text = str(value).strip()
         if not text.isdigit():
-            where = "--generated" if source == settings.COMMAND_LINE else f"{source}: {settings.TABLE} generated"
+            where = "--generated" if source == COMMAND_LINE else f"{source}: {TABLE} generated"
             raise UsageError(f"{where} {value!r}: expected a whole number of generated schedules, 0 or more")
         budget = int(text)
-    if files and source != settings.COMMAND_LINE:
+    if files and source != COMMAND_LINE:
         return 0
-    if getattr(args, "shard", None) or LEVEL not in settings.levels_of(getattr(args, "level", None)):
+    if settings.shard or LEVEL not in settings.levels:
         return 0
     return budget
 
 
-def database_of(args):
+def database_of(settings: Settings):
     """--generated-database, checked before any work."""
-    spec = getattr(args, "generated_database", None)
+    spec = settings.generated_database
     if spec is None:
         return None
     try:
@@ -97,7 +96,7 @@ def seed_of(budget: int) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
-def run_generated(args, implementation, policy, declared, budget: int, database=None):
+def run_generated(settings: Settings, implementation, policy, declared, budget: int, database=None):
     """The budget run on ``implementation``: (its record for the run verdict,
     the replayed failing runs, each a ``verdicts.ScheduleVerdict`` of a
     schedule file written under ``--out``'s ``found/``, else the reports
@@ -108,8 +107,8 @@ def run_generated(args, implementation, policy, declared, budget: int, database=
         campaign = Campaign(
             implementation=implementation.spec, level=LEVEL, workers=1, examples=budget, database=database,
             judge=functools.partial(verdicts.judge, policy=policy, expectations=declared), seed=seed,
-            found_dir=folder, device=getattr(args, "device", None), fixed=True, reach=True,
-            member_timeout=getattr(args, "member_timeout", MEMBER_TIMEOUT_S),
+            found_dir=folder, device=settings.device, fixed=True, reach=True,
+            member_timeout=member_timeout_of(settings),
         )
         result = run_campaign(campaign)
     # The catalog's model, with the value cells of the capabilities the search draws for this cache
@@ -124,12 +123,17 @@ def run_generated(args, implementation, policy, declared, budget: int, database=
     }
     found = []
     if result.found and not result.interrupted:
-        found = replayed(args, result, implementation, policy, declared, record)
+        found = replayed(settings, result, implementation, policy, declared, record)
     record["seconds"] = round(time.perf_counter() - started, 1)
     return record, found
 
 
-def replayed(args, result, implementation, policy, declared, record):
+def member_timeout_of(settings: Settings) -> float:
+    """The member timeout the budget runs under: the command's, else the flight's default."""
+    return MEMBER_TIMEOUT_S if settings.member_timeout is None else settings.member_timeout
+
+
+def replayed(settings: Settings, result, implementation, policy, declared, record):
     """Each failure found shrunk, written and replayed; the record lists them
     with their replay commands."""
     runner, options = RUNNERS[LEVEL], RunOptions(use_cache=False)
@@ -138,10 +142,9 @@ def replayed(args, result, implementation, policy, declared, record):
         return verdicts.judge(runner.run(schedule, implementation, options), policy, declared)
 
     docs, died_in = shrunk_found(result, run)
-    out = getattr(args, "out", None)
-    folder = Path(out) / FOUND_DIR.name if out else FOUND_DIR  # the failing schedules written, with the report
+    folder = Path(settings.out) / FOUND_DIR.name if settings.out else FOUND_DIR  # written with the report
     folder.mkdir(parents=True, exist_ok=True)
-    timeout = getattr(args, "member_timeout", MEMBER_TIMEOUT_S)
+    timeout = member_timeout_of(settings)
     judged_runs = []
     for i, doc in enumerate(docs):
         name = doc["name"].replace("found-", "generated-", 1) + (f"-{i + 1}" if len(docs) > 1 else "")

@@ -43,7 +43,7 @@ def run_sessions(sessions, noxfile=None) -> int:
     return subprocess.run(command).returncode
 
 
-def handle(args):
+def handle(args, settings):
     new_path(args.out, "--out")
     if args.session:
         status = run_sessions(args.session, args.noxfile)

@@ -4,9 +4,10 @@ import shutil
 from pathlib import Path
 
 from kvparity.oracle.atomic import OUTPUT_ROOT
-from kvparity.reports import records, settings, shards, verdicts
+from kvparity.reports import records, shards, verdicts
 from kvparity.reports.commands.base import UsageError, writable_directory
-from kvparity.reports.commands.runs import print_summary, report_written, require_levels_option, required_levels
+from kvparity.reports.commands.runs import print_summary, report_written, require_levels_option
+from kvparity.reports.settings import Configuration, Value
 from kvparity.reports.writer import write_report
 from kvparity.suites.l4.server_process import SERVER_LOGS
 
@@ -42,23 +43,29 @@ def copy_server_logs(directories, report: Path):
 
 def shown_configuration(doc):
     """The shards' settings as a run prints them (``settings.Configuration.lines``)."""
-    values = {name: settings.Value(s["value"], s["from"]) for name, s in doc["settings"].items()}
-    return settings.Configuration(values, doc["pyproject"]).lines()
+    values = {name: Value(s["value"], s["from"]) for name, s in doc["settings"].items()}
+    return Configuration(values, doc["pyproject"]).lines()
 
 
-def handle(args):
-    required = required_levels(args)
-    writable_directory(args.out, "--out")
+def handle(args, settings):
+    return merge(args.directories, settings.out, settings.required_levels, impl=args.impl)
+
+
+def merge(directories, out, required, impl=None) -> int:
+    """The shard reports under ``directories`` merged into one report under
+    ``out``, one verdict (``required``: the levels that must be judged); with
+    ``impl``, shards that gated another class are refused."""
+    writable_directory(out, "--out")
     try:
-        paths = records.report_files(args.directories)
+        paths = records.report_files(directories)
         found = [records.read_record(path) for path in paths]
         merged = shards.gather(found, [path.parent for path in paths])
     except (records.RecordError, shards.ShardError) as error:
         raise UsageError(str(error))
     first = merged.records[0]
     gated = first["environment"].get("implementation")
-    if args.impl is not None and gated != args.impl:
-        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not --impl {args.impl}")
+    if impl is not None and gated != impl:
+        raise UsageError(f"{merged.directories[0]}: the shards gated {gated}, not --impl {impl}")
     configuration = first.get("configuration")
     print(f"under test: {gated} (as the shards ran it)" if configuration is None else
           "\n".join(shown_configuration(configuration)))
@@ -73,7 +80,7 @@ def handle(args):
     shown = [[d["index"], d["directory"], d["device"], d["exit_status"]] for d in shards.merged_doc(merged)["merged"]]
     shown += [[k, "(missing)", "", ""] for k in merged.missing]
     report_written(lambda: write_report(
-        results, environment, args.out, policy=policy, run_verdict=verdict, probes=first["probes"],
+        results, environment, out, policy=policy, run_verdict=verdict, probes=first["probes"],
         capabilities=first["capabilities"], expectations=declared, shard=shards.merged_doc(merged),
         configuration=configuration,
         sections=[(f"Shards merged ({len(merged.records)} of {merged.count})",

@@ -22,7 +22,7 @@ def arguments(command):
     command.add_argument("directory", metavar="DIR", help="the directory to write (it must not exist)")
 
 
-def handle(args):
+def handle(args, settings):
     check_model_name(args.name, "NAME")
     new_path(args.directory, "DIR")
     path = write_model_dir(load_model_or_refuse(args.name), args.directory)

@@ -83,7 +83,7 @@ def module_records() -> list:
     return records
 
 
-def handle(args):
+def handle(args, settings):
     for name in args.names:
         check_model_name(name, "NAME")
     if args.all:

@@ -10,7 +10,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvparity.reports import settings
 from kvparity.reports.commands.base import (
     RUN_SETTINGS, CannotRun, UsageError, common_options, expectations, expectations_option, implementation, policy,
     print_configuration, seconds, use_device, writable_directory,
@@ -20,9 +19,11 @@ from kvparity.reports.mutants import (
     KILLED, NOT_A_PROGRAM, NOT_JUDGED, SURVIVED, TIMEOUT, Gate, MutantsError, campaign, entry_of, listed_in, load_equivalents,
     match_equivalents, mutants_of, outcome_counts, report, sample, vouched_for,
 )
+from kvparity.reports.settings import SETTINGS as DECLARED, Settings
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK
 from kvparity.suites.format.levels import CACHE_LEVELS, L1
 from kvparity.suites.format.schedule import atomic_write_json
+from kvparity.suites.runners import model_set
 
 NAME = "mutate"
 HELP = "mutation testing: the lines of your cache that the gate does not constrain"
@@ -86,62 +87,62 @@ def stages(levels) -> list:
     return ([L1] if L1 in levels else []) + ([",".join(rest)] if rest else [])
 
 
-def forwarded(args) -> list:
+def forwarded(settings: Settings) -> list:
     """The gate's arguments: the class and every setting as resolved here."""
-    argv = ["--impl", args.impl, "--member-timeout", f"{args.member_timeout:g}"]
+    argv = ["--impl", settings.impl, "--member-timeout", f"{settings.member_timeout:g}"]
     for name in ("engine", "model", "device", "policy", "expectations"):
-        value = getattr(args, name, None)
+        value = getattr(settings, name)
         if value is not None:
-            argv += [settings.SETTINGS[name].option, value]
-    if args.repeat_oracle is not None:
-        argv.append("--repeat-oracle" if args.repeat_oracle else "--no-repeat-oracle")
-    if args.models != "default":
-        argv += ["--models", args.models]
+            argv += [DECLARED[name].option, value]
+    if settings.repeat_oracle is not None:
+        argv.append("--repeat-oracle" if settings.repeat_oracle else "--no-repeat-oracle")
+    if not settings.model and settings.models != model_set("default"):
+        argv += ["--models", ",".join(settings.models) or "none"]
     return argv
 
 
-def files_to_mutate(args, batch_class) -> list:
-    """(path, module) of each file: the class's own, or each given, found
-    among the modules that loading the class imported."""
-    if not args.files:
+def files_to_mutate(files, impl: str, batch_class) -> list:
+    """(path, module) of each file (``files``; none: the class's own), found
+    among the modules that loading the class (``impl``) imported."""
+    if not files:
         return [(Path(inspect.getsourcefile(batch_class)), batch_class.__module__)]
     loaded = {Path(m.__file__).resolve(): name for name, m in list(sys.modules.items())
               if getattr(m, "__file__", None)}
     chosen = []
-    for given in args.files:
+    for given in files:
         path = Path(given)
         if not path.is_file() or path.suffix != ".py":
             raise UsageError(f"{given}: not a Python source file")
         module = loaded.get(path.resolve())
         if module is None:
-            raise UsageError(f"{given}: not imported by --impl {args.impl}: no mutant of it could change "
+            raise UsageError(f"{given}: not imported by --impl {impl}: no mutant of it could change "
                              "what the gate runs")
         chosen.append((path, module))
     return chosen
 
 
-def handle(args):
+def handle(args, settings: Settings):
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: at least 1")
     if args.sample is not None and args.sample < 1:
         raise UsageError(f"--sample {args.sample}: at least 1")
-    levels = settings.levels_of(args.level)
-    gate_stages = stages(levels)
-    chosen_policy = policy(args)
-    expectations(args)
-    if args.out:
-        writable_directory(Path(args.out).absolute().parent, "--out", shown=args.out)
+    gate_stages = stages(settings.levels)
+    chosen_policy = policy(settings)
+    expectations(settings)
+    if settings.out:
+        writable_directory(Path(settings.out).absolute().parent, "--out", shown=settings.out)
     try:
-        listed = load_equivalents(args.equivalents) if args.equivalents else []
+        listed = load_equivalents(settings.equivalents) if settings.equivalents else []
     except MutantsError as error:
         raise UsageError(str(error))
     try:
         import cosmic_ray  # noqa: F401 (the mutation tool, an optional extra)
     except ImportError:
         raise CannotRun("kvparity mutate needs cosmic-ray: pip install 'kvparity[mutate]'")
-    use_device(args.device)
-    chosen = implementation(args.impl)
-    mutants = [m for path, module in files_to_mutate(args, chosen.batch_class) for m in mutants_of(path, module)]
+    use_device(settings.device)
+    chosen = implementation(settings.impl)
+    mutants = [m for path, module in files_to_mutate(args.files, settings.impl, chosen.batch_class)
+               for m in mutants_of(path, module)]
     if not mutants:
         raise CannotRun("no mutant: the files hold nothing cosmic-ray mutates, so nothing is judged")
     try:
@@ -154,9 +155,9 @@ def handle(args):
             raise UsageError(f"--lines {','.join(map(str, sorted(args.lines)))}: no mutant on these lines, so "
                              "nothing would be judged")
     chosen_mutants = sample(mutants, args.sample)
-    print_configuration(args, policy=chosen_policy.name)
+    print_configuration(settings, policy=chosen_policy.name)
 
-    gate = Gate(gate_stages, forwarded(args), args.timeout or 24 * 3600.0, Path.cwd())
+    gate = Gate(gate_stages, forwarded(settings), args.timeout or 24 * 3600.0, Path.cwd())
     with tempfile.TemporaryDirectory(prefix="kvparity-mutate-") as folder:
         unmutated = gate.judge(None, Path(folder))
     if unmutated.outcome != SURVIVED:
@@ -183,10 +184,10 @@ def handle(args):
         interrupted = True
     elapsed = time.monotonic() - started
     judged.sort(key=lambda j: (str(j.mutant.path), j.mutant.line, j.mutant.column, j.mutant.operator))
-    if args.out:
-        atomic_write_json(report(judged, equivalents, elapsed, args.workers), args.out)
-    folder = Path(args.equivalents).parent if args.equivalents else Path.cwd()
-    status = summary(judged, equivalents, elapsed, args, folder)
+    if settings.out:
+        atomic_write_json(report(judged, equivalents, elapsed, args.workers), settings.out)
+    folder = Path(settings.equivalents).parent if settings.equivalents else Path.cwd()
+    status = summary(judged, equivalents, elapsed, args.workers, settings.equivalents, folder)
     if interrupted:
         print(f"mutate: interrupted after {len(judged)} of {len(chosen_mutants)} mutants", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -204,8 +205,9 @@ def unmutated_fails(unmutated) -> int:
     raise CannotRun(f"{why} (exit {unmutated.status}); its last lines:\n{unmutated.tail}")
 
 
-def summary(judged, equivalents, elapsed, args, folder) -> int:
-    """The counts, the cost, each survivor not listed, each listed one killed; the exit status."""
+def summary(judged, equivalents, elapsed, workers: int, equivalents_file, folder) -> int:
+    """The counts, the cost (``elapsed`` on ``workers``), each survivor not listed in
+    ``equivalents_file``, each listed one killed; the exit status."""
     counts = outcome_counts(judged)
     survived = [j for j in judged if j.outcome == SURVIVED]
     listed = [j for j in survived if listed_in(equivalents, j.mutant)]
@@ -213,11 +215,11 @@ def summary(judged, equivalents, elapsed, args, folder) -> int:
     wrong = [j for j in judged if j.outcome in (KILLED, TIMEOUT) and vouched_for(equivalents, j.mutant)]
     unjudged = [j for j in judged if j.outcome == NOT_JUDGED]
     at_l1 = sum(j.outcome == KILLED and j.stage == L1 for j in judged)
-    each = elapsed * args.workers / max(len(judged), 1)
+    each = elapsed * workers / max(len(judged), 1)
     print(f"{len(judged)} mutants: {counts[KILLED]} killed ({at_l1} at {L1}), {counts[TIMEOUT]} killed by timeout, "
           f"{counts[SURVIVED]} survived ({len(listed)} listed as equivalent), {counts[NOT_JUDGED]} not judged, "
           f"{counts[NOT_A_PROGRAM]} not a program (cosmic-ray's mutation does not compile: no gate ran)")
-    print(f"cost: {elapsed:.0f} s on {args.workers} worker(s), {each:.1f} s of a worker per mutant")
+    print(f"cost: {elapsed:.0f} s on {workers} worker(s), {each:.1f} s of a worker per mutant")
     for title, group in (("survived, not listed as equivalent: a line the gate does not constrain", gaps),
                          ("listed as equivalent, but the gate kills it: the entry is wrong", wrong),
                          ("not judged (never counted as killed)", unjudged)):
@@ -229,7 +231,7 @@ def summary(judged, equivalents, elapsed, args, folder) -> int:
             if j in unjudged and j.tail:
                 print("      " + j.tail.replace("\n", "\n      "))
     if gaps:
-        where = args.equivalents or "an equivalents file (--equivalents, or equivalents in [tool.kvparity])"
+        where = equivalents_file or "an equivalents file (--equivalents, or equivalents in [tool.kvparity])"
         print(f"\neach is equivalent (no caller can observe it: list it in {where} with the reason), dead code, "
               f"or a gap in the gate (report it). An entry for the first:\n\n{entry_of(gaps[0].mutant, folder)}")
     if gaps or wrong:

@@ -73,13 +73,13 @@ def probes(model, device, batch_sizes=(1, 2, 4, 8, 16), kv_bits=4, kv_group_size
         raise CannotRun(str(error))
 
 
-def handle(args):
-    check_model_name(args.model)
-    use_device(args.device)
-    model = model_or_default(args.model)
-    results = probes(model, args.device, args.batch_sizes, args.kv_bits, args.kv_group_size)
+def handle(args, settings):
+    check_model_name(settings.model)
+    use_device(settings.device)
+    model = model_or_default(settings.model)
+    results = probes(model, settings.device, args.batch_sizes, args.kv_bits, args.kv_group_size)
     headers, rows = probe_table(results)
-    print(f"L0 batch invariance on {model.name} shapes, {args.device or 'default device'}: "
+    print(f"L0 batch invariance on {model.name} shapes, {settings.device or 'default device'}: "
           "is row i of a batch byte-identical to the op run on row i alone?")
     print(tabulate(rows, headers, tablefmt="simple"))
     for note in probe_notes(results):

@@ -1,5 +1,7 @@
 """``kvparity record``: solo (golden) or engine traces of the L2 schedules into a new directory."""
 
+from dataclasses import replace
+
 from kvparity.oracle import solo
 from kvparity.oracle.golden import GoldenError, write_golden
 from kvparity.reports.commands.base import (
@@ -29,9 +31,9 @@ def arguments(command):
     command.add_argument("--schedule", metavar="FILE", action="append", help="record these schedule files only")
 
 
-def fitted(args, selected):
+def fitted(settings, selected):
     """Every selected L2 schedule fitted to its model: (schedule, model) pairs."""
-    runner, options = RUNNERS[L2], RunOptions(model=args.model)  # --engine here is a flag, not an L3 engine
+    runner, options = RUNNERS[L2], RunOptions(model=settings.model)  # --engine here is a flag, not an L3 engine
     out = []
     for _, schedule in selected:
         model = load_model_or_refuse(runner.model_name(schedule, options))
@@ -42,23 +44,23 @@ def fitted(args, selected):
     return out
 
 
-def handle(args):
-    policy(args)  # refused like everywhere else, though recording applies none
+def handle(args, settings):
+    policy(settings)  # refused like everywhere else, though recording applies none
     if args.engine:
-        check_impl_spec(args.impl)
-    args.level = L2
+        check_impl_spec(settings.impl)
+    settings = replace(settings, levels=(L2,), levels_said=L2)  # what it records: the L2 solo runs
     new_path(args.out, "record")
-    selected = select(args, args.schedule)
-    use_device(args.device)
-    schedules = fitted(args, selected)
-    chosen = implementation(args.impl) if args.engine else None
+    selected = select(settings, args.schedule)
+    use_device(settings.device)
+    schedules = fitted(settings, selected)
+    chosen = implementation(settings.impl) if args.engine else None
     recorded, kept, model = {}, [], None
     for schedule, model in schedules:
         if chosen and chosen.missing(schedule.needs):
             continue
         if args.engine:
             capture = {}
-            l2.run_l2(schedule, chosen, model.name, capture=capture, repeat_oracle=args.repeat_oracle)
+            l2.run_l2(schedule, chosen, model.name, capture=capture, repeat_oracle=settings.repeat_oracle)
             recorded[schedule.name] = capture
         else:
             recorded[schedule.name] = {

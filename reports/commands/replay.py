@@ -20,8 +20,8 @@ def arguments(command):
     member_timeout_option(command)
 
 
-def handle(args):
-    _, policy, results, verdict, _, _ = select_and_run(args, [args.file])
+def handle(args, settings):
+    _, policy, results, verdict, _, _ = select_and_run(settings, [args.file])
     print_summary(results, verdict, policy)
     for judged in results:
         result = judged.evidence

@@ -1,6 +1,5 @@
 """``kvparity run``: the catalog (or given schedules), a summary and a report directory."""
 
-import argparse
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from kvparity.oracle.atomic import OUTPUT_ROOT
 from kvparity.reports.bench import BenchmarkFailed
+from kvparity.reports.settings import Settings
 from kvparity.reports.commands import merge
 from kvparity.reports.commands.base import (
     GATE_SETTINGS, CannotRun, DeviceUntrusted, UsageError, common_options, expectations_option, writable_directory,
@@ -74,25 +74,23 @@ def forwarded(argv):
     return out
 
 
-def in_workers(args) -> int:
-    """The run on ``args.workers`` processes, each a shard of the plan run
+def in_workers(settings: Settings, count: int) -> int:
+    """The run on ``count`` worker processes, each a shard of the plan run
     as the kvparity executable runs it (isolated: a crash or a hang is its
-    run's FAIL), then their reports merged into one under ``args.out``. A
+    run's FAIL), then their reports merged into one under ``settings.out``. A
     signal stops the workers, and what they finished is merged, marked
     interrupted."""
-    if args.no_report or args.shard or args.bench:
-        raise UsageError("--workers: each worker writes a shard's report that the run merges into --out "
-                         "(not with --no-report, --shard or --bench)")
-    argv = forwarded(args.argv[1:] if args.argv[:1] == ["run"] else args.argv)
+    given = list(settings.argv)
+    argv = forwarded(given[1:] if given[:1] == ["run"] else given)
     become_subreaper()  # what a killed worker leaves is re-parented here and swept
     environment = {k: v for k, v in os.environ.items() if k != STATE_ENV}  # each worker isolates its own runs
     with tempfile.TemporaryDirectory(prefix="kvparity-workers-") as folder:
         workers, interrupted = [], False
         try:
-            for k in range(1, args.workers + 1):
+            for k in range(1, count + 1):
                 log = open(Path(folder) / f"worker-{k}.log", "w")
                 command = [sys.executable, "-m", "kvparity.reports.cli", "run", *argv, "--shard",
-                           f"{k}/{args.workers}", "--out", str(Path(folder) / f"shard-{k}")]
+                           f"{k}/{count}", "--out", str(Path(folder) / f"shard-{k}")]
                 workers.append((k, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
                                                     preexec_fn=die_with_parent), log))
             for k, worker, log in workers:
@@ -103,7 +101,7 @@ def in_workers(args) -> int:
         finally:
             for _, _, log in workers:
                 log.close()
-        shards_run = [str(Path(folder) / f"shard-{k}") for k in range(1, args.workers + 1)]
+        shards_run = [str(Path(folder) / f"shard-{k}") for k in range(1, count + 1)]
         if interrupted:
             shards_run = [d for d in shards_run if list(Path(d).glob("*/report.json"))]
             if not shards_run:
@@ -113,11 +111,10 @@ def in_workers(args) -> int:
             if broken:
                 k, status = broken[0]
                 tail = (Path(folder) / f"worker-{k}.log").read_text().splitlines()[-12:]
-                why = (f"worker {k} of {args.workers} ended with exit status {status}; its last lines:\n"
+                why = (f"worker {k} of {count} ended with exit status {status}; its last lines:\n"
                        + "\n".join(tail))
                 raise UsageError(why) if status == EXIT_USAGE else CannotRun(why)
-        return merge.handle(argparse.Namespace(directories=shards_run, out=args.out, impl=None,
-                                               require_levels=getattr(args, "require_levels", None)))
+        return merge.merge(shards_run, settings.out, settings.required_levels)
 
 
 def stop_workers(workers):
@@ -135,44 +132,48 @@ def stop_workers(workers):
     sweep()
 
 
-def handle(args):
+def handle(args, settings: Settings):
     started = time.perf_counter()
     try:
-        return run(args)
+        if args.workers < 1:
+            raise UsageError(f"--workers {args.workers}: expected 1 or more")
+        if args.workers > 1:
+            if args.no_report or args.shard or args.bench:
+                raise UsageError("--workers: each worker writes a shard's report that the run merges into --out "
+                                 "(not with --no-report, --shard or --bench)")
+            writable_directory(settings.out, "--out")
+            return in_workers(settings, args.workers)
+        return run(settings, args.schedule, writes_report=not args.no_report, bench=args.bench, quick=args.quick)
     finally:
-        workers = getattr(args, "workers", 1)
-        print(f"wall time: {time.perf_counter() - started:.1f} s on {workers} worker process"
-              f"{'es' if workers > 1 else ''}")
+        print(f"wall time: {time.perf_counter() - started:.1f} s on {args.workers} worker process"
+              f"{'es' if args.workers > 1 else ''}")
 
 
-def run(args):
-    if args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: expected 1 or more")
-    if args.workers > 1:
-        writable_directory(args.out, "--out")
-        return in_workers(args)
-    shard = shard_of(args, writes_report=not args.no_report)
-    if not args.no_report:
-        writable_directory(args.out, "--out")
+def run(settings: Settings, files, writes_report: bool, bench: bool, quick: bool) -> int:
+    """The run in this process: ``files`` (None: the catalog), a summary, and a report directory
+    unless not ``writes_report`` (with ``bench``, the benchmarks in it too, ``quick`` their short grid)."""
+    shard = shard_of(settings, writes_report=writes_report)
+    if writes_report:
+        writable_directory(settings.out, "--out")
     try:
-        implementation, policy, results, verdict, expectations, plan = select_and_run(args, args.schedule, shard)
+        implementation, policy, results, verdict, expectations, plan = select_and_run(settings, files, shard)
     except DeviceUntrusted as untrusted:
-        if not args.no_report:
-            report_written(lambda: write_untrusted_report(args, untrusted))
+        if writes_report:
+            report_written(lambda: write_untrusted_report(settings, untrusted))
         raise
     print_summary(results, verdict, policy)
     status = verdict.exit_status
-    if args.no_report:
+    if not writes_report:
         return status
     failed = []
 
-    def bench(directory):  # a failing suite keeps the report (the parity verdict stands) but fails the run
+    def measured(directory):  # a failing suite keeps the report (the parity verdict stands) but fails the run
         try:
-            failed.append(benchmarks(directory, args.quick, args.impl))
+            failed.append(benchmarks(directory, quick, settings.impl))
         except BenchmarkFailed as error:
             failed.append(str(error))
-    path = report_written(lambda: write_run_report(args, implementation, policy, results, verdict, expectations,
-                                                   shard=plan, extra=bench if args.bench else None))
+    path = report_written(lambda: write_run_report(settings, implementation, policy, results, verdict, expectations,
+                                                   shard=plan, extra=measured if bench else None))
     if any(failed):
         print(f"kvparity: {failed[0]}" + (f"; its results are in {path}" if path else ""), file=sys.stderr)
         status = status or EXIT_BROKEN

@@ -11,15 +11,15 @@ from kvparity.oracle.models import ModelUnavailable
 from kvparity.oracle.sealed import LEDGER, SOLO_CACHE_COUNTS
 import mlx.core as mx
 
-from kvparity.reports import failures, settings, shards, verdicts
+from kvparity.reports import failures, shards, verdicts
 from kvparity.reports.commands import generated
 from kvparity.reports.commands.base import (
     CannotRun, UsageError, check_engine, check_impl_spec, check_model_name, expectations, implementation,
-    judges_a_server_only, load_model_or_refuse, model_or_default, policy, print_configuration, run_options, seconds,
-    server_of, use_device,
+    load_model_or_refuse, model_or_default, policy, print_configuration, seconds, use_device,
 )
 from kvparity.reports.commands.probe import probes, unprobed
 from kvparity.reports.environment import describe
+from kvparity.reports.settings import Settings
 from kvparity.reports.writer import ReportUnwritten, write_report
 from kvparity.reports.markdown import check_rows, declaration_rows, summary_rows
 from kvparity.suites.l4.server import release_model_dirs
@@ -53,10 +53,6 @@ class Progress:
             self.stream.flush()
 
 
-def levels_of(args):
-    return settings.levels_of(args.level)
-
-
 def require_levels_option(command):
     command.add_argument("--require-levels", metavar=",".join(LEVELS),
                          help="levels that must be judged: a run in which one of them judged no schedule run "
@@ -70,10 +66,6 @@ def exit_first_option(command):
                          "failure is neither grouped nor shrunk (kvparity mutate's gate: a verdict, fast)")
 
 
-def stops_early(args) -> bool:
-    return bool(getattr(args, "exit_first", False))
-
-
 def member_timeout_option(command):
     command.add_argument("--member-timeout", type=seconds, default=MEMBER_TIMEOUT_S, metavar="SECONDS",
                          help="a protocol member call that does not return within SECONDS is the implementation's "
@@ -81,39 +73,23 @@ def member_timeout_option(command):
                          "the rest goes on in a new one (the kvparity executable; default: %(default)g)")
 
 
-def required_levels(args) -> tuple:
-    """--require-levels as level names, each among those --level runs; a
-    usage error otherwise (before any work)."""
-    given = getattr(args, "require_levels", None)
-    if given is None:
-        return ()
-    named = tuple(v.strip() for v in given.split(",") if v.strip())
-    unknown = [v for v in named if v not in LEVELS]
-    if unknown or not named:
-        raise UsageError(f"--require-levels {given!r}: expected some of {', '.join(LEVELS)}")
-    outside = [v for v in named if hasattr(args, "level") and v not in levels_of(args)]
-    if outside:
-        raise UsageError(f"--require-levels {given}: --level {args.level} does not run {', '.join(outside)}")
-    return named
-
-
-def select(args, files=None):
+def select(settings: Settings, files=None):
     """The (level, schedule) pairs a command asks for, every file validated;
     nothing is run. Selecting nothing is a usage error."""
-    check_model_name(args.model)
-    levels = levels_of(args)
-    options = RunOptions(model=args.model)  # which catalog: the real model's or the others
+    check_model_name(settings.model)
+    levels = settings.levels
+    options = RunOptions(model=settings.model)  # which catalog: the real model's or the others
     loaded = [load_schedule(f) for f in files] if files else None
     chosen = [(level, s) for level in levels
               for s in (loaded if files else RUNNERS[level].catalog(options)) if RUNNERS[level].takes(s)]
     if not chosen:
         what = ", ".join(str(f) for f in files) if files else "the catalog"
-        raise UsageError(f"levels {args.level}: {what} holds no schedule for {' or '.join(levels)}; "
+        raise UsageError(f"levels {settings.levels_said}: {what} holds no schedule for {' or '.join(levels)}; "
                          "nothing would be compared")
     return chosen
 
 
-def plan(args, selected, options=None, own_files=True):
+def plan(settings: Settings, selected, options=None, own_files=True):
     """(label, run) pairs, ``run(implementation)`` a ScheduleResult; each L2
     and L3 schedule fitted to its model up front. A file of the user's own
     (``own_files``) that does not fit its model (a text prompt on a model
@@ -121,8 +97,8 @@ def plan(args, selected, options=None, own_files=True):
     usage error; a catalog file that does not fit is "not supported" there,
     and the rest runs. A model the user chose that leaves nothing to judge
     cannot run here at all (``refuse_nothing_to_judge``)."""
-    options = options or run_options(args)
-    if own_files or args.model:  # a model the user chose
+    options = options or settings.run_options()
+    if own_files or settings.model:  # a model the user chose
         refuse_nothing_to_judge(selected, options)
     runs = []
     for level, schedule in selected:
@@ -136,24 +112,24 @@ def plan(args, selected, options=None, own_files=True):
     return runs
 
 
-def prepare(args, files=None):
+def prepare(settings: Settings, files=None):
     """Everything that can be refused before a schedule runs, usage (129)
     before what cannot run here (125): (policy, runs, implementation)."""
-    chosen_policy = policy(args)
-    check_impl_spec(args.impl)
-    selected = select(args, files)
+    chosen_policy = policy(settings)
+    check_impl_spec(settings.impl)
+    selected = select(settings, files)
     if any(level == L3 for level, _ in selected):
-        check_engine(getattr(args, "engine", None))
-    if any(level == L4 for level, _ in selected) and server_of(args) is None:
+        check_engine(settings.engine)
+    if any(level == L4 for level, _ in selected) and settings.server is None:
         raise UsageError("L4 judges a server: give --server 'COMMAND {model} {port}' or --url http://127.0.0.1:PORT")
-    use_device(args.device)
-    options = run_options(args)
+    use_device(settings.device)
+    options = settings.run_options()
     if files:  # the axis names catalog schedules: a file of the same name is the user's own
         options = replace(options, models=())
-    runs = plan(args, selected, options, own_files=bool(files))
-    if judges_a_server_only(args):  # the server is under test, not a class
+    runs = plan(settings, selected, options, own_files=bool(files))
+    if settings.judges_a_server_only:  # the server is under test, not a class
         return chosen_policy, runs, Implementation(options.server.name, object)
-    return chosen_policy, runs, implementation(args.impl)
+    return chosen_policy, runs, implementation(settings.impl)
 
 
 def refuse_nothing_to_judge(selected, options):
@@ -248,34 +224,34 @@ def shard_option(command):
                          "exit status speaks for its share, kvparity merge gives the run's")
 
 
-def shard_of(args, writes_report: bool):
+def shard_of(settings: Settings, writes_report: bool):
     """--shard as a ``shards.Shard`` (None without one); a shard must write its report."""
-    if not getattr(args, "shard", None):
+    if not settings.shard:
         return None
     try:
-        shard = shards.parse_shard(args.shard)
+        shard = shards.parse_shard(settings.shard)
     except shards.ShardError as error:
         raise UsageError(str(error))
     if not writes_report:
-        raise UsageError(f"--shard {args.shard}: needs a report directory (--out DIR): kvparity merge reads it")
+        raise UsageError(f"--shard {settings.shard}: needs a report directory (--out DIR): kvparity merge reads it")
     return shard
 
 
-def select_and_run(args, files, shard=None):
+def select_and_run(settings: Settings, files, shard=None):
     """Run what the command selects (with ``shard``, a ``shards.Shard``, its
     share of the plan): (implementation, policy, results, run verdict,
     expectations, the shard block or None)."""
     try:
-        return _select_and_run(args, files, shard)
+        return _select_and_run(settings, files, shard)
     finally:
         release_model_dirs()  # the servers' model directories: the run is done with them
 
 
-def _select_and_run(args, files, shard):
-    declared = expectations(args)  # a bad file is refused before anything else
-    required = required_levels(args)
-    budget, database = generated.budget_of(args, files), generated.database_of(args)
-    chosen_policy, runs, chosen = prepare(args, files)
+def _select_and_run(settings: Settings, files, shard):
+    declared = expectations(settings)  # a bad file is refused before anything else
+    required = settings.required_levels
+    budget, database = generated.budget_of(settings, files), generated.database_of(settings)
+    chosen_policy, runs, chosen = prepare(settings, files)
     plan = None
     if shard is not None:
         try:
@@ -283,11 +259,11 @@ def _select_and_run(args, files, shard):
         except shards.ShardError as error:
             raise UsageError(str(error))
         runs = shards.share(runs, plan)
-    print_configuration(args, policy=chosen_policy.name, device=mx.default_device().type.name)
-    FLIGHT.limit(getattr(args, "member_timeout", None))
+    print_configuration(settings, policy=chosen_policy.name, device=mx.default_device().type.name)
+    FLIGHT.limit(settings.member_timeout)
     progress = Progress(len(runs))
     try:
-        results = run_all(runs, chosen, chosen_policy, progress, declared, exit_first=stops_early(args))
+        results = run_all(runs, chosen, chosen_policy, progress, declared, exit_first=settings.exit_first)
         interrupted = None
     except RunInterrupted as stop:
         results, interrupted = stop.results, stop.record
@@ -300,7 +276,7 @@ def _select_and_run(args, files, shard):
             f"{member} hung in {where}" for member, where in FLIGHT.hung.items()))
     elif budget and not cut:  # after the catalog: its runs are judged whatever the budget finds
         try:
-            budget_run, found = generated.run_generated(args, chosen, chosen_policy, declared, budget, database)
+            budget_run, found = generated.run_generated(settings, chosen, chosen_policy, declared, budget, database)
             results = results + found
         except KeyboardInterrupt:
             budget_run, found = None, []
@@ -316,18 +292,18 @@ def _select_and_run(args, files, shard):
         verdict.gaps += generated.gaps_of(budget_run)
     if not interrupted and not cut:  # grouping shrinks at L1, which runs schedules: not once a signal said stop
         try:
-            verdict.failures = grouped_failures(args, results, chosen, chosen_policy, declared)
+            verdict.failures = grouped_failures(settings, results, chosen, chosen_policy, declared)
         except KeyboardInterrupt:
             interrupted = RunInterrupted(results, stop_signal() or "SIGINT", len(runs)).record
     verdict.interrupted = interrupted
     return chosen, chosen_policy, results, verdict, declared, plan
 
 
-def grouped_failures(args, results, implementation, policy, declared):
+def grouped_failures(settings: Settings, results, implementation, policy, declared):
     """The failing runs grouped by root cause; at L1, each group's example
     shrunk to name an earlier member its failure exposed (cheap there)."""
-    groups = failures.group(results, failures.options_of(args))
-    options = run_options(args, use_cache=False)
+    groups = failures.group(results, failures.options_of(settings))
+    options = settings.run_options(use_cache=False)
 
     def at(level):
         return lambda s: verdicts.judge(RUNNERS[level].run(s, implementation, options), policy, declared)
@@ -336,16 +312,16 @@ def grouped_failures(args, results, implementation, policy, declared):
     return groups
 
 
-def write_run_report(args, implementation, policy, results, verdict, declared, shard=None, extra=None):
-    """The report directory of a run (or a shard of one) under ``args.out``."""
-    model = model_or_default(args.model)
+def write_run_report(settings: Settings, implementation, policy, results, verdict, declared, shard=None, extra=None):
+    """The report directory of a run (or a shard of one) under ``settings.out``."""
+    model = model_or_default(settings.model)
     # Once a signal said stop, nothing more is computed: the backend probes are left out (as where the
     # model has no attention shapes to probe).
     return write_report(
-        results, describe(implementation, model), args.out, policy=policy, run_verdict=verdict,
-        probes=[] if verdict.interrupted or unprobed(model) else probes(model, args.device),
+        results, describe(implementation, model), settings.out, policy=policy, run_verdict=verdict,
+        probes=[] if verdict.interrupted or unprobed(model) else probes(model, settings.device),
         capabilities=implementation.capabilities,
-        expectations=declared, shard=shard, extra=extra, configuration=args.configuration,
+        expectations=declared, shard=shard, extra=extra, configuration=settings.configuration,
     )
 
 
@@ -362,13 +338,13 @@ def report_written(write):
     return path
 
 
-def write_untrusted_report(args, untrusted):
+def write_untrusted_report(settings: Settings, untrusted):
     """The report of a run that judged nothing because its device failed the
     known-answer check: no schedule ran, and its first gap says why."""
     verdict = verdicts.verdict_of_run([])
     verdict.gaps.insert(0, str(untrusted))
-    return write_report([], describe(), args.out, policy=policy(args), run_verdict=verdict, probes=[],
-                        configuration=args.configuration)
+    return write_report([], describe(), settings.out, policy=policy(settings), run_verdict=verdict, probes=[],
+                        configuration=settings.configuration)
 
 
 def print_summary(results, verdict, policy, out=None, quiet=False):

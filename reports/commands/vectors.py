@@ -36,19 +36,20 @@ def arguments(command):
     check.add_argument("directory", metavar="DIR")
 
 
-def handle(args):
-    return export(args) if args.action == "export" else check(args)
+def handle(args, settings):
+    return export(args.directory, args.schedule) if args.action == "export" else check(args.directory)
 
 
-def export(args):
-    path = Path(args.directory)
+def export(directory, schedules) -> int:
+    """The L1 catalog (or ``schedules`` of it) as vectors in the new ``directory``."""
+    path = Path(directory)
     if path.exists():
         raise UsageError(f"{path}: exists; kvparity vectors export writes a new directory, never over one")
     writable_directory(path.parent if str(path.parent) else Path("."), "DIR", shown=path)
     start = time.perf_counter()
-    progress = Progress(len(vectors.l1_schedules(args.schedule)))
+    progress = Progress(len(vectors.l1_schedules(schedules)))
     try:
-        written, manifest = vectors.export(path, args.schedule, progress.advance)
+        written, manifest = vectors.export(path, schedules, progress.advance)
     except vectors.VectorsError as error:
         print(f"kvparity vectors: {error}")
         return EXIT_BROKEN
@@ -61,14 +62,15 @@ def export(args):
     return EXIT_OK
 
 
-def check(args):
+def check(directory) -> int:
+    """The vectors in ``directory`` held against the current oracle's export."""
     start = time.perf_counter()
     try:
-        progress = Progress(len(vectors.read_manifest(args.directory)["schedules"]))
+        progress = Progress(len(vectors.read_manifest(directory)["schedules"]))
     except vectors.VectorsError as error:
         raise UsageError(str(error))
     try:
-        checked = vectors.check(args.directory, progress.advance)
+        checked = vectors.check(directory, progress.advance)
     except vectors.VectorsError as error:
         raise UsageError(str(error))
     except vectors.VectorsDiffer as error:
@@ -76,7 +78,7 @@ def check(args):
         return EXIT_BROKEN
     finally:
         progress.close()
-    print(f"{args.directory}: identical to the current oracle's export ({checked.schedules} schedules, "
+    print(f"{directory}: identical to the current oracle's export ({checked.schedules} schedules, "
           f"{checked.files} files, {checked.tensors} tensors compared byte for byte, "
           f"{time.perf_counter() - start:.1f} s)")
     return EXIT_OK
