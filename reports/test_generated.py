@@ -218,3 +218,20 @@ def test_a_generated_failure_joins_the_catalogs_group_of_its_member(tmp_path):
     (found,) = record["generated"]["failures"]
     assert sorted(group["members"]) == sorted(["leave-longest", found["schedule"]])
 
+
+
+def test_the_budget_leaves_nothing_in_the_users_working_directory(tmp_path, monkeypatch):
+    """Hypothesis caches each local module's constants under ``.hypothesis/``
+    of the working directory: the budget, run in the user's repository on
+    their own cache module, keeps that in kvparity's cache instead."""
+    repository = tmp_path / "theirs"
+    repository.mkdir()
+    (repository / "theircache.py").write_text(
+        "from kvparity.impl.batch_quantized import BatchQuantizedKVCache\n\n\n"
+        "class Cache(BatchQuantizedKVCache):\n    pass\n")
+    monkeypatch.chdir(repository)
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    monkeypatch.setenv("KVPARITY_CACHE", str(tmp_path / "cache"))
+    assert main(["check", "--level", "L1", "--impl", "theircache:Cache", "--schedule", CATALOG_FILE,
+                 "--generated", "3"]) == EXIT_OK
+    assert sorted(p.name for p in repository.iterdir() if p.name != "__pycache__") == ["theircache.py"]

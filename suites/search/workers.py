@@ -3,6 +3,7 @@ fresh seeds, or the fixed budget's one derandomized round), what it found
 and its counts, sent to the supervisor."""
 
 import functools
+import os
 import signal
 import time
 import traceback
@@ -11,7 +12,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from hypothesis.configuration import set_hypothesis_home_dir
+
 from kvparity.oracle.atomic import make_folder
+from kvparity.oracle.gguf import cache_dir
 from kvparity.suites.core.evidence import FAILURES
 from kvparity.suites.core.flight import FLIGHT
 from kvparity.suites.format.levels import L2
@@ -35,6 +39,7 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None)
     workers, which do not take it for an error of their own."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()  # a campaign killed outright takes its workers with it
+    keep_hypothesis_out_of_the_working_directory()
     FLIGHT.open(make_folder(worker_folder(campaign, worker)))  # a crash or a hang names its schedule, event, member
     FLIGHT.limit(campaign.member_timeout)
     try:
@@ -56,6 +61,16 @@ def work(campaign: Campaign, worker: int, messages, ready, go, stop, share=None)
 
 def tell(messages, kind: str, worker: int, payload):
     messages.put((kind, worker, payload))
+
+
+def keep_hypothesis_out_of_the_working_directory():
+    """Hypothesis keeps what it caches (each local module's constants) under
+    its home, ``.hypothesis/`` in the working directory by default: a
+    campaign runs in the user's repository (the gate's generated budget,
+    kvparity fuzz), so it keeps them in kvparity's cache instead, unless
+    HYPOTHESIS_STORAGE_DIRECTORY says where."""
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        set_hypothesis_home_dir(cache_dir() / "hypothesis")
 
 
 def prepare(campaign: Campaign, worker: int, database_lost: Callable[[str], None]):
