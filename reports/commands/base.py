@@ -197,7 +197,7 @@ def models_of(given: str):
         raise UsageError(str(error))
 
 
-# -- the settings: command line, else [tool.kvparity], else the default -----------------
+# -- the settings: command line, else [tool.kvparity], else the environment or the default --
 
 
 def dest_of(name: str) -> str:
@@ -220,12 +220,12 @@ def settings_of(args) -> Settings:
     own = {}
     if "levels" not in names and "level" in given:  # a command's own choice of one level (bisect, fuzz)
         own.update(levels=(given["level"],), levels_said=given["level"])
-    chosen = Settings.of(configuration, **own)
+    table = Settings.of(configuration, **own)  # then the command's own options, beside the table's
     chosen = replace(
-        chosen,
+        table,
         required_levels=required_levels(given.get("require_levels"),
-                                        chosen.levels_said if "level" in given else None),
-        models=models_of(given["models"]) if "models" in given and not chosen.model else (),
+                                        table.levels_said if "level" in given else None),
+        models=models_of(given["models"]) if "models" in given and not table.model else (),
         on_device="device" in given, repeat_oracle=given.get("repeat_oracle"),
         server=server_of(given) if "server" in given else None, out=given.get("out"), shard=given.get("shard"),
         exit_first=bool(given.get("exit_first")), member_timeout=given.get("member_timeout"),
