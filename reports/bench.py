@@ -1,6 +1,6 @@
 """``kvparity bench``: run the benchmark suite and tabulate its ratios.
 
-The suite (``suites/test_benchmarks.py``) records in each benchmark's
+The suite (``suites/test_benchmarks*.py``, ``SUITE``) records in each benchmark's
 ``extra_info`` what it measured (``metric``, ``case``, ``variant``, byte
 counts) and, on the variant a ratio is about, the ratio's definition and
 target. This module only reads the JSON pytest-benchmark writes, so a table
@@ -23,7 +23,10 @@ from tabulate import tabulate
 import kvparity.suites
 from kvparity.suites.core.adapter import REFERENCE
 
-SUITE = Path(kvparity.suites.__file__).parent / "test_benchmarks.py"
+# The suite's modules, in the order they run: the cache's speed (and what the others import
+# from it), its memory, the harness's own speed.
+SUITE = tuple(Path(kvparity.suites.__file__).parent / f"{name}.py"
+              for name in ("test_benchmarks", "test_benchmarks_memory", "test_benchmarks_harness"))
 RATIO_HEADERS = ["ratio", "case", "measured", "target", "met?"]
 DECODE_HEADERS = [
     "model", "B", "variant", "KV", "step ms", "tokens/s", "cache MiB", "step peak MiB"
@@ -68,7 +71,7 @@ def run_benchmarks(
         config = Path(empty) / "pytest.ini"
         config.write_text("[pytest]\n")
         argv = [
-            sys.executable, "-m", "pytest", str(SUITE),
+            sys.executable, "-m", "pytest", *map(str, SUITE),
             "-c", str(config), "--rootdir", empty, "-p", "no:cacheprovider", "--import-mode=importlib",
             "-m", "benchmark_suite",
             f"--benchmark-json={json_path}",

@@ -42,7 +42,7 @@ CHECKOUT = (TEST_FOLDERS[0].parent / "pyproject.toml").is_file()
 GATE_MODULES = {
     "test_l1_catalog": "L1", "test_l1_stateful": "L1", "test_negative_controls": "L1",
     "test_l2_catalog": "L2", "test_l2_stateful": "L2",
-    "test_l3": "L3",
+    "test_l3": "L3", "test_l3_controls": "L3",
     "test_schedule_dirs": None,
 }
 MARKERS = (

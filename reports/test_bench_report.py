@@ -85,7 +85,7 @@ def test_grouped_query_attention_table_per_architecture(tmp_path):
 
 
 # -- `kvparity bench` and `run --bench`: a failing suite fails the command --------------
-# A tiny suite stands in for suites/test_benchmarks.py (minutes): run_benchmarks
+# A tiny suite stands in for suites/test_benchmarks*.py (minutes): run_benchmarks
 # still runs it in a fresh pytest, as the real one is run.
 
 TINY = '''
@@ -109,7 +109,7 @@ def suite(tmp_path, monkeypatch):
         path = tmp_path / "suite" / "test_tiny.py"
         path.parent.mkdir(exist_ok=True)
         path.write_text(source)
-        monkeypatch.setattr(bench_module, "SUITE", path)
+        monkeypatch.setattr(bench_module, "SUITE", (path,))
         return path
 
     return use
@@ -200,9 +200,9 @@ def test_the_benchmark_suite_is_skipped_in_a_pytest_xdist_worker_saying_why():
 
     def one_benchmark(**worker):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
-        return subprocess.run([sys.executable, "-m", "pytest", str(SUITE), "-m", "benchmark_suite", "-q", "-rs",
+        return subprocess.run([sys.executable, "-m", "pytest", *map(str, SUITE), "-m", "benchmark_suite", "-q", "-rs",
                                "-k", "test_bytes_per_token and 4-64-quantized"],
-                              env={**env, **worker}, cwd=SUITE.parent.parent, capture_output=True, text=True)
+                              env={**env, **worker}, cwd=SUITE[0].parent.parent, capture_output=True, text=True)
 
     skipped = one_benchmark(PYTEST_XDIST_WORKER="gw0")
     assert "1 skipped" in skipped.stdout and "do not run under pytest-xdist" in skipped.stdout, skipped.stdout

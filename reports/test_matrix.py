@@ -1,8 +1,9 @@
 """kvparity matrix: rows gathered from real report directories (the
 reference, the second implementation and a negative control, three L1
 schedules each, plus a row that cannot be installed), rendered as
-matrix.md, matrix.json (schema-checked) and matrix.html, the page checked
-in a real headless browser; the exit status as a render and as a gate."""
+matrix.md, matrix.json (schema-checked) and matrix.html; the exit status as
+a render and as a gate. The page in a real headless browser is
+reports/test_matrix_page.py's."""
 
 import json
 import os
@@ -12,7 +13,6 @@ import stat
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import jsonschema
 import pytest
@@ -21,7 +21,6 @@ from kvparity.oracle.models import available_models
 from kvparity.reports import matrix, matrix_page
 from kvparity.reports.cli import EXIT_BROKEN, EXIT_CANNOT_JUDGE, EXIT_OK, EXIT_USAGE, main
 from kvparity.reports.commands import runs
-from kvparity.reports.headless import browser, dom, overflow, screenshot
 from kvparity.suites.format.schedule import CATALOG
 
 SCHEDULES = ["--level", "L1", *(a for name in ("bits-4", "join-empty", "leave-longest")
@@ -174,48 +173,6 @@ def test_sessions_mode_runs_nox_then_gathers(rows, tmp_path, monkeypatch, capsys
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert main(["matrix", str(written), "--session", "x", "--out", str(tmp_path / "n")]) == EXIT_CANNOT_JUDGE
     assert "needs nox" in capsys.readouterr().err
-
-
-# -- the page in a real browser ------------------------------------------------------
-
-
-class Page(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.cells, self.links, self.sources = [], [], []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "td" and "data-column" in attrs:
-            self.cells.append(attrs)
-        if tag == "a":
-            self.links.append(attrs["href"])
-        self.sources += [attrs[k] for k in ("src", "href") if k in attrs and tag != "a"]
-
-
-@pytest.mark.slow  # a browser start, seconds
-def test_the_page_in_a_headless_browser(rows, tmp_path, capsys):
-    """At 1280 px the page fits its window (it wraps, no column hidden), and
-    its first table says which rows failed and why; it links only files that
-    are there and loads nothing from elsewhere."""
-    binary = browser()
-    _, doc, out = render(rows, tmp_path)
-    page = out / "matrix.html"
-    parsed = Page()
-    parsed.feed(dom(binary, tmp_path / "profile", page))
-    assert len(parsed.cells) == len(doc["rows"]) * len(doc["columns"])
-    control = next(i for i, r in enumerate(doc["rows"]) if r["implementation"] == CONTROL)
-    cell = next(c for c in parsed.cells if c["data-row"] == str(control) and c["data-column"] == "L1")
-    assert (cell["data-fail"], cell["data-pass"]) == ("2", "1") and "FAIL" in cell["class"]
-    assert not [s for s in parsed.sources + parsed.links if "://" in s and not s.startswith("file://")]
-    resolved = [Path(unquote(urlparse(link).path)) if link.startswith("file://") else (out / link)
-                for link in parsed.links]
-    assert len(resolved) == 3 + 1 and all(p.is_file() for p in resolved), resolved  # reports, the finding
-    assert overflow(binary, tmp_path / "profile", page) <= 0
-    screenshot(binary, tmp_path / "profile", page, tmp_path / "matrix-1280.png")
-    first_table = page.read_text().split('<table id="matrix">')[1].split("</table>")[0]
-    control_row = first_table.split(f'<tr data-row="{control}">')[1].split("</tr>")[0]
-    assert "parity broken" in control_row and "left_padding" in control_row, control_row
 
 
 def test_rows_are_named_by_package_and_version_and_no_evidence_is_not_green(rows, tmp_path, capsys):
@@ -387,21 +344,6 @@ def test_architecture_page_colours_each_cell_by_its_outcomes(arch_rows, tmp_path
     assert [n["data-limit"] for n in page.notes] == ["solo-kv-bits-raises"]  # the same text once in the list
 
 
-@pytest.mark.parametrize("counts, css", [
-    ({"pass": 3}, "pass"), ({"pass": 2, "expected divergence": 1}, "expected"),
-    ({"pass": 2, "not supported": 1}, "partial"), ({"pass": 2, "mlx-lm defect": 1}, "partial"),
-    ({"pass": 2, "FAIL": 1}, "FAIL"), ({"refused": 1}, "FAIL"), ({"pass": 2, "no evidence": 1}, "noevidence"),
-    ({"no evidence": 1}, "noevidence"), ({"mlx-lm defect": 2}, "defect"), ({"oracle cannot run": 1}, "defect"),
-    ({"not supported": 1}, "muted"), ({"not supported": 1, "mlx-lm defect": 1}, "defect"),
-])
-def test_an_architecture_cell_reads_pass_only_where_every_run_passed(counts, css):
-    from kvparity.suites.core.evidence import OUTCOMES
-
-    entry = {"cell": {o: counts.get(o, 0) for o in OUTCOMES}, "limits": []}
-    assert matrix_page.architecture_class(entry, None) == css
-    assert matrix_page.architecture_class(None, None) == "nothing" and matrix_page.architecture_class(entry, CANNOT) == "cannot"
-
-
 @pytest.mark.gqa_batched
 def test_a_tampered_verdict_is_judged_again_from_its_evidence(arch_rows, tmp_path, capsys):
     """The cells come from the evidence: a report.json whose gemma3_text
@@ -459,21 +401,6 @@ def test_the_run_report_shows_the_architecture_axis(arch_rows):
     assert cells["gemma3_text"]["mlx-lm defect"] == ["oracle", "2"]  # coloured as mlx-lm's, never as a pass
     assert cells["gemma3_text"]["pass"] == ["", ""] and cells["qwen3_5"]["pass"] == ["pass", "1"]
     assert cells["qwen3_5"]["not supported"] == ["muted", "1"]
-
-
-@pytest.mark.slow  # a browser start, seconds
-@pytest.mark.gqa_batched
-def test_the_architecture_table_in_a_headless_browser(arch_rows, tmp_path, capsys):
-    binary = browser()
-    _, doc, out = render(arch_rows, tmp_path)
-    page = ArchitecturePage()
-    page.feed(dom(binary, tmp_path / "profile", out / "matrix.html"))
-    assert len(page.cells) == len(doc["rows"]) * len(doc["architectures"])
-    reference = str(next(i for i, r in enumerate(doc["rows"]) if r["implementation"] == REFERENCE))
-    classes = {c["data-architecture"]: c["class"].split() for c in page.cells if c["data-row"] == reference}
-    assert ("pass" in classes["llama-h64-bf16"] and "partial" in classes["qwen3_5"]
-            and "defect" in classes["gemma3_text"])
-    assert {limit["data-limit"] for limit in page.limits} == {"solo-kv-bits-raises"}
 
 
 def test_an_l4_finding_on_an_architecture_is_reproduced_on_that_model(tmp_path):

@@ -114,8 +114,10 @@ def test_installed_only_the_gate_suites_are_collected(installed):
     code, out = installed.pytest("--kvparity-impl", CACHE, "--pyargs", "kvparity", "--collect-only", "-q")
     assert code == 0, out
     modules = set(re.findall(r"(test_\w+)\.py::", out))
-    assert {"test_l1_catalog", "test_l1_stateful", "test_l2_catalog", "test_negative_controls", "test_l3"} <= modules
-    assert not modules & {"test_structure", "test_workflows", "test_wheel", "test_cli"}, sorted(modules)
+    assert {"test_l1_catalog", "test_l1_stateful", "test_l2_catalog", "test_negative_controls", "test_l3",
+            "test_l3_controls"} <= modules
+    assert not modules & {"test_structure", "test_workflows", "test_gate_action", "test_wheel", "test_cli"}, \
+        sorted(modules)
 
 
 def test_without_an_implementation_nothing_runs(installed):
