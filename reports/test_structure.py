@@ -11,6 +11,8 @@ a function counts as much as one at the top of a file.
 * Inside suites/, each module lives in a room (a subpackage) or is one of its
   entry points, and a room imports only the rooms below it (``ROOMS``,
   docs/layout.md).
+* No file is over ``LONGEST`` lines unless its docstring says why it stays
+  whole: a reader finds a concern in a module named for it, not by scrolling.
 * Only the command handlers read the parsed command line: a function that
   reads a parameter ``args`` as a namespace is a command's ``handle`` or the
   one resolver of the settings (``NAMESPACE_READERS``); the rest reads the
@@ -45,6 +47,8 @@ ROOMS = {
 # suites/'s modules outside every room: the package, which runner each level uses, and the
 # process protocol's server (``python -m kvparity.suites.process_server``). They may import any room.
 ENTRY_POINTS = {"kvparity.suites", "kvparity.suites.runners", "kvparity.suites.process_server"}
+LONGEST = 500  # lines of a file, tests included
+STAYS_WHOLE = "stays whole"  # the words of a docstring that says why a longer file must
 # The functions that read the parsed command line (besides each command's ``handle``).
 NAMESPACE_READERS = {"kvparity.reports.commands.base.settings_of"}
 COMMANDS = "kvparity.reports.commands."
@@ -259,6 +263,19 @@ def reads_namespace(node) -> bool:
             and bool(node.args) and is_args(node.args[0]))
 
 
+def too_long(root: Path) -> List[str]:
+    """Each Python file of the checkout over ``LONGEST`` lines whose docstring does not say why it stays whole."""
+    paths = [*modules(root).values(), *sorted(root.glob("action/*.py")), *sorted(root.glob("noxfile.py"))]
+    found = []
+    for path in paths:
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > LONGEST and STAYS_WHOLE not in (ast.get_docstring(ast.parse(text)) or ""):
+            found.append(f"{path.relative_to(root)}: {lines} lines, over {LONGEST}; split it by what a reader looks "
+                         f"for, or say in its docstring why it {STAYS_WHOLE}")
+    return found
+
+
 def test_no_import_cycle_between_files():
     found = cycles(graph(ROOT))
     assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
@@ -280,6 +297,10 @@ def test_each_module_of_suites_is_in_its_room_and_imports_only_the_rooms_below()
 
 def test_only_the_command_handlers_read_the_parsed_command_line():
     assert namespace_readers(ROOT) == []
+
+
+def test_no_file_a_reader_must_scroll():
+    assert too_long(ROOT) == []
 
 
 def test_impl_imports_nothing_of_the_harness():
@@ -386,3 +407,15 @@ def test_a_function_reading_the_command_line_beside_the_handlers_is_found(tmp_pa
     assert namespace_readers(root) == [
         "kvparity.reports.commands.run.helper reads the parsed command line (args): only a command's handle does",
         "kvparity.reports.runs.select reads the parsed command line (args): only a command's handle does"]
+
+
+def test_a_long_file_is_found_unless_its_docstring_says_why_it_stays_whole(tmp_path):
+    body = "x = 1\n" * LONGEST
+    root = _tree(tmp_path, {
+        "reports/__init__.py": "",
+        "reports/long.py": '"""A module."""\n' + body,
+        "reports/whole.py": f'"""A module that {STAYS_WHOLE}: one table."""\n' + body,
+        "reports/test_long.py": body + "y = 2\n",  # a test module too
+        "reports/short.py": "x = 1\n" * (LONGEST - 1),
+    })
+    assert [line.split(":")[0] for line in too_long(root)] == ["reports/long.py", "reports/test_long.py"]
