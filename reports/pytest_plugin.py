@@ -82,11 +82,11 @@ def pytest_configure(config):
             start=config.invocation_params.dir))
     except settings.SettingsError as error:
         raise pytest.UsageError(str(error)) from None
-    if settings_of(config).schedules is not None:
+    if stashed_settings(config).schedules is not None:
         config.stash[THEIR_SCHEDULES] = their_schedules(config)
 
 
-def settings_of(config) -> settings.Settings:
+def stashed_settings(config) -> settings.Settings:
     """The run's settings, resolved once (``pytest_configure``): the command line, [tool.kvparity],
     the environment, or the default."""
     return config.stash[SETTINGS_KEY]
@@ -94,8 +94,8 @@ def settings_of(config) -> settings.Settings:
 
 def pytest_report_header(config):
     """What is under test and where each setting came from, where kvparity is configured."""
-    if SETTINGS_KEY in config.stash and settings_of(config).impl is not None:
-        return [f"kvparity {line}" for line in settings_of(config).configuration.lines()]
+    if SETTINGS_KEY in config.stash and stashed_settings(config).impl is not None:
+        return [f"kvparity {line}" for line in stashed_settings(config).configuration.lines()]
     return None
 
 
@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark kvparity's tests, deselect the gate's suites of levels not chosen,
     and skip the gqa_batched ones where the installed mlx-lm is defective."""
     skip_defective_gqa(items)
-    chosen = settings_of(config).levels
+    chosen = stashed_settings(config).levels
     kept, dropped = [], []
     for item in items:
         path = Path(str(item.path))
@@ -158,8 +158,8 @@ def their_schedules(config) -> list:
     from kvparity.suites.format.errors import ScheduleError
     from kvparity.suites.runners import RUNNERS, load_schedule
 
-    chosen, cases = settings_of(config).levels, []
-    for folder in (Path(v) for v in settings_of(config).schedules.split(",")):
+    chosen, cases = stashed_settings(config).levels, []
+    for folder in (Path(v) for v in stashed_settings(config).schedules.split(",")):
         paths = sorted(folder.glob("*.json"))
         if not paths:
             raise pytest.UsageError(f"--kvparity-schedules {folder}: no schedule files (*.json) there")
@@ -196,7 +196,7 @@ def implementation(pytestconfig, record_testsuite_property):
     from kvparity.suites.core.raised import ImplementationError
     from kvparity.suites.core.adapter import load_implementation
 
-    chosen = settings_of(pytestconfig)
+    chosen = stashed_settings(pytestconfig)
     spec = chosen.impl
     if spec is None:
         pytest.exit(f"kvparity: {settings.no_implementation(chosen.configuration, '--kvparity-impl')}",
@@ -220,7 +220,7 @@ def implementation(pytestconfig, record_testsuite_property):
 @pytest.fixture(scope="session")
 def engine(pytestconfig) -> Optional[str]:
     """L3's engine, ``package.module:factory``; None for mlx-lm's BatchGenerator."""
-    return settings_of(pytestconfig).engine
+    return stashed_settings(pytestconfig).engine
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +228,7 @@ def policy(pytestconfig):
     from kvparity.reports.policy import PolicyError, load_policy
 
     try:  # as on the command line: by default, the backend's
-        return load_policy(settings_of(pytestconfig).policy)
+        return load_policy(stashed_settings(pytestconfig).policy)
     except PolicyError as error:
         pytest.exit(str(error), returncode=4)
 
@@ -237,7 +237,7 @@ def policy(pytestconfig):
 def expectations(pytestconfig):
     from kvparity.reports.expectations import ExpectationsError, load_expectations
 
-    path = settings_of(pytestconfig).expectations
+    path = stashed_settings(pytestconfig).expectations
     try:
         return None if path is None else load_expectations(path)
     except ExpectationsError as error:
@@ -248,7 +248,7 @@ def expectations(pytestconfig):
 def generated_examples(pytestconfig) -> int:
     """How many L1 schedules the generator runs (the examples setting: its option, the table, or
     KVPARITY_FUZZ_EXAMPLES)."""
-    chosen = settings_of(pytestconfig)
+    chosen = stashed_settings(pytestconfig)
     value = chosen.examples or str(DEFAULT_EXAMPLES)
     if not value.isdigit() or int(value) < 1:
         source = chosen.source("examples")

@@ -216,15 +216,15 @@ def no_implementation(configuration: Configuration, option="--impl") -> str:
 class Settings:
     """What one command was asked to do, resolved once before it starts
     (``kvparity.reports.commands.base.settings_of``: the command line, else
-    ``[tool.kvparity]``, else the default; the server's options checked),
+    ``[tool.kvparity]``, else the environment or the default; the server's
+    options checked),
     and never changed after. Levels, runners, reports and the action read
     it; only the command handlers read the parsed command line. A field a
     command has no option for keeps its default."""
 
     configuration: Optional[Configuration] = None  # where each table setting came from; None: the command reads none
     impl: Optional[str] = None
-    levels: Tuple[str, ...] = CACHE_LEVELS
-    levels_said: str = ALL_LEVELS  # the levels as given, for what a message repeats
+    levels_said: str = ALL_LEVELS  # the levels as given (all, or a comma list): ``levels`` reads them
     required_levels: Tuple[str, ...] = ()  # --require-levels, each among ``levels``
     engine: Optional[str] = None
     model: Optional[str] = None
@@ -250,13 +250,17 @@ class Settings:
     @classmethod
     def of(cls, configuration: Optional[Configuration], **own) -> "Settings":
         """The table settings as ``configuration`` resolved them (each its
-        field of the same name; ``levels`` as level names; None: none),
+        field of the same name, ``levels`` as ``levels_said``; None: none),
         beside a command's ``own`` fields."""
         table = {} if configuration is None else {name: configuration[name] for name in configuration.values}
         if "levels" in table:
-            said = table.pop("levels")
-            table.update(levels=levels_of(said), levels_said=said or ALL_LEVELS)
+            table["levels_said"] = table.pop("levels") or ALL_LEVELS
         return cls(configuration=configuration, **{**table, **own})
+
+    @property
+    def levels(self) -> Tuple[str, ...]:
+        """The levels the command runs, as level names."""
+        return levels_of(self.levels_said)
 
     @property
     def level(self) -> str:

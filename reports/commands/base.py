@@ -219,7 +219,7 @@ def settings_of(args) -> Settings:
         raise UsageError(str(error))
     own = {}
     if "levels" not in names and "level" in given:  # a command's own choice of one level (bisect, fuzz)
-        own.update(levels=(given["level"],), levels_said=given["level"])
+        own.update(levels_said=given["level"])
     table = Settings.of(configuration, **own)  # then the command's own options, beside the table's
     chosen = replace(
         table,

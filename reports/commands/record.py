@@ -48,7 +48,7 @@ def handle(args, settings):
     policy(settings)  # refused like everywhere else, though recording applies none
     if args.engine:
         check_impl_spec(settings.impl)
-    settings = replace(settings, levels=(L2,), levels_said=L2)  # what it records: the L2 solo runs
+    settings = replace(settings, levels_said=L2)  # what it records: the L2 solo runs
     new_path(args.out, "record")
     selected = select(settings, args.schedule)
     use_device(settings.device)
