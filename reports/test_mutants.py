@@ -207,7 +207,7 @@ def test_a_stop_ends_the_running_gates_and_judges_nothing(plus, tmp_path):
 def campaign_status(judged, listed=(), regions=()):
     entries = [mutants.Equivalent(m.path, m.line, m.operator, m.now, "a test's", "entry") for m in listed]
     entries += [mutants.Equivalent(path, first, "", "", "a test's", "region", last) for path, first, last in regions]
-    return summary(judged, mutants.Listing(tuple(entries)), 1.0, 1, None, Path.cwd())
+    return summary(judged, mutants.Listing(tuple(entries)), 1.0, 1, None)
 
 
 def test_the_campaigns_exit_status(found, plus, capsys):

@@ -186,8 +186,7 @@ def handle(args, settings: Settings):
     judged.sort(key=lambda j: (str(j.mutant.path), j.mutant.line, j.mutant.column, j.mutant.operator))
     if settings.out:
         atomic_write_json(report(judged, equivalents, elapsed, args.workers), settings.out)
-    folder = Path(settings.equivalents).parent if settings.equivalents else Path.cwd()
-    status = summary(judged, equivalents, elapsed, args.workers, settings.equivalents, folder)
+    status = summary(judged, equivalents, elapsed, args.workers, settings.equivalents)
     if interrupted:
         print(f"mutate: interrupted after {len(judged)} of {len(chosen_mutants)} mutants", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -205,9 +204,10 @@ def unmutated_fails(unmutated) -> int:
     raise CannotRun(f"{why} (exit {unmutated.status}); its last lines:\n{unmutated.tail}")
 
 
-def summary(judged, equivalents, elapsed, workers: int, equivalents_file, folder) -> int:
+def summary(judged, equivalents, elapsed, workers: int, equivalents_file) -> int:
     """The counts, the cost (``elapsed`` on ``workers``), each survivor not listed in
     ``equivalents_file``, each listed one killed; the exit status."""
+    folder = Path(equivalents_file).parent if equivalents_file else Path.cwd()  # an entry's paths start there
     counts = outcome_counts(judged)
     survived = [j for j in judged if j.outcome == SURVIVED]
     listed = [j for j in survived if listed_in(equivalents, j.mutant)]
