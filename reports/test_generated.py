@@ -12,12 +12,12 @@ import pytest
 from kvparity.impl.batch_quantized import BatchQuantizedKVCache
 from kvparity.reports.cli import main
 from kvparity.reports.documents import check_schema
-from kvparity.reports.commands.base import UsageError, settings_of
-from kvparity.reports.commands.parser import build_parser
+from kvparity.reports.commands.base import UsageError
 from kvparity.reports.commands.generated import DEFAULT_GENERATED, budget_of, seed_of
 from kvparity.reports.policy import load_policy
 from kvparity.reports.verdicts import EXIT_BROKEN, EXIT_OK, judge
 from kvparity.reports.report_json import SCHEMA_PATH
+from kvparity.reports.test_settings import settings_for
 from kvparity.suites.search.campaign import Campaign
 from kvparity.suites.search.workers import fixed_rounds, prepare
 from kvparity.suites.core.evidence import FAIL
@@ -65,11 +65,8 @@ class FilterSharedPaddingFromTwo(BatchQuantizedKVCache):
 def args_of(tmp_path, monkeypatch, **given):
     """A check's settings as resolved from the command line ``given`` (option -> value) and a
     pyproject.toml in ``tmp_path``."""
-    monkeypatch.chdir(tmp_path)
     argv = ["check", "--impl", "kvparity.impl.batch_quantized:BatchQuantizedKVCache"]
-    for option, value in given.items():
-        argv.append(f"--{option}={value}")
-    return settings_of(build_parser().parse_args(argv))
+    return settings_for(tmp_path, monkeypatch, *argv, *(f"--{option}={value}" for option, value in given.items()))
 
 
 def test_the_budget_is_on_by_default_off_with_0_and_read_from_the_table(tmp_path, monkeypatch):
